@@ -1,0 +1,70 @@
+# Finds LibTorch (from the torch wheel in .venv unless Torch_DIR / CMAKE_PREFIX_PATH already point at one),
+# the Debian libraries, OpenMP and, per PATRICKSTAR_CUDA, the CUDA toolkit with cuBLAS and NCCL.
+
+set(PATRICKSTAR_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+    "Python whose torch wheel provides LibTorch (scripts/setup creates it)")
+if(NOT Torch_DIR)
+  if(NOT EXISTS "${PATRICKSTAR_PYTHON}")
+    message(FATAL_ERROR "patrickstar: no LibTorch: ${PATRICKSTAR_PYTHON} does not exist. "
+                        "Run scripts/setup, or pass -DTorch_DIR=<libtorch>/share/cmake/Torch.")
+  endif()
+  execute_process(
+    COMMAND "${PATRICKSTAR_PYTHON}" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+    OUTPUT_VARIABLE _ps_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE
+    ERROR_VARIABLE _ps_torch_err RESULT_VARIABLE _ps_torch_rc)
+  if(NOT _ps_torch_rc EQUAL 0)
+    message(FATAL_ERROR "patrickstar: '${PATRICKSTAR_PYTHON} -c import torch' failed: ${_ps_torch_err}. "
+                        "Run scripts/setup.")
+  endif()
+  set(Torch_DIR "${_ps_torch_prefix}/Torch" CACHE PATH "LibTorch CMake package folder" FORCE)
+endif()
+
+# The CUDA build of LibTorch looks for the toolkit itself. Naming the architectures keeps it from
+# compiling and running a GPU-detection program (there may be no GPU, and CMake 3.25 cannot drive
+# that probe with nvcc 13).
+if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
+endif()
+find_package(Torch REQUIRED)
+message(STATUS "patrickstar: LibTorch ${Torch_VERSION} from ${Torch_DIR}")
+# TORCH_LIBRARIES carries the include dirs and the ABI define; TORCH_CXX_FLAGS repeats the ABI define.
+string(REPLACE " " ";" _ps_torch_cxx_flags "${TORCH_CXX_FLAGS}")
+
+find_package(nlohmann_json 3 REQUIRED)
+find_package(absl REQUIRED)
+find_package(hwy REQUIRED)
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(Threads REQUIRED)
+
+# CUDA: AUTO enables it when nvcc is found, ON requires it, OFF skips it.
+set(PATRICKSTAR_HAVE_CUDA OFF)
+if(NOT PATRICKSTAR_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    find_library(PATRICKSTAR_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
+    if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
+      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+    endif()
+    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(PATRICKSTAR_HAVE_CUDA ON)
+    message(STATUS "patrickstar: CUDA ${CUDAToolkit_VERSION} found; CUDA sources compile (they run only on a GPU). "
+                   "NCCL: ${PATRICKSTAR_NCCL_LIBRARY}")
+  elseif(PATRICKSTAR_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "patrickstar: PATRICKSTAR_CUDA=ON but no CUDA compiler was found (set CMAKE_CUDA_COMPILER)")
+  else()
+    message(STATUS "patrickstar: no CUDA toolkit; building the CPU and emulated-device parts only")
+  endif()
+endif()
+
+# ps_link_torch(target): LibTorch with its flags, PUBLIC so consumers of our targets get them too.
+function(ps_link_torch target)
+  target_link_libraries(${target} PUBLIC ${TORCH_LIBRARIES})
+  target_compile_options(${target} PUBLIC $<$<COMPILE_LANGUAGE:CXX>:${_ps_torch_cxx_flags}>)
+endfunction()

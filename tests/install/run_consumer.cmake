@@ -1,0 +1,20 @@
+# Installs the patrickstar build in BUILD_DIR into WORK_DIR/prefix, then configures, builds and runs the
+# consumer project in SOURCE_DIR against it, as a user's own trainer would (find_package only).
+file(REMOVE_RECURSE "${WORK_DIR}")
+function(step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer test: ${what} failed (exit ${rc}):\n${out}")
+  endif()
+  message(STATUS "consumer test: ${what}: ok")
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+step("install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+step("configure" ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+     "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${Torch_DIR}" -DCMAKE_BUILD_TYPE=Release)
+step("build" ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+step("run" "${WORK_DIR}/build/consumer")
+message(STATUS "consumer printed: ${last_output}")
+if(NOT last_output MATCHES "patrickstar [0-9]+\\.[0-9]+\\.[0-9]+")
+  message(FATAL_ERROR "consumer test: the consumer did not print the library version: ${last_output}")
+endif()
