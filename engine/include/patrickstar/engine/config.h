@@ -1,0 +1,113 @@
+// The training configuration: PatrickStar's DeepSpeed-style JSON, parsed into a typed struct.
+//
+//   auto config = patrickstar::Config::from_file("config.json");   // throws c10::Error on bad input
+//   std::cout << config.to_json().dump(2);                          // the effective config, defaults filled
+//
+// Every key is optional; a missing section takes the defaults documented below (and in README.md).
+// A wrong type or value is an error naming the JSON path, the value and what is expected; all problems
+// of a document are reported together, and nothing is returned for a rejected document. Unknown keys
+// are listed in `Config::warnings` with their path, or rejected when `"strict": true`.
+// Value type: copyable, no shared state; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace patrickstar {
+
+enum class OptimizerType { kAdam, kAdamW };
+enum class Precision { kFp32, kBf16, kFp16 };
+enum class DeviceType { kEmulated, kCuda };
+enum class EvictionPolicy { kOpt, kLru, kStatic };
+
+std::string_view to_string(OptimizerType type);
+std::string_view to_string(Precision precision);
+std::string_view to_string(DeviceType type);
+std::string_view to_string(EvictionPolicy policy);
+
+// "optimizer": {"type": "Adam"|"AdamW", "params": {...}}. Adam adds weight_decay * w to the gradient
+// (L2), AdamW decays the weight itself, as torch.optim does.
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdam;
+  double lr = 1e-3;
+  double beta1 = 0.9;  // "betas": [beta1, beta2]
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool use_hybrid_adam = true;  // Adam on the device for the chunks that fit there, host for the rest
+};
+
+// "fp16": DeepSpeed's loss-scaling keys. loss_scale 0 means dynamic, starting at 2^initial_scale_power.
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+// "client": {"mem_tracer": {...}}: PatrickStar's memory-tracer keys. Ratios are of the device capacity.
+struct MemTracerConfig {
+  double warmup_gpu_chunk_mem_ratio = 0.1;  // chunk budget during the warm-up iteration
+  double overall_gpu_mem_ratio = 0.8;       // the share of the device the runtime may plan with
+  double overall_cpu_mem_ratio = 0.8;       // likewise for the host, when a host capacity is set
+  double margin_use_ratio = 0.8;            // share of the post-backward margin hybrid Adam may use
+  bool use_async_mem_monitor = false;       // accepted for compatibility: peaks are measured exactly
+                                            // by the counting allocator, so no sampling thread exists
+  bool with_static_partition = false;       // same as "client.scheduler.policy": "static"
+};
+
+// "client": {"device": {...}}: where chunks live. Sizes are bytes, as numbers or strings with a unit
+// ("2GiB", "512MiB", "1.5GB").
+struct DeviceConfig {
+  DeviceType type = DeviceType::kEmulated;
+  int64_t capacity_bytes = int64_t{4} << 30;  // the emulated device's hard capacity (4 GiB)
+  int64_t host_capacity_bytes = 0;            // 0: unlimited
+};
+
+// "client": {"scheduler": {...}}: how chunks move once the warm-up trace exists.
+struct SchedulerConfig {
+  EvictionPolicy policy = EvictionPolicy::kOpt;
+  int prefetch_depth = 2;      // moments ahead to prefetch; 0 turns prefetching off
+  int64_t reserve_bytes = 0;   // device bytes kept free at every moment
+};
+
+struct Config {
+  OptimizerConfig optimizer;
+  Fp16Config fp16;
+  bool bf16 = false;                         // "bf16": {"enabled": true}
+  double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off
+  int gradient_accumulation_steps = 1;
+  int64_t default_chunk_size = int64_t{32} << 20;  // elements per chunk
+  bool chunk_size_auto = false;              // "default_chunk_size": "auto": searched, least waste
+  bool release_after_init = false;
+  bool use_cpu_embedding = false;
+  MemTracerConfig mem_tracer;
+  DeviceConfig device;
+  SchedulerConfig scheduler;
+  bool strict = false;  // unknown keys are errors instead of warnings
+
+  // Unknown keys found while parsing, e.g. "unknown key $.optimizer.parms (known: type, params)".
+  std::vector<std::string> warnings;
+
+  Precision precision() const;
+
+  // Parses a document. Throws c10::Error listing every problem (path, value, expectation).
+  static Config from_json(const nlohmann::json& document);
+  static Config from_string(std::string_view text);
+  static Config from_file(const std::string& path);
+
+  // The effective configuration, every key present; from_json(to_json()) gives this config back.
+  nlohmann::json to_json() const;
+};
+
+// Parses a byte size: a non-negative integer, or a string "<number>[unit]" with unit B, KB, MB, GB,
+// TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024). Throws c10::Error naming `what`.
+int64_t parse_byte_size(std::string_view text, std::string_view what = "size");
+
+}  // namespace patrickstar

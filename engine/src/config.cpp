@@ -1,0 +1,408 @@
+#include "patrickstar/engine/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace patrickstar {
+namespace {
+
+using json = nlohmann::json;
+
+std::string show(const json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+// Walks one JSON object, remembering which keys it read, collecting problems with their paths.
+class ObjectReader {
+ public:
+  ObjectReader(const json* object, std::string path, std::vector<std::string>* errors,
+               std::vector<std::string>* unknown)
+      : object_(object), path_(std::move(path)), errors_(errors), unknown_(unknown) {
+    if (object_ != nullptr && !object_->is_object()) {
+      error(path_, *object_, "an object");
+      object_ = nullptr;
+    }
+  }
+
+  // Reports keys that no getter asked for. Call once, after all getters.
+  void finish() {
+    if (object_ == nullptr) return;
+    for (const auto& [key, value] : object_->items()) {
+      if (!known_.count(key)) {
+        std::vector<std::string> known(known_.begin(), known_.end());
+        unknown_->push_back(absl::StrCat("unknown key ", child_path(key), " (known here: ",
+                                         absl::StrJoin(known, ", "), ")"));
+      }
+    }
+  }
+
+  // Marks `key` as known without reading it (keys accepted for compatibility).
+  void accept(const std::string& key) { known_.insert(key); }
+
+  const json* find(const std::string& key) {
+    known_.insert(key);
+    if (object_ == nullptr) return nullptr;
+    auto it = object_->find(key);
+    if (it == object_->end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  ObjectReader child(const std::string& key) {
+    return ObjectReader(find(key), child_path(key), errors_, unknown_);
+  }
+
+  void boolean(const std::string& key, bool& out) {
+    if (const json* v = find(key)) {
+      if (v->is_boolean()) {
+        out = v->get<bool>();
+      } else {
+        error(child_path(key), *v, "true or false");
+      }
+    }
+  }
+
+  // A number in [min, max]; `open_min` excludes min itself.
+  void number(const std::string& key, double& out, double min, double max, bool open_min = false) {
+    if (const json* v = find(key)) read_number(*v, child_path(key), out, min, max, open_min);
+  }
+
+  void integer(const std::string& key, int& out, int min, int max) {
+    if (const json* v = find(key)) {
+      if (v->is_number_integer() || (v->is_number_float() && is_whole(v->get<double>()))) {
+        const double d = v->get<double>();
+        if (d >= min && d <= max) {
+          out = static_cast<int>(d);
+          return;
+        }
+      }
+      error(child_path(key), *v, absl::StrCat("an integer from ", min, " to ", max));
+    }
+  }
+
+  void byte_size(const std::string& key, int64_t& out) {
+    if (const json* v = find(key)) read_byte_size(*v, child_path(key), out);
+  }
+
+  template <typename Enum>
+  void choice(const std::string& key, Enum& out,
+              std::initializer_list<std::pair<const char*, Enum>> options) {
+    if (const json* v = find(key)) {
+      if (v->is_string()) {
+        const std::string text = absl::AsciiStrToLower(v->get<std::string>());
+        for (const auto& [name, value] : options) {
+          if (text == absl::AsciiStrToLower(name)) {
+            out = value;
+            return;
+          }
+        }
+      }
+      std::vector<std::string> names;
+      for (const auto& option : options) names.push_back(absl::StrCat("\"", option.first, "\""));
+      error(child_path(key), *v, absl::StrCat("one of ", absl::StrJoin(names, ", ")));
+    }
+  }
+
+  std::string child_path(const std::string& key) const { return absl::StrCat(path_, ".", key); }
+
+  void error(const std::string& path, const json& value, const std::string& expected) {
+    errors_->push_back(absl::StrCat(path, ": expected ", expected, ", got ", show(value)));
+  }
+
+  void read_number(const json& v, const std::string& path, double& out, double min, double max,
+                   bool open_min) {
+    if (v.is_number()) {
+      const double d = v.get<double>();
+      if (std::isfinite(d) && (open_min ? d > min : d >= min) && d <= max) {
+        out = d;
+        return;
+      }
+    }
+    const std::string range = max == std::numeric_limits<double>::max()
+                                  ? absl::StrCat(open_min ? "> " : ">= ", min)
+                                  : absl::StrCat("in ", open_min ? "(" : "[", min, ", ", max, "]");
+    error(path, v, absl::StrCat("a number ", range));
+  }
+
+  void read_byte_size(const json& v, const std::string& path, int64_t& out) {
+    if (v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0)) {
+      out = v.get<int64_t>();
+      return;
+    }
+    if (v.is_string()) {
+      try {
+        out = parse_byte_size(v.get<std::string>(), path);
+        return;
+      } catch (const c10::Error&) {
+      }
+    }
+    error(path, v, "a byte count: a non-negative integer or a string such as \"2GiB\"");
+  }
+
+  static bool is_whole(double d) { return std::isfinite(d) && d == std::floor(d); }
+
+ private:
+  const json* object_;
+  std::string path_;
+  std::vector<std::string>* errors_;
+  std::vector<std::string>* unknown_;
+  std::set<std::string> known_;
+};
+
+constexpr double kMax = std::numeric_limits<double>::max();
+
+}  // namespace
+
+std::string_view to_string(OptimizerType type) {
+  return type == OptimizerType::kAdam ? "Adam" : "AdamW";
+}
+std::string_view to_string(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+std::string_view to_string(DeviceType type) {
+  return type == DeviceType::kEmulated ? "emulated" : "cuda";
+}
+std::string_view to_string(EvictionPolicy policy) {
+  switch (policy) {
+    case EvictionPolicy::kOpt: return "opt";
+    case EvictionPolicy::kLru: return "lru";
+    case EvictionPolicy::kStatic: return "static";
+  }
+  return "?";
+}
+
+int64_t parse_byte_size(std::string_view text, std::string_view what) {
+  // Debian's Abseil has its own string_view type, not std::string_view.
+  std::string s(absl::StripAsciiWhitespace(absl::string_view(text.data(), text.size())));
+  size_t unit_at = s.size();
+  while (unit_at > 0 && std::isalpha(static_cast<unsigned char>(s[unit_at - 1]))) --unit_at;
+  const std::string number(absl::StripAsciiWhitespace(s.substr(0, unit_at)));
+  const std::string unit = absl::AsciiStrToLower(s.substr(unit_at));
+  double value = 0;
+  const bool parsed = !number.empty() && absl::SimpleAtod(number, &value);
+  double scale = 0;
+  if (unit.empty() || unit == "b") scale = 1;
+  else if (unit == "kb") scale = 1e3;
+  else if (unit == "mb") scale = 1e6;
+  else if (unit == "gb") scale = 1e9;
+  else if (unit == "tb") scale = 1e12;
+  else if (unit == "kib" || unit == "k") scale = 1024.0;
+  else if (unit == "mib" || unit == "m") scale = 1024.0 * 1024;
+  else if (unit == "gib" || unit == "g") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "tib" || unit == "t") scale = 1024.0 * 1024 * 1024 * 1024;
+  const double bytes = value * scale;
+  TORCH_CHECK(parsed && scale > 0 && std::isfinite(bytes) && bytes >= 0 && bytes < 9.2e18 &&
+                  bytes == std::floor(bytes),
+              what, ": cannot read \"", std::string(text),
+              "\" as a byte size; write a whole number of bytes or a number with a unit, e.g. "
+              "\"2GiB\", \"512MiB\", \"1.5GB\"");
+  return static_cast<int64_t>(bytes);
+}
+
+Precision Config::precision() const {
+  if (fp16.enabled) return Precision::kFp16;
+  if (bf16) return Precision::kBf16;
+  return Precision::kFp32;
+}
+
+Config Config::from_json(const json& document) {
+  Config c;
+  std::vector<std::string> errors, unknown;
+  ObjectReader root(&document, "$", &errors, &unknown);
+
+  root.boolean("strict", c.strict);
+  // DeepSpeed keys that describe the training loop, which the user's own loop owns.
+  for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
+                          "wall_clock_breakdown", "zero_optimization"}) {
+    root.accept(key);
+  }
+
+  {
+    ObjectReader opt = root.child("optimizer");
+    opt.choice("type", c.optimizer.type,
+               {{"Adam", OptimizerType::kAdam}, {"AdamW", OptimizerType::kAdamW}});
+    ObjectReader params = opt.child("params");
+    params.number("lr", c.optimizer.lr, 0, kMax);
+    if (const json* betas = params.find("betas")) {
+      const std::string path = params.child_path("betas");
+      if (betas->is_array() && betas->size() == 2) {
+        params.read_number((*betas)[0], path + "[0]", c.optimizer.beta1, 0.0, 1.0, false);
+        params.read_number((*betas)[1], path + "[1]", c.optimizer.beta2, 0.0, 1.0, false);
+        if (c.optimizer.beta1 == 1 || c.optimizer.beta2 == 1) {
+          params.error(path, *betas, "two numbers in [0, 1)");
+        }
+      } else {
+        params.error(path, *betas, "an array of two numbers in [0, 1)");
+      }
+    }
+    params.number("eps", c.optimizer.eps, 0, kMax, /*open_min=*/true);
+    params.number("weight_decay", c.optimizer.weight_decay, 0, kMax);
+    params.boolean("use_hybrid_adam", c.optimizer.use_hybrid_adam);
+    params.finish();
+    opt.finish();
+  }
+  {
+    ObjectReader fp16 = root.child("fp16");
+    fp16.boolean("enabled", c.fp16.enabled);
+    fp16.number("loss_scale", c.fp16.loss_scale, 0, kMax);
+    fp16.integer("initial_scale_power", c.fp16.initial_scale_power, 0, 126);
+    fp16.integer("loss_scale_window", c.fp16.loss_scale_window, 1, std::numeric_limits<int>::max());
+    fp16.integer("hysteresis", c.fp16.hysteresis, 1, std::numeric_limits<int>::max());
+    fp16.number("min_loss_scale", c.fp16.min_loss_scale, 0, kMax, /*open_min=*/true);
+    fp16.finish();
+  }
+  {
+    ObjectReader bf16 = root.child("bf16");
+    bf16.boolean("enabled", c.bf16);
+    bf16.finish();
+  }
+  root.number("gradient_clipping", c.gradient_clipping, 0, kMax);
+  root.integer("gradient_accumulation_steps", c.gradient_accumulation_steps, 1,
+               std::numeric_limits<int>::max());
+  if (const json* size = root.find("default_chunk_size")) {
+    if (size->is_string() && absl::AsciiStrToLower(size->get<std::string>()) == "auto") {
+      c.chunk_size_auto = true;
+    } else if (size->is_number_integer() && size->get<int64_t>() > 0) {
+      c.default_chunk_size = size->get<int64_t>();
+      c.chunk_size_auto = false;
+    } else {
+      root.error("$.default_chunk_size", *size, "a positive number of elements or \"auto\"");
+    }
+  }
+  root.boolean("release_after_init", c.release_after_init);
+  root.boolean("use_cpu_embedding", c.use_cpu_embedding);
+  {
+    ObjectReader client = root.child("client");
+    ObjectReader tracer = client.child("mem_tracer");
+    tracer.number("warmup_gpu_chunk_mem_ratio", c.mem_tracer.warmup_gpu_chunk_mem_ratio, 0, 1, true);
+    tracer.number("overall_gpu_mem_ratio", c.mem_tracer.overall_gpu_mem_ratio, 0, 1, true);
+    tracer.number("overall_cpu_mem_ratio", c.mem_tracer.overall_cpu_mem_ratio, 0, 1, true);
+    tracer.number("margin_use_ratio", c.mem_tracer.margin_use_ratio, 0, 1);
+    tracer.boolean("use_async_mem_monitor", c.mem_tracer.use_async_mem_monitor);
+    tracer.boolean("with_static_partition", c.mem_tracer.with_static_partition);
+    tracer.accept("use_fake_dist");  // a single-GPU imitation of many; multi-GPU is real here
+    tracer.finish();
+
+    ObjectReader device = client.child("device");
+    device.choice("type", c.device.type,
+                  {{"emulated", DeviceType::kEmulated}, {"cuda", DeviceType::kCuda}});
+    device.byte_size("capacity_bytes", c.device.capacity_bytes);
+    device.byte_size("host_capacity_bytes", c.device.host_capacity_bytes);
+    device.finish();
+    if (c.device.capacity_bytes == 0) {
+      errors.push_back("$.client.device.capacity_bytes: expected a positive byte count, got 0");
+    }
+
+    ObjectReader scheduler = client.child("scheduler");
+    scheduler.choice("policy", c.scheduler.policy,
+                     {{"opt", EvictionPolicy::kOpt},
+                      {"lru", EvictionPolicy::kLru},
+                      {"static", EvictionPolicy::kStatic}});
+    scheduler.integer("prefetch_depth", c.scheduler.prefetch_depth, 0, 64);
+    scheduler.byte_size("reserve_bytes", c.scheduler.reserve_bytes);
+    scheduler.finish();
+    client.finish();
+  }
+  root.finish();
+
+  if (c.fp16.enabled && c.bf16) {
+    errors.push_back("$.fp16.enabled and $.bf16.enabled: expected at most one, got both true");
+  }
+  if (c.mem_tracer.with_static_partition && c.scheduler.policy != EvictionPolicy::kStatic) {
+    if (document.contains("client") && document["client"].contains("scheduler") &&
+        document["client"]["scheduler"].contains("policy")) {
+      errors.push_back(absl::StrCat(
+          "$.client.mem_tracer.with_static_partition: true contradicts $.client.scheduler.policy \"",
+          std::string(to_string(c.scheduler.policy)), "\"; set one of them"));
+    }
+    c.scheduler.policy = EvictionPolicy::kStatic;
+  }
+  if (c.strict && !unknown.empty()) errors.insert(errors.end(), unknown.begin(), unknown.end());
+  TORCH_CHECK(errors.empty(), "invalid patrickstar config (", errors.size(), " problem",
+              errors.size() == 1 ? "" : "s", "):\n  ", absl::StrJoin(errors, "\n  "));
+  c.warnings = std::move(unknown);
+  return c;
+}
+
+Config Config::from_string(std::string_view text) {
+  json document;
+  try {
+    document = json::parse(text);
+  } catch (const json::parse_error& e) {
+    TORCH_CHECK(false, "invalid patrickstar config: not JSON: ", e.what());
+  }
+  return from_json(document);
+}
+
+Config Config::from_file(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "patrickstar config: cannot open \"", path, "\"");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return from_string(text.str());
+  } catch (c10::Error& e) {
+    e.add_context(absl::StrCat("while reading ", path));
+    throw;
+  }
+}
+
+json Config::to_json() const {
+  json j;
+  j["strict"] = strict;
+  j["optimizer"] = {{"type", std::string(to_string(optimizer.type))},
+                    {"params",
+                     {{"lr", optimizer.lr},
+                      {"betas", {optimizer.beta1, optimizer.beta2}},
+                      {"eps", optimizer.eps},
+                      {"weight_decay", optimizer.weight_decay},
+                      {"use_hybrid_adam", optimizer.use_hybrid_adam}}}};
+  j["fp16"] = {{"enabled", fp16.enabled},
+               {"loss_scale", fp16.loss_scale},
+               {"initial_scale_power", fp16.initial_scale_power},
+               {"loss_scale_window", fp16.loss_scale_window},
+               {"hysteresis", fp16.hysteresis},
+               {"min_loss_scale", fp16.min_loss_scale}};
+  j["bf16"] = {{"enabled", bf16}};
+  j["gradient_clipping"] = gradient_clipping;
+  j["gradient_accumulation_steps"] = gradient_accumulation_steps;
+  if (chunk_size_auto) {
+    j["default_chunk_size"] = "auto";
+  } else {
+    j["default_chunk_size"] = default_chunk_size;
+  }
+  j["release_after_init"] = release_after_init;
+  j["use_cpu_embedding"] = use_cpu_embedding;
+  j["client"]["mem_tracer"] = {{"warmup_gpu_chunk_mem_ratio", mem_tracer.warmup_gpu_chunk_mem_ratio},
+                               {"overall_gpu_mem_ratio", mem_tracer.overall_gpu_mem_ratio},
+                               {"overall_cpu_mem_ratio", mem_tracer.overall_cpu_mem_ratio},
+                               {"margin_use_ratio", mem_tracer.margin_use_ratio},
+                               {"use_async_mem_monitor", mem_tracer.use_async_mem_monitor},
+                               {"with_static_partition", mem_tracer.with_static_partition}};
+  j["client"]["device"] = {{"type", std::string(to_string(device.type))},
+                           {"capacity_bytes", device.capacity_bytes},
+                           {"host_capacity_bytes", device.host_capacity_bytes}};
+  j["client"]["scheduler"] = {{"policy", std::string(to_string(scheduler.policy))},
+                              {"prefetch_depth", scheduler.prefetch_depth},
+                              {"reserve_bytes", scheduler.reserve_bytes}};
+  return j;
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,195 @@
+// The DeepSpeed-style JSON config: defaults, every accepted key, and a table of bad documents each
+// with the message a user should see.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include <c10/util/Exception.h>
+
+#include "patrickstar/engine/config.h"
+
+namespace patrickstar {
+namespace {
+
+std::string error_of(const std::string& text) {
+  try {
+    Config::from_string(text);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(Config, EmptyDocumentTakesTheDocumentedDefaults) {
+  const Config c = Config::from_string("{}");
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdam);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
+  EXPECT_TRUE(c.optimizer.use_hybrid_adam);
+  EXPECT_EQ(c.precision(), Precision::kFp32);
+  EXPECT_EQ(c.fp16.initial_scale_power, 16);
+  EXPECT_EQ(c.fp16.hysteresis, 2);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.default_chunk_size, int64_t{32} << 20);
+  EXPECT_EQ(c.device.type, DeviceType::kEmulated);
+  EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kOpt);
+  EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(Config, PatrickStarStyleDocumentIsReadInFull) {
+  const Config c = Config::from_string(R"({
+    "train_batch_size": 8,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.0002, "betas": [0.8, 0.95], "eps": 1e-6,
+                  "weight_decay": 0.01, "use_hybrid_adam": false}},
+    "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 100,
+             "hysteresis": 3, "min_loss_scale": 0.5},
+    "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": 4,
+    "default_chunk_size": "auto",
+    "release_after_init": true,
+    "use_cpu_embedding": true,
+    "client": {"mem_tracer": {"use_async_mem_monitor": true, "warmup_gpu_chunk_mem_ratio": 0.2,
+                              "overall_gpu_mem_ratio": 0.9, "overall_cpu_mem_ratio": 0.7,
+                              "margin_use_ratio": 0.5, "use_fake_dist": false},
+               "device": {"type": "emulated", "capacity_bytes": "1.5GiB", "host_capacity_bytes": 1000},
+               "scheduler": {"policy": "LRU", "prefetch_depth": 0, "reserve_bytes": "64MiB"}}
+  })");
+  EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
+  EXPECT_FALSE(c.optimizer.use_hybrid_adam);
+  EXPECT_EQ(c.precision(), Precision::kFp16);
+  EXPECT_EQ(c.fp16.initial_scale_power, 10);
+  EXPECT_EQ(c.fp16.hysteresis, 3);
+  EXPECT_DOUBLE_EQ(c.fp16.min_loss_scale, 0.5);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_TRUE(c.chunk_size_auto);
+  EXPECT_TRUE(c.release_after_init);
+  EXPECT_TRUE(c.use_cpu_embedding);
+  EXPECT_DOUBLE_EQ(c.mem_tracer.warmup_gpu_chunk_mem_ratio, 0.2);
+  EXPECT_DOUBLE_EQ(c.mem_tracer.margin_use_ratio, 0.5);
+  EXPECT_EQ(c.device.capacity_bytes, int64_t{3} << 29);
+  EXPECT_EQ(c.device.host_capacity_bytes, 1000);
+  EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kLru);
+  EXPECT_EQ(c.scheduler.prefetch_depth, 0);
+  EXPECT_EQ(c.scheduler.reserve_bytes, int64_t{64} << 20);
+  EXPECT_TRUE(c.warnings.empty()) << c.warnings.front();
+}
+
+TEST(Config, EffectiveConfigRoundTrips) {
+  Config c = Config::from_string(R"({"bf16": {"enabled": true}, "default_chunk_size": 4096,
+      "client": {"mem_tracer": {"with_static_partition": true}}})");
+  EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kStatic);
+  const nlohmann::json written = c.to_json();
+  const Config again = Config::from_json(written);
+  EXPECT_EQ(again.to_json(), written);
+  EXPECT_EQ(again.precision(), Precision::kBf16);
+  EXPECT_EQ(again.default_chunk_size, 4096);
+  EXPECT_TRUE(again.warnings.empty());
+}
+
+TEST(Config, UnknownKeysAreWarningsWithTheirPathOrErrorsWhenStrict) {
+  const Config c = Config::from_string(R"({"optimizer": {"parms": {}}, "fp17": {}})");
+  ASSERT_EQ(c.warnings.size(), 2u);
+  EXPECT_NE(c.warnings[0].find("$.optimizer.parms"), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[0].find("params"), std::string::npos) << "lists the known keys";
+  EXPECT_NE(c.warnings[1].find("$.fp17"), std::string::npos) << c.warnings[1];
+
+  const std::string strict = error_of(R"({"strict": true, "optimizer": {"parms": {}}})");
+  EXPECT_NE(strict.find("unknown key $.optimizer.parms"), std::string::npos) << strict;
+}
+
+struct BadConfig {
+  const char* document;
+  const char* expected;  // a substring of the error
+};
+
+TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
+  const BadConfig cases[] = {
+      {R"({"optimizer": {"type": "SGD"}})",
+       R"($.optimizer.type: expected one of "Adam", "AdamW", got "SGD")"},
+      {R"({"optimizer": {"params": {"lr": "fast"}}})",
+       R"($.optimizer.params.lr: expected a number >= 0, got "fast")"},
+      {R"({"optimizer": {"params": {"lr": -1}}})", "$.optimizer.params.lr: expected a number >= 0, got -1"},
+      {R"({"optimizer": {"params": {"betas": [0.9]}}})",
+       "$.optimizer.params.betas: expected an array of two numbers in [0, 1), got [0.9]"},
+      {R"({"optimizer": {"params": {"betas": [0.9, 1.5]}}})",
+       "$.optimizer.params.betas[1]: expected a number in [0, 1], got 1.5"},
+      {R"({"optimizer": {"params": {"eps": 0}}})", "$.optimizer.params.eps: expected a number > 0, got 0"},
+      {R"({"optimizer": {"params": {"use_hybrid_adam": 1}}})",
+       "$.optimizer.params.use_hybrid_adam: expected true or false, got 1"},
+      {R"({"optimizer": []})", "$.optimizer: expected an object, got []"},
+      {R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})",
+       "expected at most one, got both true"},
+      {R"({"fp16": {"hysteresis": 0}})",
+       "$.fp16.hysteresis: expected an integer from 1 to 2147483647, got 0"},
+      {R"({"fp16": {"initial_scale_power": 2.5}})",
+       "$.fp16.initial_scale_power: expected an integer from 0 to 126, got 2.5"},
+      {R"({"gradient_accumulation_steps": 0})",
+       "$.gradient_accumulation_steps: expected an integer from 1"},
+      {R"({"default_chunk_size": "big"})",
+       R"($.default_chunk_size: expected a positive number of elements or "auto", got "big")"},
+      {R"({"default_chunk_size": -5})", "$.default_chunk_size: expected a positive number"},
+      {R"({"client": {"device": {"capacity_bytes": "2 parsecs"}}})",
+       R"($.client.device.capacity_bytes: expected a byte count: a non-negative integer or a string such as "2GiB", got "2 parsecs")"},
+      {R"({"client": {"device": {"capacity_bytes": 0}}})",
+       "$.client.device.capacity_bytes: expected a positive byte count, got 0"},
+      {R"({"client": {"device": {"type": "tpu"}}})",
+       R"($.client.device.type: expected one of "emulated", "cuda", got "tpu")"},
+      {R"({"client": {"scheduler": {"policy": "fifo"}}})",
+       R"($.client.scheduler.policy: expected one of "opt", "lru", "static", got "fifo")"},
+      {R"({"client": {"mem_tracer": {"overall_gpu_mem_ratio": 1.2}}})",
+       "$.client.mem_tracer.overall_gpu_mem_ratio: expected a number in (0, 1], got 1.2"},
+      {R"({"client": {"mem_tracer": {"with_static_partition": true}, "scheduler": {"policy": "opt"}}})",
+       "contradicts $.client.scheduler.policy"},
+      {R"({"optimizer": )", "not JSON"},
+  };
+  for (const BadConfig& bad : cases) {
+    const std::string message = error_of(bad.document);
+    EXPECT_NE(message.find(bad.expected), std::string::npos)
+        << "document: " << bad.document << "\nexpected: " << bad.expected << "\ngot: " << message;
+  }
+}
+
+TEST(Config, AllProblemsAreReportedTogether) {
+  const std::string message =
+      error_of(R"({"optimizer": {"params": {"lr": "x", "eps": -1}}, "gradient_clipping": true})");
+  EXPECT_NE(message.find("3 problems"), std::string::npos) << message;
+  EXPECT_NE(message.find("$.optimizer.params.lr"), std::string::npos);
+  EXPECT_NE(message.find("$.optimizer.params.eps"), std::string::npos);
+  EXPECT_NE(message.find("$.gradient_clipping"), std::string::npos);
+}
+
+TEST(Config, ByteSizes) {
+  EXPECT_EQ(parse_byte_size("123"), 123);
+  EXPECT_EQ(parse_byte_size("2GiB"), int64_t{2} << 30);
+  EXPECT_EQ(parse_byte_size("1.5 GB"), 1500000000);
+  EXPECT_EQ(parse_byte_size("64MiB"), int64_t{64} << 20);
+  EXPECT_EQ(parse_byte_size("4k"), 4096);
+  EXPECT_THROW(parse_byte_size("1.5B"), c10::Error);  // not a whole number of bytes
+  EXPECT_THROW(parse_byte_size("-1GiB"), c10::Error);
+  EXPECT_THROW(parse_byte_size("GiB"), c10::Error);
+}
+
+TEST(Config, FromFileNamesTheFile) {
+  const std::string path = ::testing::TempDir() + "/ps_config_test.json";
+  {
+    std::ofstream out(path);
+    out << R"({"optimizer": {"type": "Adamax"}})";
+  }
+  try {
+    Config::from_file(path);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(path), std::string::npos) << message;
+    EXPECT_NE(message.find("$.optimizer.type"), std::string::npos) << message;
+  }
+  std::remove(path.c_str());
+  EXPECT_THROW(Config::from_file(path), c10::Error);
+}
+
+}  // namespace
+}  // namespace patrickstar
