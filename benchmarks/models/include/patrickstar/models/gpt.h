@@ -1,0 +1,81 @@
+// The GPT model zoo: a GPT-2-style decoder (pre-LayerNorm, GELU MLP, causal self-attention, learned
+// positions, LM head tied to the token embedding) in plain LibTorch, with PatrickStar's named sizes
+// and small ones that train in seconds on two CPU cores.
+//
+//   auto spec = patrickstar::models::gpt_spec("gpt_tiny");
+//   patrickstar::models::Gpt model(spec);
+//   at::Tensor loss = model->loss(tokens, targets);   // tokens, targets: [batch, seq] int64
+//
+// Every parameter-owning submodule runs through patrickstar::call, so the engine sees each module's
+// forward; without an engine the model is ordinary LibTorch. Not thread-safe (like any nn::Module).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace patrickstar::models {
+
+struct GptSpec {
+  std::string name;
+  int64_t layers = 0;
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t vocab = 50257;
+  int64_t max_seq = 1024;  // positions the model has; a batch may use fewer
+
+  // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h.
+  int64_t parameter_count() const;
+};
+
+// A named size: PatrickStar's (GPT2small ... GPT_175B) or a small one (gpt_tiny, gpt_mini, gpt_small_cpu).
+// Throws c10::Error listing the known names when `name` is none of them.
+GptSpec gpt_spec(const std::string& name);
+std::vector<std::string> gpt_spec_names();
+
+class GptBlockImpl : public torch::nn::Module {
+ public:
+  GptBlockImpl(int64_t hidden, int64_t heads);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, fc_out{nullptr};
+
+ private:
+  int64_t heads_;
+};
+TORCH_MODULE(GptBlock);
+
+class GptImpl : public torch::nn::Module {
+ public:
+  explicit GptImpl(const GptSpec& spec);
+  // Logits [batch, seq, vocab] for token ids [batch, seq].
+  at::Tensor forward(const at::Tensor& tokens);
+  // Mean cross-entropy of next-token prediction against `targets` [batch, seq].
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+
+  const GptSpec& spec() const { return spec_; }
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GptSpec spec_;
+};
+TORCH_MODULE(Gpt);
+
+// Random token ids in [0, vocab) and their next-token targets, from a generator seeded with `seed`.
+struct TokenBatch {
+  at::Tensor tokens;
+  at::Tensor targets;
+};
+TokenBatch random_tokens(const GptSpec& spec, int64_t batch, int64_t seq, uint64_t seed);
+
+}  // namespace patrickstar::models

@@ -1,0 +1,96 @@
+// The doors through which a model's forward tells the engine when a module runs (DESIGN.md section 6).
+// LibTorch's C++ modules have no hooks, so code that owns parameters says so at the call site:
+//
+//   x = patrickstar::call(fc1, x);            // a member submodule (any ModuleHolder or module)
+//
+//   patrickstar::ModuleScope scope(*this);     // a custom module using its own parameters directly
+//   auto y = torch::matmul(x, weight_);
+//   return scope.done(y);
+//
+// With no engine active (plain LibTorch training, tests, the baseline) both are plain calls. An engine
+// is active on a thread while it runs the model's forward (see Engine), so two engines can live side
+// by side. Nested doors are fine: a module's parameters already in use by an outer door are left to it.
+#pragma once
+
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+namespace patrickstar {
+
+// What an engine does around a module's forward. Implemented by the engine; model code never calls it.
+class ModuleHookHandler {
+ public:
+  virtual ~ModuleHookHandler() = default;
+  // Makes the parameters of `module` (and its descendants) usable; returns a token for post_forward.
+  virtual int64_t pre_forward(torch::nn::Module& module) = 0;
+  // Releases what pre_forward acquired and passes `outputs` through the pre-backward hook.
+  virtual std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) = 0;
+};
+
+// The handler active on this thread, or nullptr.
+ModuleHookHandler* active_module_hook_handler();
+
+// Makes `handler` active on this thread for the guard's lifetime (restores the previous one).
+class ActiveHandlerGuard {
+ public:
+  explicit ActiveHandlerGuard(ModuleHookHandler* handler);
+  ~ActiveHandlerGuard();
+  ActiveHandlerGuard(const ActiveHandlerGuard&) = delete;
+  ActiveHandlerGuard& operator=(const ActiveHandlerGuard&) = delete;
+
+ private:
+  ModuleHookHandler* previous_;
+};
+
+// The explicit door: construct before using `module`'s parameters, pass the results through done().
+class ModuleScope {
+ public:
+  explicit ModuleScope(torch::nn::Module& module);
+  ~ModuleScope();
+  ModuleScope(const ModuleScope&) = delete;
+  ModuleScope& operator=(const ModuleScope&) = delete;
+
+  at::Tensor done(const at::Tensor& output);
+  std::vector<at::Tensor> done(std::vector<at::Tensor> outputs);
+
+ private:
+  ModuleHookHandler* handler_;
+  int64_t token_ = -1;
+  bool finished_ = false;
+};
+
+namespace detail {
+template <typename M>
+torch::nn::Module& module_of(M& module) {
+  if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+    return module;
+  } else {
+    return *module.ptr();  // a ModuleHolder
+  }
+}
+}  // namespace detail
+
+// The one-line door: runs `module(args...)` between the engine's pre- and post-forward. The module's
+// forward must return a tensor or a vector of tensors.
+template <typename M, typename... Args>
+auto call(M& module, Args&&... args) {
+  if (active_module_hook_handler() == nullptr) {
+    if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+      return module.forward(std::forward<Args>(args)...);
+    } else {
+      return module(std::forward<Args>(args)...);
+    }
+  }
+  ModuleScope scope(detail::module_of(module));
+  if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+    return scope.done(module.forward(std::forward<Args>(args)...));
+  } else {
+    return scope.done(module(std::forward<Args>(args)...));
+  }
+}
+
+}  // namespace patrickstar

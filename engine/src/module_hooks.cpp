@@ -1,0 +1,43 @@
+#include "patrickstar/engine/module_hooks.h"
+
+#include <c10/util/Exception.h>
+
+namespace patrickstar {
+namespace {
+thread_local ModuleHookHandler* g_active_handler = nullptr;
+}  // namespace
+
+ModuleHookHandler* active_module_hook_handler() { return g_active_handler; }
+
+ActiveHandlerGuard::ActiveHandlerGuard(ModuleHookHandler* handler) : previous_(g_active_handler) {
+  g_active_handler = handler;
+}
+
+ActiveHandlerGuard::~ActiveHandlerGuard() { g_active_handler = previous_; }
+
+ModuleScope::ModuleScope(torch::nn::Module& module) : handler_(active_module_hook_handler()) {
+  if (handler_ != nullptr) token_ = handler_->pre_forward(module);
+}
+
+ModuleScope::~ModuleScope() {
+  // A forward that threw: release what was acquired, passing no outputs on.
+  if (handler_ != nullptr && !finished_) {
+    try {
+      handler_->post_forward(token_, {});
+    } catch (...) {
+    }
+  }
+}
+
+at::Tensor ModuleScope::done(const at::Tensor& output) {
+  return done(std::vector<at::Tensor>{output})[0];
+}
+
+std::vector<at::Tensor> ModuleScope::done(std::vector<at::Tensor> outputs) {
+  TORCH_CHECK(!finished_, "ModuleScope::done called twice");
+  finished_ = true;
+  if (handler_ == nullptr) return outputs;
+  return handler_->post_forward(token_, std::move(outputs));
+}
+
+}  // namespace patrickstar
