@@ -179,14 +179,6 @@ std::string_view to_string(Precision precision) {
 std::string_view to_string(DeviceType type) {
   return type == DeviceType::kEmulated ? "emulated" : "cuda";
 }
-std::string_view to_string(EvictionPolicy policy) {
-  switch (policy) {
-    case EvictionPolicy::kOpt: return "opt";
-    case EvictionPolicy::kLru: return "lru";
-    case EvictionPolicy::kStatic: return "static";
-  }
-  return "?";
-}
 
 int64_t parse_byte_size(std::string_view text, std::string_view what) {
   // Debian's Abseil has its own string_view type, not std::string_view.
@@ -330,7 +322,7 @@ Config Config::from_json(const json& document) {
         document["client"]["scheduler"].contains("policy")) {
       errors.push_back(absl::StrCat(
           "$.client.mem_tracer.with_static_partition: true contradicts $.client.scheduler.policy \"",
-          std::string(to_string(c.scheduler.policy)), "\"; set one of them"));
+          std::string(eviction_policy_name(c.scheduler.policy)), "\"; set one of them"));
     }
     c.scheduler.policy = EvictionPolicy::kStatic;
   }
@@ -399,7 +391,7 @@ json Config::to_json() const {
   j["client"]["device"] = {{"type", std::string(to_string(device.type))},
                            {"capacity_bytes", device.capacity_bytes},
                            {"host_capacity_bytes", device.host_capacity_bytes}};
-  j["client"]["scheduler"] = {{"policy", std::string(to_string(scheduler.policy))},
+  j["client"]["scheduler"] = {{"policy", std::string(eviction_policy_name(scheduler.policy))},
                               {"prefetch_depth", scheduler.prefetch_depth},
                               {"reserve_bytes", scheduler.reserve_bytes}};
   return j;

@@ -1,4 +1,12 @@
 // The one header a trainer includes: the whole public API of patrickstar.
+//   Config            engine/config.h      the DeepSpeed-style JSON config
+//   initialize_engine initialize.h         model and optimizer handles over an Engine
+//   call, ModuleScope engine/module_hooks.h the doors a model's forward goes through
+//   Engine            engine/engine.h      the runtime itself
 #pragma once
 
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/engine.h"
+#include "patrickstar/engine/module_hooks.h"
+#include "patrickstar/initialize.h"
 #include "patrickstar/version.h"

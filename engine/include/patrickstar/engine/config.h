@@ -17,17 +17,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "patrickstar/memtracer/scheduler.h"  // EvictionPolicy
+
 namespace patrickstar {
 
 enum class OptimizerType { kAdam, kAdamW };
 enum class Precision { kFp32, kBf16, kFp16 };
 enum class DeviceType { kEmulated, kCuda };
-enum class EvictionPolicy { kOpt, kLru, kStatic };
 
 std::string_view to_string(OptimizerType type);
 std::string_view to_string(Precision precision);
 std::string_view to_string(DeviceType type);
-std::string_view to_string(EvictionPolicy policy);
 
 // "optimizer": {"type": "Adam"|"AdamW", "params": {...}}. Adam adds weight_decay * w to the gradient
 // (L2), AdamW decays the weight itself, as torch.optim does.

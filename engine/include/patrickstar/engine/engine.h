@@ -1,0 +1,200 @@
+// Engine: trains a LibTorch module whose parameters, gradients and Adam states live in chunks that
+// move between the host and the (emulated or CUDA) device, moment by moment (DESIGN.md section 4).
+//
+// Most users reach it through patrickstar::initialize_engine (patrickstar/patrickstar.h). Directly:
+//
+//   patrickstar::Engine engine(model.ptr(), config);     // registers every parameter into chunks
+//   { auto active = engine.activate(); loss = model->loss(x, y); }   // forward: doors are live
+//   engine.backward(loss);                               // scaled for fp16; gradients into chunks
+//   engine.step();                                       // hybrid Adam; returns the report
+//   engine.zero_grad();
+//
+// What happens to the model: each parameter keeps its identity (tensor, name, requires_grad) but
+// its data becomes a window into its chunk, valid only between a door's pre- and post-forward (and
+// during that module's backward); outside, the parameter has no data and using it is a c10::Error
+// ("data is not allocated"). Mixed precision turns parameters into bf16/fp16; the fp32 master lives
+// in the `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name.
+//
+// Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
+// Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
+// tracer and optimizer. Two engines may live side by side.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/engine/autograd_hooks.h"
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/module_hooks.h"
+#include "patrickstar/memtracer/memory_probe.h"
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/trace.h"
+#include "patrickstar/optimizer/hybrid_adam.h"
+
+namespace patrickstar {
+
+// What one optimizer step (one iteration) did: exact bytes, where Adam ran, the loss scale.
+struct IterationReport {
+  int64_t iteration = 0;          // 0 is the warm-up
+  bool warmup = false;
+  bool skipped = false;           // fp16 overflow: weights unchanged, scale lowered
+  double loss_scale = 1.0;
+  double grad_norm = 0.0;
+  int64_t h2d_bytes = 0;          // every chunk move this iteration, both directions
+  int64_t d2h_bytes = 0;
+  int64_t device_chunk_peak_bytes = 0;  // the device tier's peak during the iteration
+  int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
+  int64_t evictions = 0;
+  int64_t prefetches = 0;
+  PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
+};
+
+// Model-data figures, fixed after registration.
+struct RegistrationReport {
+  int64_t params = 0;             // registered elements (tied parameters once)
+  int64_t tensors = 0;
+  int64_t trainable_params = 0;
+  int64_t chunk_elems = 0;
+  int64_t chunks_per_kind = 0;
+  int64_t chunk_waste_elems = 0;
+  double chunk_waste_fraction = 0;
+  int64_t model_data_bytes = 0;   // every payload of every kind
+  double model_data_bytes_per_param = 0;
+  int64_t host_peak_bytes_during_init = 0;  // LibTorch CPU allocations + host tier, peak
+};
+
+class Engine final : public ModuleHookHandler {
+ public:
+  // Moves every parameter of `model` into chunks per `config` and frees the parameters' original
+  // storage. `model` must be on the CPU in fp32 and own at least one parameter; parameters shared
+  // by several modules are registered once; frozen ones (requires_grad false) are kept in chunks
+  // but never updated. Throws c10::Error on bad input, leaving `model` untouched.
+  Engine(std::shared_ptr<torch::nn::Module> model, Config config);
+  ~Engine() override;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  torch::nn::Module& module() const { return *model_; }
+  const std::shared_ptr<torch::nn::Module>& module_ptr() const { return model_; }
+  const Config& config() const { return config_; }
+
+  // Makes this engine the one the doors (patrickstar::call, ModuleScope) report to, on this thread,
+  // while the returned guard lives. Forward passes run inside it.
+  ActiveHandlerGuard activate() { return ActiveHandlerGuard(this); }
+
+  // Backward of `loss` (a scalar; multiplied by the loss scale in fp16). Throws c10::Error when no
+  // forward ran since the last backward/step, or when the loss is not finite in fp32/bf16 (then the
+  // forward is discarded and the engine is ready for a new one).
+  // The loss is divided by gradient_accumulation_steps (as DeepSpeed does).
+  void backward(const at::Tensor& loss);
+  // One Adam/AdamW step over every chunk, on the device for the chunks the placement keeps there
+  // and on the host for the rest. Throws c10::Error when no backward ran since the last step, or
+  // before the gradient_accumulation_steps-th backward.
+  IterationReport step();
+  // Clears accumulated gradients (gradient accumulation and fp32 keep a gradient space).
+  void zero_grad();
+
+  // fp32 weights by parameter name (the master copy), as new tensors.
+  std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
+  // Saves fp32_state_dict() as a plain LibTorch archive (torch::load(module, path) reads it into a
+  // module of the same structure without this library).
+  void save_weights(const std::string& path) const;
+  // Saves weights, optimizer state, loss scaler, step and the effective config; load_checkpoint
+  // restores them into an engine over the same model structure (checked: names and shapes).
+  void save_checkpoint(const std::string& path) const;
+  void load_checkpoint(const std::string& path);
+
+  const RegistrationReport& registration() const { return registration_; }
+  const std::vector<IterationReport>& history() const { return history_; }
+  int64_t iteration() const { return iteration_; }
+  double loss_scale() const { return adam_->loss_scale(); }
+  const ChunkStore& chunks() const { return *store_; }
+  const Scheduler& scheduler() const { return *scheduler_; }
+  const TraceRecorder& tracer() const { return *recorder_; }
+  MemoryTier& device_tier() const { return *device_; }
+  MemoryTier& host_tier() const { return *host_; }
+  // Adam for chunk index i runs on the device (fixed after the warm-up from the margin it measured).
+  const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
+
+  // ModuleHookHandler (called by the doors).
+  int64_t pre_forward(torch::nn::Module& module) override;
+  std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) override;
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor tensor;  // the user's parameter (same TensorImpl throughout)
+    TensorId id = -1;
+    bool trainable = true;
+    int compute_refs = 0;  // open doors / backward uses holding it
+    bool has_grad = false;  // gradient written since the last step
+  };
+  struct ModuleInfo {
+    std::string label;
+    std::vector<TensorId> params;  // its own and its descendants', registered order
+    int64_t hook_id = -1;
+  };
+  struct OpenScope {
+    ModuleInfo* module = nullptr;
+    std::vector<TensorId> acquired;
+  };
+  enum class Phase { kIdle, kForward, kBackwardDone };
+  class Mover;
+
+  void register_parameters();
+  ModuleInfo& module_info(torch::nn::Module& module);
+  // A moment: tick, record, schedule the chunks of `params` (plus gradient chunks when asked), then
+  // set each parameter COMPUTE and point it at its chunk. Returns the tensors it acquired.
+  std::vector<TensorId> access(const ModuleInfo& module, MomentKind kind, bool with_grad_chunks);
+  void release(TensorId id, TensorState to);
+  void pre_backward(ModuleInfo& module);
+  void on_gradient(TensorId id, const at::Tensor& param);
+  void begin_iteration_if_needed();
+  void finish_backward();
+  void discard_iteration();
+  void point_at_chunk(const Param& p);
+  void point_at_nothing(const Param& p);
+  void decide_adam_placement();
+  IterationReport run_adam();
+
+  std::shared_ptr<torch::nn::Module> model_;
+  Config config_;
+  bool mixed_ = false;
+  bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
+  std::vector<Param> params_;
+  std::unordered_map<const c10::TensorImpl*, TensorId> param_of_impl_;
+  std::unordered_map<const torch::nn::Module*, std::string> module_names_;
+  std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
+
+  std::unique_ptr<MemoryTier> host_;
+  std::unique_ptr<MemoryTier> device_;
+  std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<MemoryProbe> probe_;
+  std::unique_ptr<TraceRecorder> recorder_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<Mover> mover_;
+  std::unique_ptr<HybridAdam> adam_;
+  HookTable hooks_;
+
+  Phase phase_ = Phase::kIdle;
+  bool in_iteration_ = false;
+  int backwards_since_step_ = 0;
+  int64_t iteration_ = 0;
+  std::vector<OpenScope> scopes_;
+  std::vector<bool> adam_on_device_;
+  bool placement_decided_ = false;
+  MoveCounters counters_at_iteration_start_;
+  RegistrationReport registration_;
+  std::vector<IterationReport> history_;
+};
+
+}  // namespace patrickstar

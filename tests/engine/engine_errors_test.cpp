@@ -1,0 +1,146 @@
+// Misuse of the engine gets a clear error and leaves its state usable.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <limits>
+
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace {
+
+Config small_config() {
+  return Config::from_string(R"({"default_chunk_size": 40000,
+      "client": {"device": {"capacity_bytes": 67108864}}})");
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+struct Fixture {
+  Fixture() {
+    torch::manual_seed(1);
+    auto spec = models::gpt_spec("gpt_tiny");
+    model = models::Gpt(spec);
+    batch = models::random_tokens(spec, 2, 8, 3);
+    engine = std::make_unique<Engine>(model.ptr(), small_config());
+  }
+  at::Tensor forward() {
+    auto active = engine->activate();
+    return model->loss(batch.tokens, batch.targets);
+  }
+  models::Gpt model{nullptr};
+  models::TokenBatch batch;
+  std::unique_ptr<Engine> engine;
+};
+
+TEST(EngineErrors, BackwardWithoutForward) {
+  Fixture f;
+  const std::string m = message_of([&] { f.engine->backward(torch::ones({}, torch::requires_grad())); });
+  EXPECT_NE(m.find("backward() without a forward"), std::string::npos) << m;
+}
+
+TEST(EngineErrors, StepWithoutBackwardThenTheIterationStillWorks) {
+  Fixture f;
+  std::string m = message_of([&] { f.engine->step(); });
+  EXPECT_NE(m.find("step() without a backward"), std::string::npos) << m;
+  at::Tensor loss = f.forward();
+  m = message_of([&] { f.engine->step(); });
+  EXPECT_NE(m.find("step() without a backward"), std::string::npos) << m;
+  f.engine->backward(loss);
+  EXPECT_NO_THROW(f.engine->step());
+}
+
+TEST(EngineErrors, NonFiniteLossInFp32IsRejectedAndNothingChanges) {
+  Fixture f;
+  const auto before = f.engine->fp32_state_dict();
+  at::Tensor loss = f.forward();
+  const std::string m = message_of(
+      [&] { f.engine->backward(loss * std::numeric_limits<float>::infinity()); });
+  EXPECT_NE(m.find("the loss is inf in fp32"), std::string::npos) << m;
+  const auto after = f.engine->fp32_state_dict();
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
+  }
+  // The engine is ready for a fresh forward.
+  loss = f.forward();
+  f.engine->backward(loss);
+  EXPECT_NO_THROW(f.engine->step());
+}
+
+TEST(EngineErrors, ParametersHaveNoDataOutsideADoor) {
+  Fixture f;
+  const std::string m = message_of([&] { (void)f.model->ln_f->weight.sum().item<float>(); });
+  EXPECT_NE(m.find("not allocated"), std::string::npos) << m;
+}
+
+TEST(EngineErrors, ModelWithoutParameters) {
+  auto empty = std::make_shared<torch::nn::Module>();
+  const std::string m = message_of([&] { Engine engine(empty, small_config()); });
+  EXPECT_NE(m.find("has no parameters"), std::string::npos) << m;
+}
+
+TEST(EngineErrors, TensorLargerThanTheChunkNamesItAndLeavesTheModelUntouched) {
+  torch::manual_seed(1);
+  models::Gpt model(models::gpt_spec("gpt_tiny"));
+  const at::Tensor before = model->wte->weight.detach().clone();
+  const std::string m = message_of([&] {
+    Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1000})"));
+  });
+  EXPECT_NE(m.find("wte.weight"), std::string::npos) << m;
+  EXPECT_NE(m.find("default_chunk_size"), std::string::npos) << m;
+  EXPECT_TRUE(torch::equal(model->wte->weight, before));
+}
+
+TEST(EngineErrors, CheckpointOfAnotherModelIsRejectedAndChangesNothing) {
+  const std::string path = ::testing::TempDir() + "/ps_other_model.pt";
+  {
+    torch::manual_seed(2);
+    auto spec = models::gpt_spec("gpt_tiny");
+    spec.layers = 1;
+    models::Gpt other(spec);
+    Engine engine(other.ptr(), small_config());
+    engine.save_checkpoint(path);
+  }
+  Fixture f;
+  const auto before = f.engine->fp32_state_dict();
+  const std::string m = message_of([&] { f.engine->load_checkpoint(path); });
+  EXPECT_NE(m.find("is from another model"), std::string::npos) << m;
+  const auto after = f.engine->fp32_state_dict();
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
+  }
+  std::remove(path.c_str());
+  const std::string missing = message_of([&] { f.engine->load_checkpoint(path); });
+  EXPECT_NE(missing.find("cannot read checkpoint"), std::string::npos) << missing;
+}
+
+TEST(EngineErrors, InitializeEngineHandlesAndTiedWeightsRegisteredOnce) {
+  auto [model, optimizer] = initialize_engine(
+      [] {
+        torch::manual_seed(1);
+        return models::Gpt(models::gpt_spec("gpt_tiny"));
+      },
+      0, small_config());
+  const auto spec = models::gpt_spec("gpt_tiny");
+  EXPECT_EQ(model.engine().registration().params, spec.parameter_count());
+  auto batch = models::random_tokens(spec, 2, 8, 3);
+  optimizer.zero_grad();
+  at::Tensor loss = model->loss(batch.tokens, batch.targets);
+  model.backward(loss);
+  const IterationReport r = optimizer.step();
+  EXPECT_TRUE(r.warmup);
+  EXPECT_THROW(initialize_engine([] { return torch::nn::Linear(2, 2); }, 1, small_config()),
+               c10::Error);
+}
+
+}  // namespace
+}  // namespace patrickstar
