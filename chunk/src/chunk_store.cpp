@@ -114,6 +114,18 @@ int64_t ChunkStore::resident_bytes(Tier tier) const {
   return bytes;
 }
 
+int64_t ChunkStore::waste_bytes() const {
+  int64_t bytes = 0;
+  for (const ChunkKindSpec& spec : kinds_) bytes += layout_.waste_bytes(spec.dtype);
+  return bytes;
+}
+
+int64_t ChunkStore::total_chunk_bytes() const {
+  int64_t bytes = 0;
+  for (const Chunk& c : chunks_) bytes += c.bytes;
+  return bytes;
+}
+
 void ChunkStore::check_not_in_compute(const Chunk& c, const char* action) const {
   if (c.states[TensorState::kCompute] == 0) return;
   const auto& states = states_[static_cast<size_t>(slot(c.kind))];

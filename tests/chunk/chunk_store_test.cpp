@@ -55,6 +55,9 @@ TEST_F(ChunkStoreTest, ChunkIdsRunKindByKind) {
   EXPECT_THROW(store.chunk_id(ChunkKind::kParam, 2), c10::Error);
   EXPECT_THROW(store.chunk(4), c10::Error);
   EXPECT_EQ(store.dtype(ChunkKind::kMomentum), at::kFloat);
+  // Waste: 8 elements in chunk 0 and 24 in chunk 1, paid in fp16 and in fp32.
+  EXPECT_EQ(store.waste_bytes(), 32 * 2 + 32 * 4);
+  EXPECT_EQ(store.total_chunk_bytes(), 2 * 128 + 2 * 256);
 }
 
 TEST_F(ChunkStoreTest, RejectsBadConstruction) {

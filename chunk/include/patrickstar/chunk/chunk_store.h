@@ -90,6 +90,10 @@ class ChunkStore {
   int64_t chunk_elems() const { return layout_.chunk_elems(); }
   // Sum of chunk_bytes over the chunks whose payload is in `tier`.
   int64_t resident_bytes(Tier tier) const;
+  // Bytes of every kind's chunks that hold no tensor: Layout::waste_elems() in each kind's dtype.
+  int64_t waste_bytes() const;
+  // Bytes of every chunk of every kind, resident or not (the model data once all are allocated).
+  int64_t total_chunk_bytes() const;
   // "momentum chunk 3 (id 7)": for error messages and logs.
   std::string describe(ChunkId id) const;
 
