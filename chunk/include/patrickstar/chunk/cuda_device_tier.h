@@ -1,0 +1,43 @@
+// The CUDA device tier: payloads from LibTorch's CUDA caching allocator, copies on a dedicated copy
+// stream ordered after the current stream's work with events. Only in builds with CUDA
+// (PATRICKSTAR_HAVE_CUDA defined); compiled in CI, run only where a GPU is present.
+// Thread-safe like every MemoryTier; owns its stream handle and events.
+//
+// Note for the memory tracer: the caching allocator's allocated_bytes statistic includes these
+// payloads; non-model bytes on CUDA are that statistic minus used_bytes() of this tier.
+#pragma once
+
+#include "patrickstar/chunk/memory_tier.h"
+
+#include <memory>
+
+namespace patrickstar {
+
+#ifdef PATRICKSTAR_HAVE_CUDA
+
+class CudaDeviceTier final : public MemoryTier {
+ public:
+  // A tier on CUDA device `device_index`; the capacity bounds the payload bytes it hands out.
+  explicit CudaDeviceTier(int device_index = 0, int64_t capacity_bytes = kUnlimited);
+  ~CudaDeviceTier() override;
+
+  c10::Device device() const override;
+  // Waits for the current stream's queued work (an event), copies on the copy stream, makes the
+  // current stream wait for the copy and returns once the copy is complete (so the caller may
+  // free the source).
+  void copy(void* dst, const void* src, int64_t bytes, CopyDirection direction) override;
+  void fill_zero(void* ptr, int64_t bytes) override;
+
+ protected:
+  void* raw_allocate(int64_t bytes, int64_t alignment) override;
+  void raw_deallocate(void* ptr, int64_t bytes, int64_t alignment) override;
+
+ private:
+  struct CopyStream;  // keeps CUDA headers out of this header
+  int device_index_;
+  std::unique_ptr<CopyStream> copy_stream_;
+};
+
+#endif  // PATRICKSTAR_HAVE_CUDA
+
+}  // namespace patrickstar

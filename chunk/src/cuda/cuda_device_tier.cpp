@@ -1,0 +1,85 @@
+// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); never run on this machine.
+#include "patrickstar/chunk/cuda_device_tier.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+namespace patrickstar {
+
+struct CudaDeviceTier::CopyStream {
+  c10::cuda::CUDAStream stream;
+  cudaEvent_t ready = nullptr;  // recorded on the current stream before a copy
+  cudaEvent_t done = nullptr;   // recorded on the copy stream after it
+};
+
+CudaDeviceTier::CudaDeviceTier(int device_index, int64_t capacity_bytes)
+    : MemoryTier(Tier::kDevice, "cuda:" + std::to_string(device_index), capacity_bytes,
+                 /*cache_blocks=*/false),  // the caching allocator caches already
+      device_index_(device_index) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  copy_stream_ = std::make_unique<CopyStream>(
+      CopyStream{c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                              static_cast<c10::DeviceIndex>(device_index)),
+                 nullptr, nullptr});
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->ready, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->done, cudaEventDisableTiming));
+}
+
+CudaDeviceTier::~CudaDeviceTier() {
+  release_all();
+  if (copy_stream_) {
+    cudaEventDestroy(copy_stream_->ready);
+    cudaEventDestroy(copy_stream_->done);
+  }
+}
+
+c10::Device CudaDeviceTier::device() const {
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index_));
+}
+
+void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  void* ptr = nullptr;
+  try {
+    ptr = c10::cuda::CUDACachingAllocator::raw_alloc(static_cast<size_t>(bytes));
+  } catch (const c10::OutOfMemoryError&) {
+    return nullptr;  // MemoryTier::allocate turns this into its own out-of-memory error
+  }
+  // The caching allocator aligns blocks to 512 bytes.
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0,
+              "CUDA block ", ptr, " is not aligned to ", alignment, " bytes");
+  return ptr;
+}
+
+void CudaDeviceTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alignment*/) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  c10::cuda::CUDACachingAllocator::raw_delete(ptr);
+}
+
+void CudaDeviceTier::copy(void* dst, const void* src, int64_t bytes, CopyDirection direction) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  cudaStream_t compute =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+  cudaStream_t copy = copy_stream_->stream.stream();
+  C10_CUDA_CHECK(cudaEventRecord(copy_stream_->ready, compute));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, copy_stream_->ready, 0));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      dst, src, static_cast<size_t>(bytes),
+      direction == CopyDirection::kHostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+      copy));
+  C10_CUDA_CHECK(cudaEventRecord(copy_stream_->done, copy));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(compute, copy_stream_->done, 0));
+  C10_CUDA_CHECK(cudaEventSynchronize(copy_stream_->done));
+}
+
+void CudaDeviceTier::fill_zero(void* ptr, int64_t bytes) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  cudaStream_t compute =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+  C10_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<size_t>(bytes), compute));
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,112 @@
+// HybridAdam: one optimizer step over a model's chunks. It checks every chunk's gradient once
+// (non-finite + squared norm, fused), skips the step on overflow (restoring the half weights from
+// the fp32 master so nothing is corrupted) and otherwise folds loss-scale removal and global-norm
+// clipping into one gradient multiplier and runs the Adam/AdamW update per chunk: on the device for
+// the chunks the placement puts there, on the host (SIMD kernel, cpu_adam.h) for the rest.
+// Not thread-safe: one instance per engine, step() called from one thread. It owns no chunk memory;
+// the AdamChunk views must stay valid during step().
+//
+// Usage (the engine):
+//   HybridAdam adam(AdamOptions().lr(1e-4).weight_decay(0.01).max_grad_norm(1.0),
+//                   LossScaler(fp16_options));           // or LossScaler::disabled() for bf16/fp32
+//   loss * adam.loss_scale() -> backward -> grads in the half slots
+//   PlacementPlan plan = plan_placement(state_bytes, tracer_margin_bytes);  // move chunks per plan
+//   StepReport r = adam.step(chunks, plan);               // r.skipped on overflow
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+
+#include "patrickstar/optimizer/adam_rule.h"
+#include "patrickstar/optimizer/cpu_adam.h"
+#include "patrickstar/optimizer/loss_scaler.h"
+#include "patrickstar/optimizer/placement.h"
+
+namespace patrickstar {
+
+// Hyper-parameters, with torch::optim-style chained setters. decoupled = AdamW (the default, as
+// DeepSpeed's "AdamW"); decoupled(false) = Adam with L2 weight decay added to the gradient.
+struct AdamOptions {
+#define PS_ADAM_OPTION(type, name, init) \
+  AdamOptions& name(type value) {        \
+    name##_ = value;                     \
+    return *this;                        \
+  }                                      \
+  type name() const {                    \
+    return name##_;                      \
+  }                                      \
+  type name##_ = init;
+  PS_ADAM_OPTION(double, lr, 1e-3)
+  PS_ADAM_OPTION(double, beta1, 0.9)
+  PS_ADAM_OPTION(double, beta2, 0.999)
+  PS_ADAM_OPTION(double, eps, 1e-8)
+  PS_ADAM_OPTION(double, weight_decay, 0.0)
+  PS_ADAM_OPTION(bool, decoupled, true)
+  PS_ADAM_OPTION(double, max_grad_norm, 0.0)  // <= 0: no clipping
+#undef PS_ADAM_OPTION
+};
+
+// One chunk's views (contiguous, same numel; the engine passes the used part of each payload).
+// Mixed precision: half_param_grad (bf16/fp16) holds the gradient on entry and the new half weight
+// on return; grad_fp32 is undefined. fp32: half_param_grad is undefined; master is the parameter
+// and grad_fp32 its gradient.
+struct AdamChunk {
+  at::Tensor half_param_grad;
+  at::Tensor master;
+  at::Tensor grad_fp32;
+  at::Tensor exp_avg;
+  at::Tensor exp_avg_sq;
+
+  bool mixed() const { return half_param_grad.defined(); }
+  // Bytes the update touches: master, momentum, variance (+ the gradient slot).
+  int64_t state_bytes() const;
+};
+
+// Loss-scale removal and clipping folded into one factor. `sum_squares` is the squared norm of the
+// *scaled* gradients over all chunks. clip_coef follows torch::nn::utils::clip_grad_norm_:
+// max_norm / (norm + 1e-6) in float, clamped to 1.
+struct GradMultiplier {
+  double grad_norm = 0.0;   // global L2 norm of the unscaled gradients
+  float clip_coef = 1.0f;   // 1 when not clipping
+  float multiplier = 1.0f;  // clip_coef / loss_scale: what the update multiplies gradients by
+};
+GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale, double max_grad_norm);
+
+struct StepReport {
+  bool skipped = false;     // overflow: nothing updated, half weights restored from fp32
+  int64_t step = 0;         // optimizer steps taken so far (skipped ones do not count)
+  double loss_scale = 1.0;  // the scale the gradients carried in this step
+  double grad_norm = 0.0;   // unscaled global norm (inf/NaN when skipped)
+  float clip_coef = 1.0f;
+  PlacementReport placement;  // where the chunks ran (all zero when skipped)
+};
+
+class HybridAdam {
+ public:
+  explicit HybridAdam(const AdamOptions& options, LossScaler loss_scaler = LossScaler::disabled());
+
+  // One step. `plan` must have one entry per chunk; a chunk on the device must have its tensors on
+  // a CUDA device (the CUDA kernel runs) or on the CPU (the emulated device: the host kernel runs
+  // on that memory); a chunk on the host must be on the CPU. Throws c10::Error before touching
+  // anything if views disagree in size, dtype or placement.
+  StepReport step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan);
+  // Every chunk on the host.
+  StepReport step(c10::ArrayRef<AdamChunk> chunks);
+
+  // The loss must be multiplied by this before backward.
+  double loss_scale() const { return loss_scaler_.scale(); }
+  LossScaler& loss_scaler() { return loss_scaler_; }
+  const AdamOptions& options() const { return options_; }
+  void set_lr(double lr) { options_.lr(lr); }
+  int64_t step_count() const { return step_; }
+  void set_step_count(int64_t step);  // for checkpoints
+
+ private:
+  AdamOptions options_;
+  LossScaler loss_scaler_;
+  int64_t step_ = 0;
+};
+
+}  // namespace patrickstar

@@ -1,0 +1,76 @@
+// The checked C++ entry points of the CUDA kernels (adam_cuda.h); without CUDA they throw.
+#include <c10/util/Exception.h>
+
+#include "patrickstar/optimizer/adam_cuda.h"
+
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+#include "adam_cuda_launch.h"
+#endif
+
+namespace patrickstar {
+
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+
+bool cuda_adam_compiled() {
+  return true;
+}
+
+namespace {
+void check_launch(int error, const char* what, int64_t numel) {
+  TORCH_CHECK(error == 0, what, " on ", numel,
+              " elements failed to launch: ", cuda_detail::error_string(error));
+}
+}  // namespace
+
+void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, float* exp_avg,
+                     float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
+                     void* stream) {
+  check_launch(
+      cuda_detail::launch_adam_mixed(half_param_grad, format == HalfFormat::kBFloat16, master,
+                                     exp_avg, exp_avg_sq, numel, constants, stream),
+      "cuda_adam_mixed", numel);
+}
+
+void cuda_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                    int64_t numel, const AdamStepConstants& constants, void* stream) {
+  check_launch(
+      cuda_detail::launch_adam_fp32(param, grad, exp_avg, exp_avg_sq, numel, constants, stream),
+      "cuda_adam_fp32", numel);
+}
+
+void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
+                                   int64_t numel, void* stream) {
+  check_launch(cuda_detail::launch_half_from_master(half_param, format == HalfFormat::kBFloat16,
+                                                    master, numel, stream),
+               "cuda_restore_half_from_master", numel);
+}
+
+#else  // no CUDA in this build
+
+bool cuda_adam_compiled() {
+  return false;
+}
+
+void cuda_adam_mixed(uint16_t*, HalfFormat, float*, float*, float*, int64_t numel,
+                     const AdamStepConstants&, void*) {
+  TORCH_CHECK(false, "cuda_adam_mixed(", numel,
+              " elements): this build has no CUDA kernels; "
+              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
+}
+
+void cuda_adam_fp32(float*, const float*, float*, float*, int64_t numel, const AdamStepConstants&,
+                    void*) {
+  TORCH_CHECK(false, "cuda_adam_fp32(", numel,
+              " elements): this build has no CUDA kernels; "
+              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
+}
+
+void cuda_restore_half_from_master(uint16_t*, HalfFormat, const float*, int64_t numel, void*) {
+  TORCH_CHECK(false, "cuda_restore_half_from_master(", numel,
+              " elements): this build has no CUDA "
+              "kernels; configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
+}
+
+#endif
+
+}  // namespace patrickstar

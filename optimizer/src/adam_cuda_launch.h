@@ -1,0 +1,20 @@
+// Private: the plain-C++ face of adam_cuda.cu, so nvcc never sees LibTorch headers. Each launcher
+// returns the cudaError_t of the launch as an int (0 = success).
+#pragma once
+
+#include <cstdint>
+
+#include "patrickstar/optimizer/adam_rule.h"
+
+namespace patrickstar::cuda_detail {
+
+int launch_adam_mixed(uint16_t* half_param_grad, bool bf16, float* master, float* exp_avg,
+                      float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
+                      void* stream);
+int launch_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                     int64_t numel, const AdamStepConstants& constants, void* stream);
+int launch_half_from_master(uint16_t* half_param, bool bf16, const float* master, int64_t numel,
+                            void* stream);
+const char* error_string(int error);
+
+}  // namespace patrickstar::cuda_detail

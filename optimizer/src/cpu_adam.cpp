@@ -1,0 +1,469 @@
+// Host Adam kernels with Highway dynamic dispatch: this file is compiled once per SIMD target by
+// hwy/foreach_target.h (it includes itself); the HWY_ONCE part at the end holds the dispatchers,
+// the thread split and the at::Tensor wrappers. See cpu_adam.h for the contract.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/cpu_adam.cpp"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "patrickstar/optimizer/adam_rule.h"
+
+// Whether hwy's float->fp16 DemoteTo on this target is the hardware conversion (round to nearest
+// even, as c10::Half). Elsewhere Highway 1.0 emulates it by truncation, so we convert per lane.
+// (Re-evaluated for every target: this file is included once per target.)
+#undef PS_HWY_FP16_DEMOTE_IS_RNE
+#if (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)) || \
+    (HWY_ARCH_ARM_A64 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR)
+#define PS_HWY_FP16_DEMOTE_IS_RNE 1
+#else
+#define PS_HWY_FP16_DEMOTE_IS_RNE 0
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace patrickstar {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+// Largest number of float lanes of this target: the size of the padded tail buffers.
+constexpr size_t kMaxFloatLanes = HWY_MAX_BYTES / sizeof(float);
+
+// a * b + c rounded once, as fmaf. Highway's MulAdd is two roundings on targets without FMA
+// (SSSE3, SSE4, the scalar baseline); there each lane goes through std::fma instead: slow, but
+// those targets only serve CPUs older than AVX2 and keep the results identical everywhere.
+HWY_INLINE VF Fma(DF df, VF a, VF b, VF c) {
+#if HWY_NATIVE_FMA
+  (void)df;
+  return hn::MulAdd(a, b, c);
+#else
+  HWY_ALIGN float la[kMaxFloatLanes];
+  HWY_ALIGN float lb[kMaxFloatLanes];
+  HWY_ALIGN float lc[kMaxFloatLanes];
+  hn::Store(a, df, la);
+  hn::Store(b, df, lb);
+  hn::Store(c, df, lc);
+  for (size_t i = 0; i < hn::Lanes(df); ++i) la[i] = std::fma(la[i], lb[i], lc[i]);
+  return hn::Load(df, la);
+#endif
+}
+
+// The rule of adam_rule.h, lane-wise; the same operations in the same order.
+HWY_INLINE void AdamVec(DF df, VF& p, VF& m, VF& v, VF g, const AdamStepConstants& c) {
+  g = hn::Mul(g, hn::Set(df, c.grad_multiplier));
+  if (c.l2_weight_decay != 0.0f) g = Fma(df, p, hn::Set(df, c.l2_weight_decay), g);
+  if (c.decoupled_decay_factor != 1.0f) p = hn::Mul(p, hn::Set(df, c.decoupled_decay_factor));
+  m = Fma(df, g, hn::Set(df, c.one_minus_beta1), hn::Mul(m, hn::Set(df, c.beta1)));
+  v = Fma(df, hn::Mul(hn::Set(df, c.one_minus_beta2), g), g, hn::Mul(v, hn::Set(df, c.beta2)));
+  const VF denom =
+      hn::Add(hn::Div(hn::Sqrt(v), hn::Set(df, c.bias_correction2_sqrt)), hn::Set(df, c.eps));
+  p = hn::Add(p, hn::Div(hn::Mul(hn::Set(df, c.neg_step_size), m), denom));
+}
+
+// ---- half <-> float, Lanes(df) elements ----
+
+template <class D>
+HWY_INLINE hn::Vec<D> LoadBf16(D df, const uint16_t* HWY_RESTRICT src) {
+  const hn::RebindToUnsigned<D> du32;
+  const hn::Rebind<uint16_t, D> du16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, src))));
+}
+
+template <class D>
+HWY_INLINE hn::Vec<D> LoadFp16(D df, const uint16_t* HWY_RESTRICT src) {
+  const hn::Rebind<hwy::float16_t, D> dh;
+  return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src)));
+}
+
+// Round to nearest even on the bit pattern, NaN -> 0x7FC0: c10::BFloat16's rule (Highway 1.0's
+// DemoteTo truncates, so it is not used).
+HWY_INLINE void StoreBf16(DF df, VF f, uint16_t* HWY_RESTRICT dst) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto bits = hn::BitCast(du32, f);
+  const auto bias =
+      hn::Add(hn::Set(du32, 0x7fffu), hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1u)));
+  auto rounded = hn::ShiftRight<16>(hn::Add(bits, bias));
+  rounded = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(f)), hn::Set(du32, 0x7fc0u), rounded);
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, rounded)), du16, dst);
+}
+
+HWY_INLINE void StoreFp16(DF df, VF f, uint16_t* HWY_RESTRICT dst) {
+#if PS_HWY_FP16_DEMOTE_IS_RNE
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, f), dh, reinterpret_cast<hwy::float16_t*>(dst));
+#else
+  HWY_ALIGN float lanes[kMaxFloatLanes];
+  hn::Store(f, df, lanes);
+  const size_t n = hn::Lanes(df);
+  for (size_t i = 0; i < n; ++i) dst[i] = float_to_fp16(lanes[i]);
+#endif
+}
+
+// ---- Adam over a range. Full vectors, then the tail through the same vector code on a zero-padded
+// stack copy (so every element gets the identical instruction sequence). ----
+
+template <bool kBf16>
+HWY_INLINE void MixedVectors(DF df, uint16_t* HWY_RESTRICT half, float* HWY_RESTRICT p,
+                             float* HWY_RESTRICT m, float* HWY_RESTRICT v, size_t n,
+                             const AdamStepConstants& c) {
+  const size_t lanes = hn::Lanes(df);
+  for (size_t i = 0; i < n; i += lanes) {
+    VF pv = hn::LoadU(df, p + i);
+    VF mv = hn::LoadU(df, m + i);
+    VF vv = hn::LoadU(df, v + i);
+    const VF g = kBf16 ? LoadBf16(df, half + i) : LoadFp16(df, half + i);
+    AdamVec(df, pv, mv, vv, g, c);
+    hn::StoreU(pv, df, p + i);
+    hn::StoreU(mv, df, m + i);
+    hn::StoreU(vv, df, v + i);
+    if (kBf16) {
+      StoreBf16(df, pv, half + i);
+    } else {
+      StoreFp16(df, pv, half + i);
+    }
+  }
+}
+
+void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRICT p,
+                    float* HWY_RESTRICT m, float* HWY_RESTRICT v, int64_t numel,
+                    const AdamStepConstants& c) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t n = static_cast<size_t>(numel);
+  const size_t body = n - n % lanes;
+  if (bf16) {
+    MixedVectors<true>(df, half, p, m, v, body, c);
+  } else {
+    MixedVectors<false>(df, half, p, m, v, body, c);
+  }
+  const size_t tail = n - body;
+  if (tail == 0) return;
+  HWY_ALIGN float tp[kMaxFloatLanes] = {};
+  HWY_ALIGN float tm[kMaxFloatLanes] = {};
+  HWY_ALIGN float tv[kMaxFloatLanes] = {};
+  HWY_ALIGN uint16_t th[kMaxFloatLanes] = {};
+  std::memcpy(tp, p + body, tail * sizeof(float));
+  std::memcpy(tm, m + body, tail * sizeof(float));
+  std::memcpy(tv, v + body, tail * sizeof(float));
+  std::memcpy(th, half + body, tail * sizeof(uint16_t));
+  if (bf16) {
+    MixedVectors<true>(df, th, tp, tm, tv, lanes, c);
+  } else {
+    MixedVectors<false>(df, th, tp, tm, tv, lanes, c);
+  }
+  std::memcpy(p + body, tp, tail * sizeof(float));
+  std::memcpy(m + body, tm, tail * sizeof(float));
+  std::memcpy(v + body, tv, tail * sizeof(float));
+  std::memcpy(half + body, th, tail * sizeof(uint16_t));
+}
+
+HWY_INLINE void Fp32Vectors(DF df, float* HWY_RESTRICT p, const float* HWY_RESTRICT g,
+                            float* HWY_RESTRICT m, float* HWY_RESTRICT v, size_t n,
+                            const AdamStepConstants& c) {
+  const size_t lanes = hn::Lanes(df);
+  for (size_t i = 0; i < n; i += lanes) {
+    VF pv = hn::LoadU(df, p + i);
+    VF mv = hn::LoadU(df, m + i);
+    VF vv = hn::LoadU(df, v + i);
+    AdamVec(df, pv, mv, vv, hn::LoadU(df, g + i), c);
+    hn::StoreU(pv, df, p + i);
+    hn::StoreU(mv, df, m + i);
+    hn::StoreU(vv, df, v + i);
+  }
+}
+
+void AdamFp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, float* HWY_RESTRICT m,
+                   float* HWY_RESTRICT v, int64_t numel, const AdamStepConstants& c) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t n = static_cast<size_t>(numel);
+  const size_t body = n - n % lanes;
+  Fp32Vectors(df, p, g, m, v, body, c);
+  const size_t tail = n - body;
+  if (tail == 0) return;
+  HWY_ALIGN float tp[kMaxFloatLanes] = {};
+  HWY_ALIGN float tg[kMaxFloatLanes] = {};
+  HWY_ALIGN float tm[kMaxFloatLanes] = {};
+  HWY_ALIGN float tv[kMaxFloatLanes] = {};
+  std::memcpy(tp, p + body, tail * sizeof(float));
+  std::memcpy(tg, g + body, tail * sizeof(float));
+  std::memcpy(tm, m + body, tail * sizeof(float));
+  std::memcpy(tv, v + body, tail * sizeof(float));
+  Fp32Vectors(df, tp, tg, tm, tv, lanes, c);
+  std::memcpy(p + body, tp, tail * sizeof(float));
+  std::memcpy(m + body, tm, tail * sizeof(float));
+  std::memcpy(v + body, tv, tail * sizeof(float));
+}
+
+// ---- squared norm in double: Lanes(dd) elements per step, two accumulators ----
+
+// format: 0 = fp32, 1 = bf16, 2 = fp16.
+double SumSquaresRange(const void* HWY_RESTRICT grad, int32_t format, int64_t numel) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dfh;
+  const size_t lanes = hn::Lanes(dd);
+  const size_t n = static_cast<size_t>(numel);
+  auto acc0 = hn::Zero(dd);
+  auto acc1 = hn::Zero(dd);
+  size_t i = 0;
+  const auto load = [&](size_t at) {
+    if (format == 0) return hn::LoadU(dfh, static_cast<const float*>(grad) + at);
+    if (format == 1) return LoadBf16(dfh, static_cast<const uint16_t*>(grad) + at);
+    return LoadFp16(dfh, static_cast<const uint16_t*>(grad) + at);
+  };
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    const auto a = hn::PromoteTo(dd, load(i));
+    const auto b = hn::PromoteTo(dd, load(i + lanes));
+    acc0 = hn::MulAdd(a, a, acc0);
+    acc1 = hn::MulAdd(b, b, acc1);
+  }
+  double sum = hn::GetLane(hn::SumOfLanes(dd, hn::Add(acc0, acc1)));
+  for (; i < n; ++i) {
+    float x;
+    if (format == 0) {
+      x = static_cast<const float*>(grad)[i];
+    } else if (format == 1) {
+      x = bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
+    } else {
+      x = fp16_to_float(static_cast<const uint16_t*>(grad)[i]);
+    }
+    sum += static_cast<double>(x) * static_cast<double>(x);
+  }
+  return sum;
+}
+
+void HalfFromMasterRange(uint16_t* HWY_RESTRICT half, int32_t bf16, const float* HWY_RESTRICT p,
+                         int64_t numel) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t n = static_cast<size_t>(numel);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    if (bf16) {
+      StoreBf16(df, hn::LoadU(df, p + i), half + i);
+    } else {
+      StoreFp16(df, hn::LoadU(df, p + i), half + i);
+    }
+  }
+  for (; i < n; ++i) half[i] = bf16 ? float_to_bf16(p[i]) : float_to_fp16(p[i]);
+}
+
+const char* TargetName() {
+  return hwy::TargetName(HWY_TARGET);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace patrickstar
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "patrickstar/optimizer/cpu_adam.h"
+
+namespace patrickstar {
+
+HWY_EXPORT(AdamMixedRange);
+HWY_EXPORT(AdamFp32Range);
+HWY_EXPORT(SumSquaresRange);
+HWY_EXPORT(HalfFromMasterRange);
+HWY_EXPORT(TargetName);
+
+namespace {
+
+// Block boundaries are multiples of this many elements: every vector width up to 2048 bits, and
+// whole 64-byte lines for fp32 payloads.
+constexpr int64_t kBlockAlignElems = 64;
+// Below this many elements one thread does it all (thread wake-up would cost more).
+constexpr int64_t kSerialBelowElems = 1 << 15;
+
+struct BlockSplit {
+  int64_t blocks = 1;
+  int64_t block_elems = 0;
+};
+
+BlockSplit split_blocks(int64_t numel) {
+  BlockSplit split;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if (numel < kSerialBelowElems || threads == 1 || at::in_parallel_region()) {
+    split.block_elems = numel;
+    return split;
+  }
+  const int64_t per_thread = (numel + threads - 1) / threads;
+  split.block_elems = (per_thread + kBlockAlignElems - 1) / kBlockAlignElems * kBlockAlignElems;
+  split.blocks = (numel + split.block_elems - 1) / split.block_elems;
+  return split;
+}
+
+// Runs fn(begin, end) over static aligned blocks, one per thread of LibTorch's pool.
+template <class Fn>
+void for_each_block(int64_t numel, const Fn& fn) {
+  if (numel <= 0) return;
+  const BlockSplit split = split_blocks(numel);
+  if (split.blocks == 1) {
+    fn(int64_t{0}, numel);
+    return;
+  }
+  at::parallel_for(0, split.blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t begin = b * split.block_elems;
+      fn(begin, std::min(numel, begin + split.block_elems));
+    }
+  });
+}
+
+// Makes Highway pick its target before any parallel region calls through the dispatch table.
+void ensure_dispatch_ready() {
+  static const char* const name = cpu_adam_simd_target();
+  (void)name;
+}
+
+GradStats grad_stats_raw(const void* grad, int32_t format, int64_t numel, size_t elem_bytes) {
+  ensure_dispatch_ready();
+  GradStats stats;
+  if (numel <= 0) return stats;
+  const BlockSplit split = split_blocks(numel);
+  if (split.blocks == 1) {
+    stats.sum_squares = HWY_DYNAMIC_DISPATCH(SumSquaresRange)(grad, format, numel);
+    return stats;
+  }
+  std::vector<double> partial(static_cast<size_t>(split.blocks), 0.0);  // before the loop
+  const auto* bytes = static_cast<const unsigned char*>(grad);
+  at::parallel_for(0, split.blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t begin = b * split.block_elems;
+      const int64_t end = std::min(numel, begin + split.block_elems);
+      partial[static_cast<size_t>(b)] = HWY_DYNAMIC_DISPATCH(SumSquaresRange)(
+          bytes + static_cast<size_t>(begin) * elem_bytes, format, end - begin);
+    }
+  });
+  for (const double s : partial) stats.sum_squares += s;  // fixed order: deterministic
+  return stats;
+}
+
+int32_t format_code(HalfFormat format) {
+  return format == HalfFormat::kBFloat16 ? 1 : 2;
+}
+
+HalfFormat half_format_of(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, what,
+              " must be bfloat16 or float16, got ", t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? HalfFormat::kBFloat16 : HalfFormat::kFloat16;
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.defined(), what, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU for the host Adam kernel, got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous (a chunk view), got strides ",
+              t.strides());
+  TORCH_CHECK(t.numel() == numel, what, " has ", t.numel(), " elements but the chunk view has ",
+              numel);
+}
+
+void check_fp32(const at::Tensor& t, const char* what, int64_t numel) {
+  check_cpu_contiguous(t, what, numel);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
+}
+
+}  // namespace
+
+const char* cpu_adam_simd_target() {
+  return HWY_DYNAMIC_DISPATCH(TargetName)();
+}
+
+void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, float* exp_avg,
+                    float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants) {
+  ensure_dispatch_ready();
+  const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(AdamMixedRange)
+    (half_param_grad + begin, bf16, master + begin, exp_avg + begin, exp_avg_sq + begin,
+     end - begin, constants);
+  });
+}
+
+void cpu_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                   int64_t numel, const AdamStepConstants& constants) {
+  ensure_dispatch_ready();
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(AdamFp32Range)
+    (param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin, constants);
+  });
+}
+
+GradStats cpu_grad_stats_half(const uint16_t* grad, HalfFormat format, int64_t numel) {
+  return grad_stats_raw(grad, format_code(format), numel, sizeof(uint16_t));
+}
+
+GradStats cpu_grad_stats_fp32(const float* grad, int64_t numel) {
+  return grad_stats_raw(grad, 0, numel, sizeof(float));
+}
+
+void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
+                                  int64_t numel) {
+  ensure_dispatch_ready();
+  const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(HalfFromMasterRange)
+    (half_param + begin, bf16, master + begin, end - begin);
+  });
+}
+
+void adam_step_mixed(const at::Tensor& half_param_grad, const at::Tensor& master,
+                     const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                     const AdamStepConstants& constants) {
+  const int64_t numel = master.numel();
+  const HalfFormat format = half_format_of(half_param_grad, "half_param_grad");
+  check_cpu_contiguous(half_param_grad, "half_param_grad", numel);
+  check_fp32(master, "master", numel);
+  check_fp32(exp_avg, "exp_avg", numel);
+  check_fp32(exp_avg_sq, "exp_avg_sq", numel);
+  cpu_adam_mixed(static_cast<uint16_t*>(half_param_grad.data_ptr()), format,
+                 master.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                 numel, constants);
+}
+
+void adam_step_fp32(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const AdamStepConstants& constants) {
+  const int64_t numel = param.numel();
+  check_fp32(param, "param", numel);
+  check_fp32(grad, "grad", numel);
+  check_fp32(exp_avg, "exp_avg", numel);
+  check_fp32(exp_avg_sq, "exp_avg_sq", numel);
+  cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                exp_avg_sq.data_ptr<float>(), numel, constants);
+}
+
+GradStats grad_stats(const at::Tensor& grad) {
+  check_cpu_contiguous(grad, "grad", grad.numel());
+  if (grad.scalar_type() == at::kFloat) {
+    return cpu_grad_stats_fp32(grad.data_ptr<float>(), grad.numel());
+  }
+  const HalfFormat format = half_format_of(grad, "grad");
+  return cpu_grad_stats_half(static_cast<const uint16_t*>(grad.data_ptr()), format, grad.numel());
+}
+
+void restore_half_from_master(const at::Tensor& half_param, const at::Tensor& master) {
+  const int64_t numel = master.numel();
+  const HalfFormat format = half_format_of(half_param, "half_param");
+  check_cpu_contiguous(half_param, "half_param", numel);
+  check_fp32(master, "master", numel);
+  cpu_restore_half_from_master(static_cast<uint16_t*>(half_param.data_ptr()), format,
+                               master.data_ptr<float>(), numel);
+}
+
+}  // namespace patrickstar
+
+#endif  // HWY_ONCE

@@ -1,0 +1,208 @@
+#include "patrickstar/optimizer/hybrid_adam.h"
+
+#include <ATen/ops/square.h>
+#include <ATen/ops/sum.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "patrickstar/optimizer/adam_cuda.h"
+
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace patrickstar {
+
+namespace {
+
+const at::Tensor& grad_of(const AdamChunk& chunk) {
+  return chunk.mixed() ? chunk.half_param_grad : chunk.grad_fp32;
+}
+
+void check_view(const at::Tensor& t, const char* what, size_t index, int64_t numel,
+                const at::Device& device) {
+  TORCH_CHECK(t.defined(), "HybridAdam: chunk ", index, ": ", what, " is undefined");
+  TORCH_CHECK(t.numel() == numel, "HybridAdam: chunk ", index, ": ", what, " has ", t.numel(),
+              " elements, the master has ", numel);
+  TORCH_CHECK(t.is_contiguous(), "HybridAdam: chunk ", index, ": ", what, " is not contiguous");
+  TORCH_CHECK(t.device() == device, "HybridAdam: chunk ", index, ": ", what, " is on ", t.device(),
+              ", the master on ", device);
+}
+
+void check_chunk(const AdamChunk& chunk, size_t index, bool on_device) {
+  TORCH_CHECK(chunk.master.defined(), "HybridAdam: chunk ", index, " has no master tensor");
+  const int64_t numel = chunk.master.numel();
+  const at::Device device = chunk.master.device();
+  TORCH_CHECK(chunk.master.scalar_type() == at::kFloat, "HybridAdam: chunk ", index,
+              ": master must be float32, got ", chunk.master.scalar_type());
+  check_view(chunk.master, "master", index, numel, device);
+  check_view(chunk.exp_avg, "exp_avg", index, numel, device);
+  check_view(chunk.exp_avg_sq, "exp_avg_sq", index, numel, device);
+  TORCH_CHECK(
+      chunk.exp_avg.scalar_type() == at::kFloat && chunk.exp_avg_sq.scalar_type() == at::kFloat,
+      "HybridAdam: chunk ", index, ": exp_avg and exp_avg_sq must be float32");
+  if (chunk.mixed()) {
+    check_view(chunk.half_param_grad, "half_param_grad", index, numel, device);
+    const auto dtype = chunk.half_param_grad.scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "HybridAdam: chunk ", index,
+                ": half_param_grad must be bfloat16 or float16, got ", dtype);
+    TORCH_CHECK(!chunk.grad_fp32.defined(), "HybridAdam: chunk ", index,
+                " has both a half slot and an fp32 gradient; pass one");
+  } else {
+    check_view(chunk.grad_fp32, "grad_fp32", index, numel, device);
+    TORCH_CHECK(chunk.grad_fp32.scalar_type() == at::kFloat, "HybridAdam: chunk ", index,
+                ": grad_fp32 must be float32, got ", chunk.grad_fp32.scalar_type());
+  }
+  if (on_device) {
+    TORCH_CHECK(device.is_cpu() || (device.is_cuda() && cuda_adam_compiled()), "HybridAdam: chunk ",
+                index, " is placed on the device but its tensors are on ", device,
+                (device.is_cuda() ? " and this build has no CUDA kernels" : ""));
+  } else {
+    TORCH_CHECK(device.is_cpu(), "HybridAdam: chunk ", index,
+                " is placed on the host but its tensors are on ", device,
+                "; move the chunk before step() or place it on the device");
+  }
+}
+
+HalfFormat format_of(const at::Tensor& half) {
+  return half.scalar_type() == at::kBFloat16 ? HalfFormat::kBFloat16 : HalfFormat::kFloat16;
+}
+
+void* stream_for(const at::Tensor& t) {
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#else
+  (void)t;
+  return nullptr;
+#endif
+}
+
+GradStats stats_of(const at::Tensor& grad) {
+  if (grad.device().is_cpu()) return grad_stats(grad);
+  // Device chunk: one reduction and one host sync per chunk (not per tensor).
+  GradStats stats;
+  stats.sum_squares = at::sum(at::square(grad.to(at::kDouble))).item<double>();
+  return stats;
+}
+
+void restore_half(const AdamChunk& chunk) {
+  const at::Tensor& half = chunk.half_param_grad;
+  if (half.device().is_cpu()) {
+    restore_half_from_master(half, chunk.master);
+  } else {
+    cuda_restore_half_from_master(static_cast<uint16_t*>(half.data_ptr()), format_of(half),
+                                  chunk.master.data_ptr<float>(), half.numel(), stream_for(half));
+  }
+}
+
+void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
+  const bool cpu = chunk.master.device().is_cpu();
+  if (chunk.mixed()) {
+    if (cpu) {
+      adam_step_mixed(chunk.half_param_grad, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
+                      constants);
+    } else {
+      cuda_adam_mixed(static_cast<uint16_t*>(chunk.half_param_grad.data_ptr()),
+                      format_of(chunk.half_param_grad), chunk.master.data_ptr<float>(),
+                      chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
+                      chunk.master.numel(), constants, stream_for(chunk.master));
+    }
+  } else if (cpu) {
+    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+  } else {
+    cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(),
+                   chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
+                   chunk.master.numel(), constants, stream_for(chunk.master));
+  }
+}
+
+}  // namespace
+
+int64_t AdamChunk::state_bytes() const {
+  const int64_t numel = master.defined() ? master.numel() : 0;
+  const int64_t grad_bytes = half_param_grad.defined() ? 2 : 4;
+  return numel * (3 * 4 + grad_bytes);
+}
+
+GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,
+                                   double max_grad_norm) {
+  TORCH_CHECK(loss_scale > 0.0 && std::isfinite(loss_scale),
+              "gradient_multiplier: loss_scale must be positive and finite, got ", loss_scale);
+  GradMultiplier result;
+  result.grad_norm = std::sqrt(total.sum_squares) / loss_scale;
+  if (max_grad_norm > 0.0) {
+    // As clip_grad_norm_: a float tensor norm, max_norm / (norm + 1e-6) in float, clamped to 1.
+    const float norm = static_cast<float>(result.grad_norm);
+    const float coef = static_cast<float>(max_grad_norm) / (norm + static_cast<float>(1e-6));
+    result.clip_coef = std::min(coef, 1.0f);
+  }
+  result.multiplier = static_cast<float>(1.0 / loss_scale) * result.clip_coef;
+  return result;
+}
+
+HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
+    : options_(options), loss_scaler_(std::move(loss_scaler)) {
+  TORCH_CHECK(options.lr() >= 0.0, "HybridAdam: lr must be >= 0, got ", options.lr());
+  TORCH_CHECK(options.beta1() >= 0.0 && options.beta1() < 1.0,
+              "HybridAdam: beta1 must be in [0, 1), got ", options.beta1());
+  TORCH_CHECK(options.beta2() >= 0.0 && options.beta2() < 1.0,
+              "HybridAdam: beta2 must be in [0, 1), got ", options.beta2());
+  TORCH_CHECK(options.eps() >= 0.0, "HybridAdam: eps must be >= 0, got ", options.eps());
+  TORCH_CHECK(options.weight_decay() >= 0.0, "HybridAdam: weight_decay must be >= 0, got ",
+              options.weight_decay());
+}
+
+void HybridAdam::set_step_count(int64_t step) {
+  TORCH_CHECK(step >= 0, "HybridAdam: step count must be >= 0, got ", step);
+  step_ = step;
+}
+
+StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks) {
+  std::vector<int64_t> bytes;
+  bytes.reserve(chunks.size());
+  for (const auto& chunk : chunks) bytes.push_back(chunk.state_bytes());
+  return step(chunks, all_on_host(bytes));
+}
+
+StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan) {
+  TORCH_CHECK(plan.on_device.size() == chunks.size(), "HybridAdam::step: the plan has ",
+              plan.on_device.size(), " entries for ", chunks.size(), " chunks");
+  for (size_t i = 0; i < chunks.size(); ++i) check_chunk(chunks[i], i, plan.on_device[i]);
+
+  StepReport report;
+  report.loss_scale = loss_scaler_.scale();
+
+  GradStats total;
+  for (const auto& chunk : chunks) total += stats_of(grad_of(chunk));
+
+  if (!total.finite()) {
+    // Overflow: no update anywhere. The half slots hold (broken) gradients; put the weights back.
+    for (const auto& chunk : chunks) {
+      if (chunk.mixed()) restore_half(chunk);
+    }
+    report.skipped = true;
+    report.step = step_;
+    report.grad_norm = total.sum_squares;  // inf or NaN
+    loss_scaler_.update(/*overflow=*/true);
+    return report;
+  }
+
+  const GradMultiplier multiplier =
+      gradient_multiplier(total, loss_scaler_.scale(), options_.max_grad_norm());
+  const AdamStepConstants constants = make_adam_step_constants(
+      options_.lr(), options_.beta1(), options_.beta2(), options_.eps(), options_.weight_decay(),
+      options_.decoupled(), step_ + 1, multiplier.multiplier);
+  for (const auto& chunk : chunks) update_chunk(chunk, constants);
+  ++step_;
+  loss_scaler_.update(/*overflow=*/false);
+
+  report.step = step_;
+  report.grad_norm = multiplier.grad_norm;
+  report.clip_coef = multiplier.clip_coef;
+  report.placement = plan.report;
+  return report;
+}
+
+}  // namespace patrickstar

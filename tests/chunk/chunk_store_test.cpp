@@ -1,0 +1,299 @@
+// ChunkStore: ids, allocation, moves that keep bytes for every dtype, exact traffic counters, views
+// that alias chunk memory, COMPUTE pinning, and out-of-memory without leaks.
+#include "patrickstar/chunk/chunk_store.h"
+
+#include <ATen/ops/equal.h>
+#include <ATen/ops/randn.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+namespace patrickstar {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Three tensors in chunks of 64 elements: w (6x8 = 48) and b (8) share chunk 0, e (40) chunk 1.
+Layout small_layout() {
+  Layout layout;
+  layout.add_tensor("layer.w", {6, 8});
+  layout.add_tensor("layer.b", {8});
+  layout.add_tensor("embed", {40});
+  layout.finalize(64);
+  return layout;
+}
+
+class ChunkStoreTest : public ::testing::Test {
+ protected:
+  HostTier host_{MemoryTier::kUnlimited, HostTier::Pinning::kNever};
+  EmulatedDeviceTier device_{1 << 20};
+};
+
+TEST_F(ChunkStoreTest, ChunkIdsRunKindByKind) {
+  ChunkStore store(small_layout(),
+                   {{ChunkKind::kParam, at::kHalf}, {ChunkKind::kMomentum, at::kFloat}}, host_,
+                   device_);
+  EXPECT_EQ(store.chunks_per_kind(), 2);
+  EXPECT_EQ(store.chunk_count(), 4);
+  for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kMomentum}) {
+    for (int64_t i = 0; i < 2; ++i) {
+      const ChunkId id = store.chunk_id(kind, i);
+      EXPECT_EQ(store.kind_of(id), kind);
+      EXPECT_EQ(store.index_of(id), i);
+      EXPECT_EQ(store.tier(id), Tier::kNone);
+    }
+  }
+  EXPECT_EQ(store.chunk_id(ChunkKind::kMomentum, 1), 3);
+  EXPECT_EQ(store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0)), 128);
+  EXPECT_EQ(store.chunk_bytes(store.chunk_id(ChunkKind::kMomentum, 0)), 256);
+  EXPECT_EQ(store.chunk_of(2, ChunkKind::kMomentum), 3);
+  EXPECT_EQ(store.describe(3), "momentum chunk 1 (id 3)");
+  EXPECT_THROW(store.chunk_id(ChunkKind::kVariance, 0), c10::Error);
+  EXPECT_THROW(store.chunk_id(ChunkKind::kParam, 2), c10::Error);
+  EXPECT_THROW(store.chunk(4), c10::Error);
+  EXPECT_EQ(store.dtype(ChunkKind::kMomentum), at::kFloat);
+  // Waste: 8 elements in chunk 0 and 24 in chunk 1, paid in fp16 and in fp32.
+  EXPECT_EQ(store.waste_bytes(), 32 * 2 + 32 * 4);
+  EXPECT_EQ(store.total_chunk_bytes(), 2 * 128 + 2 * 256);
+}
+
+TEST_F(ChunkStoreTest, RejectsBadConstruction) {
+  Layout unfinished;
+  unfinished.add_tensor("w", {4});
+  EXPECT_THROW(ChunkStore(std::move(unfinished), {{ChunkKind::kParam, at::kHalf}}, host_, device_),
+               c10::Error);
+  EXPECT_THROW(ChunkStore(small_layout(), {{ChunkKind::kParam, at::kDouble}}, host_, device_),
+               c10::Error);
+  EXPECT_THROW(
+      ChunkStore(small_layout(), {{ChunkKind::kParam, at::kHalf}, {ChunkKind::kParam, at::kFloat}},
+                 host_, device_),
+      c10::Error);
+  EXPECT_THROW(ChunkStore(small_layout(), {{ChunkKind::kParam, at::kHalf}}, device_, host_),
+               c10::Error);
+}
+
+TEST_F(ChunkStoreTest, AllocateZeroFillsAndCountsTierBytes) {
+  ChunkStore store(small_layout(), {{ChunkKind::kParamFp32, at::kFloat}}, host_, device_);
+  const ChunkId c0 = store.chunk_id(ChunkKind::kParamFp32, 0);
+  const ChunkId c1 = store.chunk_id(ChunkKind::kParamFp32, 1);
+  store.allocate(c0, Tier::kHost);
+  store.allocate(c1, Tier::kDevice);
+  EXPECT_EQ(host_.used_bytes(), 256);
+  EXPECT_EQ(device_.used_bytes(), 256);
+  EXPECT_EQ(store.resident_bytes(Tier::kHost), 256);
+  EXPECT_EQ(store.resident_bytes(Tier::kDevice), 256);
+  EXPECT_EQ(store.chunk_view(c0).count_nonzero().item<int64_t>(), 0);
+  EXPECT_EQ(store.chunk_view(c1).count_nonzero().item<int64_t>(), 0);
+  EXPECT_EQ(store.state(0, ChunkKind::kParamFp32), TensorState::kHold);
+  EXPECT_EQ(store.chunk_state(c0)[TensorState::kHold], 2);
+  EXPECT_THROW(store.allocate(c0, Tier::kDevice), c10::Error);  // already has a payload
+  EXPECT_THROW(store.allocate(c0, Tier::kNone), c10::Error);
+  store.release(c0);
+  EXPECT_EQ(store.tier(c0), Tier::kNone);
+  EXPECT_EQ(store.chunk(c0).payload, nullptr);
+  EXPECT_EQ(host_.used_bytes(), 0);
+  EXPECT_EQ(store.state(1, ChunkKind::kParamFp32), TensorState::kFree);
+  EXPECT_TRUE(store.chunk_state(c0).all(TensorState::kFree));
+  store.release(c0);  // releasing a released chunk is a no-op
+  EXPECT_THROW(store.view(0, ChunkKind::kParamFp32), c10::Error);
+}
+
+TEST_F(ChunkStoreTest, MoveRoundTripKeepsBytesForEveryDtype) {
+  for (at::ScalarType dtype : {at::kHalf, at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    ChunkStore store(small_layout(), {{ChunkKind::kParam, dtype}}, host_, device_);
+    const ChunkId c = store.chunk_id(ChunkKind::kParam, 0);
+    store.allocate(c, Tier::kHost, Fill::kUninitialized);
+    const int64_t bytes = store.chunk_bytes(c);
+    // Fill with arbitrary bit patterns (NaN payloads included) and keep a copy of the raw bytes.
+    std::vector<unsigned char> original(static_cast<size_t>(bytes));
+    for (size_t i = 0; i < original.size(); ++i)
+      original[i] = static_cast<unsigned char>(i * 37 + 11);
+    std::memcpy(store.chunk(c).payload, original.data(), original.size());
+
+    EXPECT_TRUE(store.move(c, Tier::kDevice));
+    EXPECT_EQ(store.tier(c), Tier::kDevice);
+    EXPECT_EQ(std::memcmp(store.chunk(c).payload, original.data(), original.size()), 0);
+    EXPECT_EQ(host_.used_bytes(), 0);
+    EXPECT_EQ(device_.used_bytes(), bytes);
+    EXPECT_FALSE(store.move(c, Tier::kDevice));  // already there: no copy, not counted
+    EXPECT_TRUE(store.move(c, Tier::kHost));
+    EXPECT_EQ(std::memcmp(store.chunk(c).payload, original.data(), original.size()), 0);
+
+    const MoveCounters m = store.move_counters();
+    EXPECT_EQ(m.h2d_bytes, bytes);
+    EXPECT_EQ(m.d2h_bytes, bytes);
+    EXPECT_EQ(m.h2d_moves, 1);
+    EXPECT_EQ(m.d2h_moves, 1);
+    store.reset_move_counters();
+    EXPECT_EQ(store.move_counters().h2d_bytes, 0);
+  }
+  EXPECT_EQ(host_.used_bytes(), 0);  // every store gave its payloads back
+  EXPECT_EQ(device_.used_bytes(), 0);
+}
+
+TEST_F(ChunkStoreTest, MovingAReleasedChunkOrToNoneIsAnError) {
+  ChunkStore store(small_layout(), {{ChunkKind::kParam, at::kHalf}}, host_, device_);
+  const ChunkId c = store.chunk_id(ChunkKind::kParam, 0);
+  EXPECT_THROW(store.move(c, Tier::kDevice), c10::Error);
+  store.allocate(c, Tier::kHost);
+  EXPECT_THROW(store.move(c, Tier::kNone), c10::Error);
+  EXPECT_EQ(store.move_counters().h2d_moves, 0);
+}
+
+TEST_F(ChunkStoreTest, ViewsAliasChunkMemory) {
+  ChunkStore store(small_layout(),
+                   {{ChunkKind::kParam, at::kBFloat16}, {ChunkKind::kVariance, at::kFloat}}, host_,
+                   device_);
+  for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kVariance}) {
+    for (int64_t i = 0; i < store.chunks_per_kind(); ++i)
+      store.allocate(store.chunk_id(kind, i), Tier::kHost);
+  }
+  const at::Tensor w = store.view(0, ChunkKind::kVariance);
+  const at::Tensor b = store.view(1, ChunkKind::kVariance);
+  const at::Tensor e = store.view(2, ChunkKind::kVariance);
+  EXPECT_EQ(w.sizes().vec(), (std::vector<int64_t>{6, 8}));
+  EXPECT_EQ(b.sizes().vec(), (std::vector<int64_t>{8}));
+  EXPECT_EQ(w.scalar_type(), at::kFloat);
+  EXPECT_TRUE(w.is_cpu());
+  const ChunkId v0 = store.chunk_id(ChunkKind::kVariance, 0);
+  const at::Tensor flat = store.chunk_view(v0);
+  EXPECT_EQ(flat.numel(), 64);
+  EXPECT_EQ(w.data_ptr(), store.chunk(v0).payload);
+  EXPECT_EQ(static_cast<char*>(b.data_ptr()) - static_cast<char*>(w.data_ptr()), 48 * 4);
+  EXPECT_EQ(e.data_ptr(), store.chunk(store.chunk_id(ChunkKind::kVariance, 1)).payload);
+
+  // Writes through a view land in the chunk and the other way round.
+  const at::Tensor values = at::randn({6, 8});
+  w.copy_(values);
+  EXPECT_TRUE(at::equal(flat.slice(0, 0, 48).view({6, 8}), values));
+  flat.slice(0, 48, 56).fill_(3.5);
+  EXPECT_EQ(b.sum().item<float>(), 8 * 3.5f);
+  EXPECT_EQ(flat.slice(0, 56, 64).count_nonzero().item<int64_t>(), 0);  // padding untouched
+
+  // The param kind has its own payload and dtype at the same offsets.
+  const at::Tensor wp = store.view(0, ChunkKind::kParam);
+  EXPECT_EQ(wp.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(wp.data_ptr(), store.chunk(store.chunk_id(ChunkKind::kParam, 0)).payload);
+  EXPECT_EQ(wp.count_nonzero().item<int64_t>(), 0);
+
+  // After a move the new view sees the same values in the new payload.
+  store.move(v0, Tier::kDevice);
+  EXPECT_TRUE(at::equal(store.view(0, ChunkKind::kVariance), values));
+  EXPECT_EQ(store.view(0, ChunkKind::kVariance).data_ptr(), store.chunk(v0).payload);
+}
+
+TEST_F(ChunkStoreTest, ComputeRefusesMoveAndRelease) {
+  ChunkStore store(small_layout(), {{ChunkKind::kParam, at::kHalf}}, host_, device_);
+  const ChunkId c = store.chunk_id(ChunkKind::kParam, 0);
+  store.allocate(c, Tier::kHost);
+  store.set_state(1, ChunkKind::kParam, TensorState::kCompute);
+  EXPECT_FALSE(store.is_movable(c));
+  for (bool release : {false, true}) {
+    try {
+      if (release) {
+        store.release(c);
+      } else {
+        store.move(c, Tier::kDevice);
+      }
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_THAT(msg, HasSubstr(release ? "cannot release" : "cannot move"));
+      EXPECT_THAT(msg, HasSubstr("param chunk 0"));
+      EXPECT_THAT(msg, HasSubstr("'layer.b'"));
+      EXPECT_THAT(msg, HasSubstr("COMPUTE"));
+    }
+    EXPECT_EQ(store.tier(c), Tier::kHost);
+    EXPECT_EQ(host_.used_bytes(), store.chunk_bytes(c));
+    EXPECT_EQ(device_.used_bytes(), 0);
+  }
+  EXPECT_EQ(store.move_counters().h2d_moves, 0);
+  // The other chunk is not pinned.
+  const ChunkId other = store.chunk_id(ChunkKind::kParam, 1);
+  store.allocate(other, Tier::kHost);
+  EXPECT_TRUE(store.move(other, Tier::kDevice));
+  // Leaving COMPUTE unpins.
+  store.set_state(1, ChunkKind::kParam, TensorState::kHoldAfterFwd);
+  EXPECT_TRUE(store.is_movable(c));
+  EXPECT_TRUE(store.move(c, Tier::kDevice));
+  store.release(c);
+  EXPECT_EQ(store.state(1, ChunkKind::kParam), TensorState::kFree);
+}
+
+TEST_F(ChunkStoreTest, OutOfMemoryOnMoveAndAllocateChangesNothing) {
+  EmulatedDeviceTier small_device(300);  // room for one 256-byte fp32 chunk, not two
+  ChunkStore store(small_layout(), {{ChunkKind::kMomentum, at::kFloat}}, host_, small_device);
+  const ChunkId c0 = store.chunk_id(ChunkKind::kMomentum, 0);
+  const ChunkId c1 = store.chunk_id(ChunkKind::kMomentum, 1);
+  store.allocate(c0, Tier::kDevice);
+  store.allocate(c1, Tier::kHost);
+  store.view(2, ChunkKind::kMomentum).fill_(7.0);
+  try {
+    store.move(c1, Tier::kDevice);
+    FAIL() << "expected an out-of-memory error";
+  } catch (const c10::OutOfMemoryError& e) {
+    const std::string msg = e.what();
+    EXPECT_THAT(msg, HasSubstr("capacity 300 bytes"));
+    EXPECT_THAT(msg, HasSubstr("256 bytes in use"));
+    EXPECT_THAT(msg, HasSubstr("256 bytes requested"));
+  }
+  EXPECT_EQ(store.tier(c1), Tier::kHost);
+  EXPECT_EQ(store.view(2, ChunkKind::kMomentum).sum().item<float>(), 40 * 7.0f);
+  EXPECT_EQ(small_device.used_bytes(), 256);
+  EXPECT_EQ(small_device.allocation_count(), 1);
+  EXPECT_EQ(host_.used_bytes(), 256);
+  EXPECT_EQ(store.move_counters().h2d_moves, 0);
+
+  store.release(c1);
+  EXPECT_THROW(store.allocate(c1, Tier::kDevice), c10::OutOfMemoryError);
+  EXPECT_EQ(store.tier(c1), Tier::kNone);
+  EXPECT_EQ(store.state(2, ChunkKind::kMomentum), TensorState::kFree);
+  EXPECT_EQ(small_device.used_bytes(), 256);
+  EXPECT_EQ(host_.used_bytes(), 0);
+
+  // Make room the way a scheduler would: evict c0 to the host, then c1 fits.
+  store.move(c0, Tier::kHost);
+  store.allocate(c1, Tier::kDevice);
+  EXPECT_EQ(small_device.used_bytes(), 256);
+  EXPECT_EQ(small_device.peak_bytes(), 256);
+}
+
+TEST_F(ChunkStoreTest, DestructorReturnsEveryPayload) {
+  {
+    ChunkStore store(small_layout(),
+                     {{ChunkKind::kParam, at::kHalf},
+                      {ChunkKind::kParamFp32, at::kFloat},
+                      {ChunkKind::kMomentum, at::kFloat},
+                      {ChunkKind::kVariance, at::kFloat},
+                      {ChunkKind::kGrad, at::kFloat}},
+                     host_, device_);
+    for (ChunkId id = 0; id < store.chunk_count(); ++id) {
+      store.allocate(id, id % 2 == 0 ? Tier::kHost : Tier::kDevice);
+    }
+    store.set_state(0, ChunkKind::kGrad, TensorState::kCompute);
+    EXPECT_GT(host_.used_bytes(), 0);
+    EXPECT_GT(device_.used_bytes(), 0);
+  }
+  EXPECT_EQ(host_.used_bytes(), 0);
+  EXPECT_EQ(device_.used_bytes(), 0);
+  EXPECT_EQ(host_.allocation_count(), 0);
+  EXPECT_EQ(device_.allocation_count(), 0);
+}
+
+TEST_F(ChunkStoreTest, OwnerRankFollowsCommGroups) {
+  Layout layout(/*world_size=*/2);
+  for (int i = 0; i < 3; ++i) layout.add_tensor("t" + std::to_string(i), {64});
+  layout.finalize(64);
+  ChunkStore store(std::move(layout), {{ChunkKind::kParam, at::kHalf}}, host_, device_);
+  EXPECT_EQ(store.chunks_per_kind(), 4);
+  EXPECT_EQ(store.owner_rank(store.chunk_id(ChunkKind::kParam, 3)), 1);
+  EXPECT_EQ(store.comm_group(store.chunk_id(ChunkKind::kParam, 3)), 1);
+  EXPECT_EQ(store.chunk_state(store.chunk_id(ChunkKind::kParam, 3)).total(), 0);
+}
+
+}  // namespace
+}  // namespace patrickstar

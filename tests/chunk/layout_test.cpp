@@ -1,0 +1,212 @@
+// Layout: first-fit packing in registration order, waste, the too-large error, and the chunk-size
+// search against a brute force on random size sets.
+#include "patrickstar/chunk/layout.h"
+
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+namespace patrickstar {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The reference: first-fit by scanning every open chunk (O(n * chunks)).
+struct NaivePlacement {
+  std::vector<TensorPlacement> placements;
+  int64_t chunk_count = 0;
+};
+
+NaivePlacement naive_first_fit(const std::vector<int64_t>& numels, int64_t chunk_elems) {
+  NaivePlacement out;
+  std::vector<int64_t> used;
+  for (int64_t n : numels) {
+    size_t c = 0;
+    while (c < used.size() && used[c] + n > chunk_elems) ++c;
+    if (c == used.size()) used.push_back(0);
+    out.placements.push_back({static_cast<int64_t>(c), used[c], n});
+    used[c] += n;
+  }
+  out.chunk_count = static_cast<int64_t>(used.size());
+  return out;
+}
+
+int64_t naive_waste(const std::vector<int64_t>& numels, int64_t chunk_elems, int64_t world_size) {
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
+  int64_t chunks = naive_first_fit(numels, chunk_elems).chunk_count;
+  chunks = (chunks + world_size - 1) / world_size * world_size;
+  return chunks * chunk_elems - total;
+}
+
+TEST(Layout, PacksFirstFitInRegistrationOrder) {
+  Layout layout;
+  // Chunk of 10: a(6) -> c0[0,6); b(5) -> c1[0,5); c(4) -> c0[6,10); d(3) -> c1[5,8);
+  // e(3) -> c2[0,3) (c0 full, c1 has 2 left); f(2) -> c1[8,10).
+  const std::vector<std::pair<std::string, int64_t>> tensors = {{"a", 6}, {"b", 5}, {"c", 4},
+                                                                {"d", 3}, {"e", 3}, {"f", 2}};
+  for (const auto& [name, n] : tensors) layout.add_tensor(name, {n});
+  layout.finalize(10);
+  const std::vector<TensorPlacement> expected = {{0, 0, 6}, {1, 0, 5}, {0, 6, 4},
+                                                 {1, 5, 3}, {2, 0, 3}, {1, 8, 2}};
+  ASSERT_EQ(layout.chunk_count(), 3);
+  for (TensorId id = 0; id < layout.tensor_count(); ++id) {
+    const TensorPlacement& p = layout.placement(id);
+    EXPECT_EQ(p.chunk_index, expected[id].chunk_index) << layout.name(id);
+    EXPECT_EQ(p.offset_elems, expected[id].offset_elems) << layout.name(id);
+    EXPECT_EQ(p.numel, expected[id].numel) << layout.name(id);
+  }
+  EXPECT_EQ(layout.used_elems(0), 10);
+  EXPECT_EQ(layout.used_elems(1), 10);
+  EXPECT_EQ(layout.used_elems(2), 3);
+  EXPECT_EQ(layout.waste_elems(), 7);
+  EXPECT_EQ(layout.waste_bytes(at::kHalf), 14);
+  EXPECT_EQ(layout.waste_bytes(at::kFloat), 28);
+  EXPECT_NEAR(layout.waste_fraction(), 7.0 / 30.0, 1e-12);
+  EXPECT_THAT(layout.summary(at::kFloat), HasSubstr("28 bytes"));
+  const auto in_c1 = layout.tensors_in_chunk(1);
+  EXPECT_EQ(std::vector<TensorId>(in_c1.begin(), in_c1.end()), (std::vector<TensorId>{1, 3, 5}));
+}
+
+TEST(Layout, KeepsNamesAndShapes) {
+  Layout layout;
+  const TensorId w = layout.add_tensor("fc.weight", {3, 4});
+  const TensorId b = layout.add_tensor("fc.bias", {4});
+  const TensorId s = layout.add_tensor("scalar", {});
+  layout.finalize(100);
+  EXPECT_EQ(layout.name(w), "fc.weight");
+  EXPECT_EQ(layout.sizes(w).vec(), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(layout.numel(w), 12);
+  EXPECT_EQ(layout.sizes(b).vec(), (std::vector<int64_t>{4}));
+  EXPECT_EQ(layout.numel(s), 1);
+  EXPECT_EQ(layout.placement(s).offset_elems, 16);
+  EXPECT_EQ(layout.total_numel(), 17);
+  EXPECT_THROW(layout.add_tensor("late", {1}), c10::Error);
+  EXPECT_THROW(layout.placement(3), c10::Error);
+}
+
+TEST(Layout, TensorLargerThanChunkNamesItAndTheSmallestWorkingSize) {
+  Layout layout;
+  layout.add_tensor("embed.weight", {50, 20});  // 1000
+  layout.add_tensor("head.weight", {40, 30});   // 1200: the largest
+  layout.add_tensor("ln.bias", {20});
+  try {
+    layout.finalize(800);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_THAT(msg, HasSubstr("'embed.weight'"));
+    EXPECT_THAT(msg, HasSubstr("1000 elements"));
+    EXPECT_THAT(msg, HasSubstr("a chunk holds 800"));
+    EXPECT_THAT(msg, HasSubstr("1200"));
+    EXPECT_THAT(msg, HasSubstr("head.weight"));
+  }
+  EXPECT_FALSE(layout.finalized());
+  layout.finalize(1200);  // the size the error names works
+  EXPECT_EQ(layout.chunk_count(), 2);
+}
+
+TEST(Layout, RandomSetsMatchNaiveFirstFitAndNeverSpan) {
+  std::mt19937_64 rng(12345);
+  for (int trial = 0; trial < 30; ++trial) {
+    const int count = 1 + static_cast<int>(rng() % 300);
+    const int64_t chunk_elems = 64 + static_cast<int64_t>(rng() % 4000);
+    std::vector<int64_t> numels;
+    Layout layout;
+    for (int i = 0; i < count; ++i) {
+      // Mostly small tensors, some close to the chunk size, a few empty.
+      const int64_t n = (rng() % 10 == 0)   ? chunk_elems - static_cast<int64_t>(rng() % 32)
+                        : (rng() % 20 == 0) ? 0
+                                            : 1 + static_cast<int64_t>(rng() % (chunk_elems / 3));
+      numels.push_back(n);
+      layout.add_tensor("t" + std::to_string(i), {n});
+    }
+    layout.finalize(chunk_elems);
+    const NaivePlacement ref = naive_first_fit(numels, chunk_elems);
+    ASSERT_EQ(layout.chunk_count(), ref.chunk_count) << "trial " << trial;
+    for (TensorId id = 0; id < count; ++id) {
+      const TensorPlacement& p = layout.placement(id);
+      EXPECT_EQ(p.chunk_index, ref.placements[id].chunk_index) << "trial " << trial << " id " << id;
+      EXPECT_EQ(p.offset_elems, ref.placements[id].offset_elems)
+          << "trial " << trial << " id " << id;
+      EXPECT_LE(p.offset_elems + p.numel, chunk_elems);  // never spans two chunks
+    }
+    int64_t used = 0;
+    for (int64_t c = 0; c < layout.chunk_count(); ++c) used += layout.used_elems(c);
+    EXPECT_EQ(used, layout.total_numel());
+    EXPECT_EQ(layout.waste_elems(), naive_waste(numels, chunk_elems, 1));
+  }
+}
+
+TEST(Layout, ChunkSizeSearchMatchesBruteForce) {
+  std::mt19937_64 rng(777);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int count = 1 + static_cast<int>(rng() % 60);
+    std::vector<int64_t> numels;
+    for (int i = 0; i < count; ++i) numels.push_back(1 + static_cast<int64_t>(rng() % 900));
+    const int64_t min_elems = 1 + static_cast<int64_t>(rng() % 1000);
+    const int64_t step = 1 + static_cast<int64_t>(rng() % 40);
+    const int64_t max_elems = min_elems + 200 + static_cast<int64_t>(rng() % 1500);
+    const int64_t world = 1 + static_cast<int64_t>(rng() % 3);
+    int64_t largest = 0;
+    for (int64_t n : numels) largest = std::max(largest, n);
+
+    // Brute force: every candidate that holds the largest tensor; least waste, smallest size.
+    int64_t best_size = -1;
+    int64_t best_waste = 0;
+    for (int64_t size = min_elems; size <= max_elems; size += step) {
+      if (size < largest) continue;
+      const int64_t waste = naive_waste(numels, size, world);
+      if (best_size < 0 || waste < best_waste) {
+        best_size = size;
+        best_waste = waste;
+      }
+    }
+    if (best_size < 0) {
+      EXPECT_THROW(Layout::search_chunk_size(numels, min_elems, max_elems, step, world),
+                   c10::Error);
+      continue;
+    }
+    const PackingResult r = Layout::search_chunk_size(numels, min_elems, max_elems, step, world);
+    EXPECT_EQ(r.chunk_elems, best_size) << "trial " << trial;
+    EXPECT_EQ(r.waste_elems, best_waste) << "trial " << trial;
+
+    Layout layout(world);
+    for (int i = 0; i < count; ++i) layout.add_tensor("t" + std::to_string(i), {numels[i]});
+    layout.finalize_search(min_elems, max_elems, step);
+    EXPECT_EQ(layout.chunk_elems(), best_size);
+    EXPECT_EQ(layout.waste_elems(), best_waste);
+    EXPECT_EQ(layout.chunk_count() % world, 0);
+  }
+}
+
+TEST(Layout, SearchRejectsARangeBelowTheLargestTensor) {
+  Layout layout;
+  layout.add_tensor("big", {5000});
+  try {
+    layout.finalize_search(100, 4000, 100);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr("'big'"));
+    EXPECT_THAT(std::string(e.what()), HasSubstr("5000"));
+  }
+}
+
+TEST(Layout, WorldSizePadsChunkCountAndAssignsOwners) {
+  Layout layout(/*world_size=*/4);
+  for (int i = 0; i < 5; ++i) layout.add_tensor("t" + std::to_string(i), {10});
+  layout.finalize(10);  // 5 full chunks, padded to 8
+  EXPECT_EQ(layout.chunk_count(), 8);
+  EXPECT_EQ(layout.waste_elems(), 30);
+  EXPECT_EQ(layout.tensors_in_chunk(6).size(), 0u);
+  EXPECT_EQ(layout.owner_rank(5), 1);
+  EXPECT_EQ(layout.comm_group(5), 1);
+  EXPECT_EQ(layout.owner_rank(3), 3);
+  EXPECT_EQ(layout.comm_group(3), 0);
+}
+
+}  // namespace
+}  // namespace patrickstar
