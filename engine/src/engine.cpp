@@ -163,6 +163,7 @@ void Engine::register_parameters() {
     store_->view(p.id, ChunkKind::kParam).copy_(t);
     if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
     t.set_data(storage_without_memory(t.sizes(), half));
+    point_at_nothing(p);
     params_.push_back(std::move(p));
   }
   for (const Param& p : params_) {
@@ -244,10 +245,16 @@ Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
 }
 
 void Engine::point_at_chunk(const Param& p) {
+  p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous(store_->layout().sizes(p.id));
   repoint(p.tensor, store_->view(p.id, ChunkKind::kParam).data_ptr());
 }
 
-void Engine::point_at_nothing(const Param& p) { repoint(p.tensor, nullptr); }
+// A released parameter has no memory and no elements: a module called outside a door fails on its
+// shapes instead of reading freed memory. Views autograd saved keep their own sizes.
+void Engine::point_at_nothing(const Param& p) {
+  repoint(p.tensor, nullptr);
+  p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+}
 
 void Engine::begin_iteration_if_needed() {
   if (in_iteration_) return;
@@ -273,7 +280,13 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
   }
   const int64_t m = recorder_->tick(kind, module.label);
   for (int64_t c : chunk_ids) recorder_->record_access(c);
-  scheduler_->at_moment(m, kind, chunk_ids, *mover_);
+  try {
+    scheduler_->at_moment(m, kind, chunk_ids, *mover_);
+  } catch (c10::Error& e) {
+    e.add_context(absl::StrCat("while making the chunks of module ", module.label,
+                               " resident; chunks pinned by tensors in use: ", describe_pinned()));
+    throw;
+  }
   for (TensorId id : module.params) {
     Param& p = params_[id];
     if (p.compute_refs++ > 0) continue;
@@ -284,6 +297,21 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
     point_at_chunk(p);
   }
   return module.params;
+}
+
+std::string Engine::describe_pinned() const {
+  std::string out;
+  for (ChunkId c = 0; c < store_->chunk_count(); ++c) {
+    if (store_->tier(c) != Tier::kDevice || store_->is_movable(c)) continue;
+    std::string users;
+    for (TensorId t : store_->layout().tensors_in_chunk(store_->index_of(c))) {
+      if (store_->state(t, store_->kind_of(c)) == TensorState::kCompute) {
+        absl::StrAppend(&users, users.empty() ? "" : ", ", params_[t].name);
+      }
+    }
+    absl::StrAppend(&out, out.empty() ? "" : "; ", store_->describe(c), " (", users, ")");
+  }
+  return out.empty() ? "none" : out;
 }
 
 int64_t Engine::pre_forward(torch::nn::Module& module) {
@@ -478,7 +506,13 @@ IterationReport Engine::run_adam() {
   const int64_t n = store_->chunks_per_kind();
   auto id_of = [&](ChunkKind kind, int64_t i) { return store_->chunk_id(kind, i); };
 
-  // The step moment: chunks whose Adam runs on the device are accessed there.
+  // The step moment: chunks whose Adam runs on the device are accessed there. The warm-up runs
+  // every update on the host (its chunk budget is the conservative one) but records the steady
+  // state's accesses, so that from the next iteration on the schedule knows when the optimizer
+  // states are used.
+  const bool warmup = !scheduler_->has_trace();
+  std::vector<bool> on_device = adam_on_device_;
+  if (warmup) on_device.assign(on_device.size(), false);
   std::vector<int64_t> device_chunks;
   for (int64_t i = 0; i < n; ++i) {
     if (!adam_on_device_[i]) continue;
@@ -490,10 +524,11 @@ IterationReport Engine::run_adam() {
   }
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
-  scheduler_->at_moment(m, MomentKind::kStep, device_chunks, *mover_);
+  scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
+                        *mover_);
   // The rest update on the host: their gradients come home (the states live there already).
   for (int64_t i = 0; i < n; ++i) {
-    if (adam_on_device_[i]) continue;
+    if (on_device[i]) continue;
     for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kParamFp32,
                            ChunkKind::kMomentum, ChunkKind::kVariance}) {
       if (!store_->has_kind(kind)) continue;
@@ -536,7 +571,7 @@ IterationReport Engine::run_adam() {
         run.grad_fp32 = slice(ChunkKind::kGrad);
       }
       runs.push_back(run);
-      plan.on_device.push_back(adam_on_device_[i]);
+      plan.on_device.push_back(on_device[i]);
     }
   }
   IterationReport report;
@@ -546,7 +581,7 @@ IterationReport Engine::run_adam() {
   report.grad_norm = step.grad_norm;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t bytes = store_->chunk_bytes(id_of(ChunkKind::kMomentum, i)) * (mixed_ ? 3 : 2);
-    if (adam_on_device_[i]) {
+    if (on_device[i]) {
       ++report.adam.chunks_device;
       report.adam.bytes_device += bytes;
     } else {

@@ -74,10 +74,14 @@ class EngineOptimizer {
 
 namespace detail {
 template <typename T>
+struct is_shared_ptr : std::false_type {};
+template <typename T>
+struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+
+template <typename T>
 auto module_shared_ptr(T&& made) {
-  using M = std::decay_t<T>;
-  if constexpr (std::is_base_of_v<torch::nn::Module, typename M::element_type>) {
-    return std::shared_ptr<typename M::element_type>(std::forward<T>(made));  // a shared_ptr
+  if constexpr (is_shared_ptr<std::decay_t<T>>::value) {
+    return std::forward<T>(made);
   } else {
     return made.ptr();  // a ModuleHolder such as torch::nn::Linear or models::Gpt
   }

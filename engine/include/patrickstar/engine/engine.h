@@ -11,8 +11,8 @@
 //
 // What happens to the model: each parameter keeps its identity (tensor, name, requires_grad) but
 // its data becomes a window into its chunk, valid only between a door's pre- and post-forward (and
-// during that module's backward); outside, the parameter has no data and using it is a c10::Error
-// ("data is not allocated"). Mixed precision turns parameters into bf16/fp16; the fp32 master lives
+// during that module's backward); outside, the parameter has no memory and zero elements (sizes
+// [0]), so a module called without a door fails on shapes. Mixed precision turns parameters into bf16/fp16; the fp32 master lives
 // in the `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name.
 //
 // Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
@@ -164,6 +164,8 @@ class Engine final : public ModuleHookHandler {
   void point_at_chunk(const Param& p);
   void point_at_nothing(const Param& p);
   void decide_adam_placement();
+  // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
+  std::string describe_pinned() const;
   IterationReport run_adam();
 
   std::shared_ptr<torch::nn::Module> model_;
