@@ -74,17 +74,18 @@ TEST(Scheduler, HandComputedLoop) {
 }
 
 // Non-model bytes shape the budget. Chunks 0, 1, 2 of 100 bytes, capacity 400.
-//   m0 accesses {0, 1}, non-model 0;  m1 accesses {2}, non-model 200;  m2 accesses {0}, non-model
-//   0.
-// Budgets: m0: 400 - max(0, 200) = 200;  m1: 400 - max(200, 0) = 200;  m2: 400 - max(0, nm[m0]) =
-// 400. Demand paging (no prefetch): at m1 one of {0, 1} must leave; 0 is needed at m2, 1 only at
-// the next m0, so OPT evicts 1 at m1. At the next m0, {0, 1} fill the budget of 200: chunk 2
-// leaves, 1 comes back. Two loads and two evictions per iteration, and no schedule does better: 2
-// must be away at m0 and back at m1, and one of {0, 1} away at m1 and back at m0. Prefetch after
-// compute (depth 2): after m0's compute, chunk 2 (needed at m1) comes in early and evicts 1 (next
-// use next m0, later than 0's at m2): the eviction moves to m0. After m1's compute, chunk 1 (needed
-// at the next m0, budget 200, the tightest of the window m1..m2) evicts 2, whose next use (next m1)
-// is later. Still two loads per iteration, now both prefetched and used.
+//   m0 accesses {0, 1}, non-model 0
+//   m1 accesses {2},    non-model 200
+//   m2 accesses {0},    non-model 0
+// Budgets: m0: 400 - max(0, 200) = 200; m1: 400 - max(200, 0) = 200; m2: 400 - max(0, 0) = 400.
+// Demand paging (no prefetch): at m1 one of {0, 1} must leave; 0 is needed at m2, 1 only at the
+// next m0, so OPT evicts 1 at m1. At the next m0, {0, 1} fill the budget of 200: chunk 2 leaves,
+// 1 comes back. Two loads and two evictions per iteration, and no schedule does better: 2 must be
+// away at m0 and back at m1, and one of {0, 1} away at m1 and back at m0.
+// Prefetch after compute (depth 2): after m0's compute, chunk 2 (needed at m1) comes early and
+// evicts 1 (next use: the next m0, later than 0's at m2), so that eviction moves to m0. After m1's
+// compute, chunk 1 (needed at the next m0, whose budget of 200 is the tightest of the window)
+// evicts 2, next used at the next m1. Still two loads per iteration, both prefetched and used.
 TEST(Scheduler, HandComputedBudgetsFromNonModelBytes) {
   const Trace trace = make_trace({{0, 1}, {2}, {0}}, {0, 200, 0});
   const auto chunks = equal_chunks(3, 100);
