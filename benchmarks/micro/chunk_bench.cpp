@@ -3,6 +3,7 @@
 //   BM_Memcpy/<dtype>:    the same bytes with two plain memcpy calls between prefaulted buffers:
 //                         the baseline (goal: BM_ChunkMove >= 0.95 x BM_Memcpy bytes_per_second).
 //   BM_Register100k:      registering 100k tensors of mixed shapes and placing them (goal < 50 ms).
+//   BM_ChunkSizeSearch10k: the chunk-size search over 10k tensors and 1024 candidate sizes.
 #include "patrickstar/chunk/chunk_store.h"
 
 #include <benchmark/benchmark.h>
@@ -123,9 +124,28 @@ void BM_Register100k(benchmark::State& state) {
   state.counters["waste_pct"] = waste * 100.0;
 }
 
+// The chunk-size search over 10k of the same tensors: 1024 candidate sizes from 4M to 8M elements.
+void BM_ChunkSizeSearch10k(benchmark::State& state) {
+  const Shapes& shapes = mixed_shapes();
+  std::vector<int64_t> numels;
+  for (size_t i = 0; i < 10000; ++i) {
+    int64_t n = 1;
+    for (int64_t s : shapes.sizes[i]) n *= s;
+    numels.push_back(n);
+  }
+  PackingResult best;
+  for (auto _ : state) {
+    best = Layout::search_chunk_size(numels, 4LL << 20, 8LL << 20, 4096);
+    benchmark::DoNotOptimize(best);
+  }
+  state.counters["chunk_elems"] = static_cast<double>(best.chunk_elems);
+  state.counters["waste_elems"] = static_cast<double>(best.waste_elems);
+}
+
 BENCHMARK(BM_ChunkMove)->Arg(2)->Arg(4)->ArgName("elem_bytes")->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Memcpy)->Arg(2)->Arg(4)->ArgName("elem_bytes")->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Register100k)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ChunkSizeSearch10k)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace patrickstar

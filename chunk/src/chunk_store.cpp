@@ -90,6 +90,11 @@ const Chunk& ChunkStore::chunk(ChunkId id) const {
   return chunks_[static_cast<size_t>(id)];
 }
 
+std::span<const Chunk> ChunkStore::chunks(ChunkKind kind) const {
+  const size_t begin = static_cast<size_t>(slot(kind)) * static_cast<size_t>(chunks_per_kind());
+  return std::span<const Chunk>(chunks_.data() + begin, static_cast<size_t>(chunks_per_kind()));
+}
+
 Chunk& ChunkStore::mutable_chunk(ChunkId id) {
   return const_cast<Chunk&>(chunk(id));
 }

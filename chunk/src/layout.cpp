@@ -118,10 +118,19 @@ PackingResult Layout::search_chunk_size(std::span<const int64_t> numels, int64_t
   TORCH_CHECK(first <= max_elems, "Layout: no chunk size in [", min_elems, ", ", max_elems,
               "] (step ", step_elems, ") holds the largest tensor of ", largest,
               " elements; raise the search maximum to at least ", first);
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
   PackingResult best;
   for (int64_t size = first; size <= max_elems; size += step_elems) {
-    const PackingResult r = pack(numels, size, world_size);
-    if (best.chunk_elems == 0 || r.waste_elems < best.waste_elems) best = r;
+    // No packing needs fewer than ceil(total / size) chunks: when even that bound cannot beat the
+    // best so far (ties keep the smaller size), skip the packing. The result stays exact.
+    const int64_t min_chunks =
+        round_up_to(std::max<int64_t>(1, (total + size - 1) / size), world_size);
+    const bool may_win = best.chunk_elems == 0 || min_chunks * size - total < best.waste_elems;
+    if (may_win) {
+      const PackingResult r = pack(numels, size, world_size);
+      if (best.chunk_elems == 0 || r.waste_elems < best.waste_elems) best = r;
+    }
     if (size > max_elems - step_elems) break;  // no overflow past max_elems
   }
   return best;

@@ -47,6 +47,12 @@ TEST_F(ChunkStoreTest, ChunkIdsRunKindByKind) {
     }
   }
   EXPECT_EQ(store.chunk_id(ChunkKind::kMomentum, 1), 3);
+  const auto momentum = store.chunks(ChunkKind::kMomentum);
+  ASSERT_EQ(momentum.size(), 2u);
+  EXPECT_EQ(momentum[0].id, 2);
+  EXPECT_EQ(momentum[1].kind, ChunkKind::kMomentum);
+  EXPECT_EQ(momentum[1].capacity_elems, 64);
+  EXPECT_EQ(momentum[1].dtype, at::kFloat);
   EXPECT_EQ(store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0)), 128);
   EXPECT_EQ(store.chunk_bytes(store.chunk_id(ChunkKind::kMomentum, 0)), 256);
   EXPECT_EQ(store.chunk_of(2, ChunkKind::kMomentum), 3);

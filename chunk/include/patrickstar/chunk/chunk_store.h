@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,8 @@ class ChunkStore {
   int64_t index_of(ChunkId id) const { return chunk(id).index; }
   ChunkId chunk_of(TensorId tensor, ChunkKind kind) const;
   const Chunk& chunk(ChunkId id) const;
+  // The chunk list of one kind, in index order (its ids are consecutive).
+  std::span<const Chunk> chunks(ChunkKind kind) const;
   Tier tier(ChunkId id) const { return chunk(id).tier; }
   int64_t chunk_bytes(ChunkId id) const { return chunk(id).bytes; }
   int64_t chunk_elems() const { return layout_.chunk_elems(); }

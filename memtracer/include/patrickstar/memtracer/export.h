@@ -1,0 +1,35 @@
+// Export of the scheduler's statistics and timeline: statistics as JSON, the timeline as Chrome
+// trace-event JSON (opens in Perfetto and chrome://tracing: chunk moves are "X" events, device
+// memory "C" counters) and a memory-timeline plot as SVG. Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/simulator.h"
+
+namespace patrickstar {
+
+// {"iterations": [{"iteration", "warmup", "h2d_bytes", "d2h_bytes", "loads", "evictions",
+//   "prefetches", "prefetches_used", "peak_chunk_bytes", "peak_device_bytes", "budget_bytes":
+//   [...]}]}
+std::string stats_to_json(const std::vector<IterationStats>& iterations);
+// {"h2d_bytes", "d2h_bytes", "loads", "evictions", "proven", "method"}
+std::string bound_to_json(const TrafficBound& bound);
+
+// Chrome trace-event JSON ({"traceEvents": [...]}): one "X" event per move (thread "h2d" or "d2h"),
+// one "i" instant per moment, and a "C" counter "device memory" per moment with chunk, non-model
+// and budget bytes.
+std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
+                              const std::vector<MomentRecord>& moments, int64_t capacity_bytes);
+
+// SVG plot over the moment sequence: capacity, budget, chunk bytes, non-model bytes and their sum,
+// with axis labels (bytes in MiB) and a legend.
+std::string memory_timeline_svg(const std::vector<MomentRecord>& moments, int64_t capacity_bytes);
+
+// Writes `text` to `path`; throws c10::Error naming the path on failure.
+void write_text_file(const std::string& path, const std::string& text);
+
+}  // namespace patrickstar

@@ -1,0 +1,211 @@
+// Scheduler: decides, moment by moment, which chunks are on the compute device. The engine owns it
+// and carries out its decisions through a ChunkMover. Not thread-safe: call it from the training
+// thread.
+//
+// The policy, in plain words:
+// - Budget. At moment m of an iteration after the warm-up, chunks may use
+//     floor(capacity_bytes * overall_ratio) - max(non_model[m], non_model[m+1]) - reserve_bytes
+//   bytes of the device, non_model taken from the warm-up trace (non_model[m+1] of the last moment
+//   is the larger of the iteration's tail and the next iteration's first moment). The chunks
+//   resident after moment m stay through the interval up to moment m+1, whose peak non_model[m+1]
+//   measured, so chunk bytes + non-model bytes never exceed the capacity. During the warm-up (no
+//   trace yet) the budget is floor(capacity_bytes * overall_ratio * warmup_ratio) - reserve_bytes,
+//   capped by the live non-model reading the caller passes.
+// - Demand. At each moment every accessed chunk is made resident. Before any load, resident
+//   chunks are evicted (moved to the host) until the resident bytes plus the bytes to load fit the
+//   budget; this also shrinks the resident set when the budget fell. Chunks accessed at the moment
+//   and chunks the mover reports as not movable (tensors in COMPUTE) are never evicted.
+// - Eviction. kOpt: the resident chunk whose next use is farthest (Belady), next uses taken from
+//   the warm-up trace flattened into one access sequence (moment by moment, within a moment in
+//   recorded order) and wrapping into the next iteration; chunks never used again go first. Ties
+//   (only chunks never used again can tie) go to the larger chunk, then the larger id. kLru, and
+//   every policy during the warm-up: least recently accessed first (same tie rule). kStatic (like
+//   ZeRO-Offload): chunks marked static_on_device are loaded on first use and never evicted,
+//   except that at kStep moments the accessed chunks go to the host (the host Adam reads the
+//   gradients and writes new weights, which come back at their next use); other chunks are
+//   evicted least recently used first.
+// - Prefetch (kOpt and kLru, after the warm-up, prefetch_depth K > 0). After the demand loads of
+//   moment m (in after_moment once m's compute is done, or in at_moment when
+//   prefetch_after_compute is off), chunks accessed at moments m+1 .. m+K (wrapping) are loaded in
+//   access order while they fit the smallest budget of the moments they stay resident through. kOpt
+//   may evict for a prefetch what Belady would evict when the chunk is needed at moment t, and
+//   nothing else: only when t's budget is the smallest of the window, and only chunks whose next
+//   use is later than the prefetched chunk's and than that of every chunk accessed at m .. t-1
+//   (those stay until t, and Belady might pick one of them at t). Otherwise the chunk waits for its
+//   demand load. kLru prefetches into free budget only.
+// - Errors. Accessed chunks alone above the budget, or non-model bytes alone above the capacity,
+//   raise c10::Error naming the moment, the bytes needed and the budget.
+// - Traffic. Every to_device counts its bytes as host-to-device, every to_host as device-to-host.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "patrickstar/memtracer/trace.h"
+
+namespace patrickstar {
+
+enum class EvictionPolicy { kOpt, kLru, kStatic };
+const char* eviction_policy_name(EvictionPolicy policy);
+// "opt", "lru" or "static"; throws c10::Error otherwise.
+EvictionPolicy parse_eviction_policy(const std::string& name);
+
+struct SchedulerOptions {
+  int64_t capacity_bytes = 0;  // device capacity
+  double overall_ratio = 1.0;  // share of the capacity this process may use
+  int64_t reserve_bytes = 0;   // kept free (fragmentation, library workspaces)
+  double warmup_ratio = 0.5;   // share of capacity*overall_ratio for chunks during the warm-up
+  EvictionPolicy policy = EvictionPolicy::kOpt;
+  int64_t prefetch_depth = 2;  // K moments of look-ahead; 0 disables prefetch
+  // true: the engine calls after_moment(m) when moment m's compute is done (its chunks may move
+  // again) and the prefetch runs there; false: at_moment prefetches, with m's chunks still pinned.
+  bool prefetch_after_compute = true;
+};
+
+struct ChunkInfo {
+  int64_t bytes = 0;
+  bool static_on_device = false;  // kStatic: kept on the device (the engine marks param chunks)
+};
+
+// What the scheduler asks of the chunk store. The engine implements it; the simulator fakes it.
+class ChunkMover {
+ public:
+  virtual ~ChunkMover() = default;
+  virtual bool on_device(int64_t chunk_id) = 0;
+  // False while the chunk may not leave the device (a tensor in COMPUTE).
+  virtual bool movable(int64_t chunk_id) = 0;
+  virtual void to_device(int64_t chunk_id) = 0;
+  virtual void to_host(int64_t chunk_id) = 0;
+};
+
+struct MoveEvent {
+  int64_t iteration = 0;
+  int64_t moment = 0;
+  int64_t chunk_id = 0;
+  int64_t bytes = 0;
+  bool to_device = true;
+  bool prefetch = false;
+  int64_t start_us = 0;
+  int64_t duration_us = 0;
+};
+
+// The device after a moment's moves.
+struct MomentRecord {
+  int64_t iteration = 0;
+  int64_t moment = 0;
+  MomentKind kind = MomentKind::kPreForward;
+  std::string label;
+  int64_t time_us = 0;
+  int64_t chunk_bytes = 0;  // resident chunk bytes after the moment's moves
+  int64_t non_model_bytes =
+      -1;  // max(non_model[m], non_model[m+1]) from the trace; -1 when unknown
+  int64_t budget_bytes = 0;
+};
+
+struct IterationStats {
+  int64_t iteration = 0;
+  bool warmup = false;
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t loads = 0;
+  int64_t evictions = 0;
+  int64_t prefetches = 0;       // prefetch loads issued
+  int64_t prefetches_used = 0;  // prefetched chunks accessed before being evicted
+  int64_t peak_chunk_bytes = 0;
+  int64_t peak_device_bytes = 0;      // chunks + non-model, when non-model is known
+  std::vector<int64_t> budget_bytes;  // per moment
+};
+
+// Usage (the engine):
+//   Scheduler scheduler(options, chunk_table);
+//   scheduler.begin_iteration();
+//   at each moment m: scheduler.at_moment(m, kind, accessed_chunk_ids, mover);
+//   after the warm-up's last moment: scheduler.set_trace(recorder.warmup_trace(), &mover);
+//   scheduler.end_iteration();
+class Scheduler {
+ public:
+  Scheduler(SchedulerOptions options, std::map<int64_t, ChunkInfo> chunks);
+
+  // Adds or updates a chunk (bytes and static flag).
+  void set_chunk(int64_t chunk_id, ChunkInfo info);
+  const std::map<int64_t, ChunkInfo>& chunks() const { return chunks_; }
+  const SchedulerOptions& options() const { return options_; }
+
+  // Installs the warm-up trace: later moments use its budgets and its access order. Throws when the
+  // non-model bytes alone, or the chunks one moment accesses, exceed a moment's budget. With a
+  // mover, brings back chunks in order of first use while they fit every moment's budget (counted
+  // in the current iteration); call it before the warm-up's end_iteration().
+  void set_trace(const Trace& trace, ChunkMover* mover = nullptr);
+  bool has_trace() const { return has_trace_; }
+  const Trace& trace() const { return trace_; }
+
+  void begin_iteration();
+  // Makes every chunk in `accessed` resident (evicting per policy within budget_bytes(m)), then
+  // prefetches. With a trace, m must be a moment of it. During the warm-up, live_non_model_bytes
+  // (the probe's reading now, if the caller has one) also caps the budget at floor(capacity *
+  // overall_ratio) - live_non_model_bytes - reserve_bytes.
+  void at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
+                 ChunkMover& mover, int64_t live_non_model_bytes = 0);
+  // Prefetches after moment m's compute (prefetch_after_compute): m's chunks are movable again, so
+  // the prefetch may evict them as Belady would. A no-op during the warm-up and for kStatic.
+  void after_moment(int64_t m, ChunkMover& mover);
+  void end_iteration();
+
+  // Chunk bytes allowed on the device at moment m (the warm-up budget before set_trace).
+  int64_t budget_bytes(int64_t m) const;
+
+  // Finished iterations' statistics, and the one in progress.
+  const std::vector<IterationStats>& history() const { return history_; }
+  const IterationStats& current_stats() const { return stats_; }
+
+  // Timeline of every move and moment (kept while record_timeline is on, the default).
+  const std::vector<MoveEvent>& moves() const { return moves_; }
+  const std::vector<MomentRecord>& moment_records() const { return moment_records_; }
+  void set_record_timeline(bool on) { record_timeline_ = on; }
+  void clear_timeline();
+  // Clock for timeline timestamps in microseconds (default: steady clock since construction).
+  void set_clock(std::function<int64_t()> now_us);
+
+ private:
+  struct Candidate;
+  void refresh_residency(ChunkMover& mover);
+  const ChunkInfo& info(int64_t chunk_id) const;
+  int64_t next_use(int64_t chunk_id, int64_t m) const;  // flattened position, INT64_MAX if never
+  bool evict_to_fit(int64_t bytes_to_add, int64_t budget, int64_t m,
+                    const std::set<int64_t>& pinned, int64_t prefetch_next_use, ChunkMover& mover);
+  void load(int64_t chunk_id, int64_t m, bool prefetch, ChunkMover& mover);
+  void evict(int64_t chunk_id, int64_t m, ChunkMover& mover);
+  void prefetch_after(int64_t m, const std::set<int64_t>& pinned, ChunkMover& mover);
+  std::string describe_moment(int64_t m) const;
+
+  SchedulerOptions options_;
+  std::map<int64_t, ChunkInfo> chunks_;
+  Trace trace_;
+  bool has_trace_ = false;
+  // kOpt: per chunk, (moment, flattened position) of its accesses in the trace, ascending.
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> uses_;
+  int64_t accesses_per_iteration_ = 0;
+
+  std::set<int64_t> resident_;
+  int64_t resident_bytes_ = 0;
+  std::map<int64_t, int64_t> last_access_;  // LRU clock per chunk
+  int64_t access_clock_ = 0;
+  std::set<int64_t> prefetched_;  // prefetched, not yet accessed
+
+  int64_t warmup_non_model_bytes_ = 0;  // the live reading of the warm-up moment in progress
+  int64_t iteration_ = -1;
+  bool in_iteration_ = false;
+  IterationStats stats_;
+  std::vector<IterationStats> history_;
+
+  bool record_timeline_ = true;
+  std::vector<MoveEvent> moves_;
+  std::vector<MomentRecord> moment_records_;
+  std::function<int64_t()> now_us_;
+};
+
+}  // namespace patrickstar

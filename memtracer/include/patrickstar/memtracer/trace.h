@@ -1,0 +1,89 @@
+// The moment clock and the warm-up trace. A moment is each pre-forward and pre-backward of a module
+// that owns parameters, and each optimizer-step moment; the clock restarts every iteration. The
+// warm-up iteration records per moment its non-model bytes (the probe's peak since the previous
+// moment: measured, never estimated) and the chunks accessed; later iterations check that the same
+// moments come in the same order. TraceRecorder is not thread-safe (the engine calls it from the
+// training thread).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace patrickstar {
+
+class MemoryProbe;
+
+enum class MomentKind { kPreForward, kPreBackward, kStep };
+const char* moment_kind_name(MomentKind kind);
+
+struct Moment {
+  MomentKind kind = MomentKind::kPreForward;
+  std::string label;  // the module's name, or "step" / "step:<group>" for optimizer moments
+  // Peak non-model bytes over the interval that ends at this moment (since the previous moment).
+  int64_t non_model_bytes = 0;
+  // Chunks accessed at this moment, in access order, each once.
+  std::vector<int64_t> chunk_ids;
+};
+
+// One iteration's moments. tail_non_model_bytes is the peak from the last moment to the end of the
+// iteration (the optimizer step's temporaries, the loss of the next batch's loading ...).
+struct Trace {
+  std::vector<Moment> moments;
+  int64_t tail_non_model_bytes = 0;
+
+  int64_t size() const { return static_cast<int64_t>(moments.size()); }
+  // Non-model bytes of the interval after moment m: moment m+1's, or for the last moment the tail
+  // and the first moment of the next iteration.
+  int64_t next_non_model_bytes(int64_t m) const;
+  // True when kinds, labels and accessed chunks match moment by moment (non-model bytes may
+  // differ).
+  bool same_moments(const Trace& other) const;
+};
+
+// Usage (the engine):
+//   TraceRecorder recorder(&probe);
+//   for each iteration: recorder.begin_iteration();
+//     at each moment:   int64_t m = recorder.tick(kind, label); recorder.record_access(chunk_id)
+//     ... recorder.end_iteration();
+//   recorder.warmup_trace()  // iteration 0, complete after its end_iteration()
+class TraceRecorder {
+ public:
+  // probe: not owned, may be nullptr (then non-model bytes are recorded as 0); must outlive the
+  // recorder.
+  explicit TraceRecorder(MemoryProbe* probe);
+
+  void begin_iteration();
+  // Closes the previous moment's measurement and opens moment m (returned). From iteration 1 on,
+  // throws c10::Error when the moment differs from the warm-up's moment m (the model's control flow
+  // changed).
+  int64_t tick(MomentKind kind, const std::string& label);
+  // Records that `chunk_id` is accessed at the current moment (duplicates are ignored).
+  void record_access(int64_t chunk_id);
+  // Closes the iteration; from iteration 1 on, throws when it had fewer moments than the warm-up.
+  void end_iteration();
+
+  // Iterations begun so far minus one: 0 during the first (warm-up) iteration.
+  int64_t iteration() const { return iteration_; }
+  int64_t current_moment() const { return current_moment_; }  // -1 before the first tick
+  // True once a warm-up iteration has ended (and until rewarm()).
+  bool has_warmup_trace() const { return has_warmup_; }
+  const Trace& warmup_trace() const { return warmup_; }
+  // The iteration in progress (or the last finished one).
+  const Trace& current_trace() const { return current_; }
+  // Drops the warm-up trace: the next iteration records a new one (after a change of control flow).
+  void rewarm();
+
+ private:
+  int64_t take_peak();
+
+  MemoryProbe* probe_;
+  Trace warmup_;
+  Trace current_;
+  bool has_warmup_ = false;
+  bool in_iteration_ = false;
+  int64_t iteration_ = -1;
+  int64_t current_moment_ = -1;
+};
+
+}  // namespace patrickstar

@@ -1,0 +1,29 @@
+#include "patrickstar/memtracer/memory_probe.h"
+
+#include <c10/util/Exception.h>
+
+#include "patrickstar/memtracer/counting_allocator.h"
+
+namespace patrickstar {
+
+int64_t CpuMemoryProbe::live_bytes() const {
+  return counter_.live_bytes();
+}
+int64_t CpuMemoryProbe::peak_bytes() const {
+  return counter_.peak_bytes();
+}
+void CpuMemoryProbe::reset_peak() {
+  counter_.reset_peak();
+}
+
+#ifndef PATRICKSTAR_MEMTRACER_CUDA
+std::unique_ptr<MemoryProbe> make_cuda_memory_probe(c10::DeviceIndex device) {
+  TORCH_CHECK(false, "make_cuda_memory_probe(", static_cast<int>(device),
+              "): patrickstar was built without CUDA; use CpuMemoryProbe on the emulated device");
+}
+bool memtracer_built_with_cuda() {
+  return false;
+}
+#endif
+
+}  // namespace patrickstar

@@ -1,0 +1,445 @@
+#include "patrickstar/memtracer/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace patrickstar {
+namespace {
+
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+int64_t scaled_bytes(int64_t bytes, double ratio) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(bytes) * ratio));
+}
+
+}  // namespace
+
+const char* eviction_policy_name(EvictionPolicy policy) {
+  switch (policy) {
+    case EvictionPolicy::kOpt:
+      return "opt";
+    case EvictionPolicy::kLru:
+      return "lru";
+    case EvictionPolicy::kStatic:
+      return "static";
+  }
+  return "unknown";
+}
+
+EvictionPolicy parse_eviction_policy(const std::string& name) {
+  if (name == "opt") return EvictionPolicy::kOpt;
+  if (name == "lru") return EvictionPolicy::kLru;
+  if (name == "static") return EvictionPolicy::kStatic;
+  TORCH_CHECK(false, "unknown eviction policy '", name, "': expected opt, lru or static");
+}
+
+Scheduler::Scheduler(SchedulerOptions options, std::map<int64_t, ChunkInfo> chunks)
+    : options_(options), chunks_(std::move(chunks)) {
+  TORCH_CHECK(options_.capacity_bytes > 0, "Scheduler: capacity_bytes must be positive, got ",
+              options_.capacity_bytes);
+  TORCH_CHECK(options_.overall_ratio > 0.0 && options_.overall_ratio <= 1.0,
+              "Scheduler: overall_ratio must be in (0, 1], got ", options_.overall_ratio);
+  TORCH_CHECK(options_.warmup_ratio > 0.0 && options_.warmup_ratio <= 1.0,
+              "Scheduler: warmup_ratio must be in (0, 1], got ", options_.warmup_ratio);
+  TORCH_CHECK(options_.reserve_bytes >= 0, "Scheduler: reserve_bytes must be >= 0, got ",
+              options_.reserve_bytes);
+  TORCH_CHECK(options_.prefetch_depth >= 0, "Scheduler: prefetch_depth must be >= 0, got ",
+              options_.prefetch_depth);
+  for (const auto& [id, chunk] : chunks_) {
+    TORCH_CHECK(chunk.bytes > 0, "Scheduler: chunk ", id, " has ", chunk.bytes,
+                " bytes; chunk sizes must be positive");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  now_us_ = [start] {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                                 start)
+        .count();
+  };
+}
+
+void Scheduler::set_chunk(int64_t chunk_id, ChunkInfo info) {
+  TORCH_CHECK(info.bytes > 0, "Scheduler::set_chunk: chunk ", chunk_id, " has ", info.bytes,
+              " bytes; chunk sizes must be positive");
+  TORCH_CHECK(resident_.count(chunk_id) == 0 || chunks_.at(chunk_id).bytes == info.bytes,
+              "Scheduler::set_chunk: chunk ", chunk_id,
+              " is on the device; its size cannot change there");
+  chunks_[chunk_id] = info;
+}
+
+void Scheduler::set_clock(std::function<int64_t()> now_us) {
+  TORCH_CHECK(now_us, "Scheduler::set_clock: empty clock");
+  now_us_ = std::move(now_us);
+}
+
+void Scheduler::clear_timeline() {
+  moves_.clear();
+  moment_records_.clear();
+}
+
+const ChunkInfo& Scheduler::info(int64_t chunk_id) const {
+  auto it = chunks_.find(chunk_id);
+  TORCH_CHECK(it != chunks_.end(), "Scheduler: chunk ", chunk_id,
+              " is unknown (register it with the chunk table or set_chunk)");
+  return it->second;
+}
+
+std::string Scheduler::describe_moment(int64_t m) const {
+  std::ostringstream out;
+  out << "moment " << m;
+  if (has_trace_ && m >= 0 && m < trace_.size()) {
+    out << " (" << moment_kind_name(trace_.moments[m].kind) << " '" << trace_.moments[m].label
+        << "')";
+  }
+  if (iteration_ >= 0) {
+    out << " of iteration " << iteration_;
+  }
+  return out.str();
+}
+
+int64_t Scheduler::budget_bytes(int64_t m) const {
+  const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
+  if (!has_trace_) {
+    return std::min(scaled_bytes(usable, options_.warmup_ratio), usable - warmup_non_model_bytes_) -
+           options_.reserve_bytes;
+  }
+  TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::budget_bytes: moment ", m,
+              " is outside the trace of ", trace_.size(), " moments");
+  const int64_t non_model =
+      std::max(trace_.moments[m].non_model_bytes, trace_.next_non_model_bytes(m));
+  return usable - non_model - options_.reserve_bytes;
+}
+
+void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
+  TORCH_CHECK(trace.size() > 0, "Scheduler::set_trace: the trace has no moment");
+  // Validate before changing anything: a rejected trace leaves the scheduler as it was.
+  const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
+  // Non-model bytes alone: name the moment whose interval measured them.
+  auto check_non_model = [&](int64_t non_model, const std::string& where) {
+    TORCH_CHECK(non_model + options_.reserve_bytes <= usable, where,
+                " activations and temporaries (non-model data) need ", non_model,
+                " bytes but the device offers ", usable, " bytes (capacity ",
+                options_.capacity_bytes, " x overall_ratio ", options_.overall_ratio,
+                ") with a reserve of ", options_.reserve_bytes,
+                ": use a smaller batch or activation checkpointing");
+  };
+  for (int64_t m = 0; m < trace.size(); ++m) {
+    const Moment& moment = trace.moments[m];
+    check_non_model(moment.non_model_bytes, "up to moment " + std::to_string(m) + " (" +
+                                                moment_kind_name(moment.kind) + " '" +
+                                                moment.label + "')");
+  }
+  check_non_model(trace.tail_non_model_bytes, "after the last moment of the iteration");
+  for (int64_t m = 0; m < trace.size(); ++m) {
+    const Moment& moment = trace.moments[m];
+    const int64_t non_model = std::max(moment.non_model_bytes, trace.next_non_model_bytes(m));
+    const int64_t budget = usable - non_model - options_.reserve_bytes;
+    int64_t needed = 0;
+    for (int64_t id : moment.chunk_ids) {
+      needed += info(id).bytes;
+    }
+    TORCH_CHECK(needed <= budget, "at moment ", m, " (", moment_kind_name(moment.kind), " '",
+                moment.label, "') the ", moment.chunk_ids.size(), " chunks accessed need ", needed,
+                " bytes but the chunk budget is ", budget, " bytes (capacity ",
+                options_.capacity_bytes, ", non-model ", non_model, ", reserve ",
+                options_.reserve_bytes,
+                "): use a smaller chunk size, a smaller batch or activation checkpointing");
+  }
+  trace_ = trace;
+  has_trace_ = true;
+  uses_.clear();
+  int64_t position = 0;
+  for (int64_t m = 0; m < trace_.size(); ++m) {
+    for (int64_t id : trace_.moments[m].chunk_ids) {
+      uses_[id].emplace_back(m, position++);
+    }
+  }
+  accesses_per_iteration_ = position;
+
+  if (mover == nullptr || options_.policy == EvictionPolicy::kStatic) {
+    return;
+  }
+  // Warm start: bring back chunks in order of first use while they fit every moment's budget, so a
+  // device that holds everything has no traffic after the warm-up.
+  refresh_residency(*mover);
+  int64_t smallest_budget = std::numeric_limits<int64_t>::max();
+  for (int64_t m = 0; m < trace_.size(); ++m) {
+    smallest_budget = std::min(smallest_budget, budget_bytes(m));
+  }
+  const int64_t last = trace_.size() - 1;
+  for (int64_t m = 0; m < trace_.size(); ++m) {
+    for (int64_t id : trace_.moments[m].chunk_ids) {
+      if (resident_.count(id) == 0 && resident_bytes_ + info(id).bytes <= smallest_budget) {
+        load(id, last, /*prefetch=*/true, *mover);
+      }
+    }
+  }
+}
+
+void Scheduler::begin_iteration() {
+  TORCH_CHECK(!in_iteration_, "Scheduler::begin_iteration: iteration ", iteration_,
+              " has not ended");
+  ++iteration_;
+  in_iteration_ = true;
+  stats_ = IterationStats{};
+  stats_.iteration = iteration_;
+  stats_.warmup = !has_trace_;
+}
+
+void Scheduler::end_iteration() {
+  TORCH_CHECK(in_iteration_, "Scheduler::end_iteration without begin_iteration");
+  in_iteration_ = false;
+  history_.push_back(stats_);
+}
+
+void Scheduler::refresh_residency(ChunkMover& mover) {
+  resident_.clear();
+  resident_bytes_ = 0;
+  for (const auto& [id, chunk] : chunks_) {
+    if (mover.on_device(id)) {
+      resident_.insert(id);
+      resident_bytes_ += chunk.bytes;
+    }
+  }
+  for (auto it = prefetched_.begin(); it != prefetched_.end();) {
+    it = resident_.count(*it) != 0 ? std::next(it) : prefetched_.erase(it);
+  }
+}
+
+int64_t Scheduler::next_use(int64_t chunk_id, int64_t m) const {
+  auto it = uses_.find(chunk_id);
+  if (it == uses_.end()) {
+    return kNever;
+  }
+  const auto& uses = it->second;
+  auto later = std::upper_bound(uses.begin(), uses.end(), std::make_pair(m, kNever));
+  if (later != uses.end()) {
+    return later->second;
+  }
+  return uses.front().second + accesses_per_iteration_;  // wraps into the next iteration
+}
+
+void Scheduler::load(int64_t chunk_id, int64_t m, bool prefetch, ChunkMover& mover) {
+  const int64_t bytes = info(chunk_id).bytes;
+  const int64_t start = now_us_();
+  mover.to_device(chunk_id);
+  const int64_t end = now_us_();
+  resident_.insert(chunk_id);
+  resident_bytes_ += bytes;
+  stats_.h2d_bytes += bytes;
+  stats_.loads += 1;
+  if (prefetch) {
+    stats_.prefetches += 1;
+    prefetched_.insert(chunk_id);
+  }
+  stats_.peak_chunk_bytes = std::max(stats_.peak_chunk_bytes, resident_bytes_);
+  if (record_timeline_) {
+    moves_.push_back(MoveEvent{iteration_, m, chunk_id, bytes, true, prefetch, start, end - start});
+  }
+}
+
+void Scheduler::evict(int64_t chunk_id, int64_t m, ChunkMover& mover) {
+  const int64_t bytes = info(chunk_id).bytes;
+  const int64_t start = now_us_();
+  mover.to_host(chunk_id);
+  const int64_t end = now_us_();
+  resident_.erase(chunk_id);
+  resident_bytes_ -= bytes;
+  prefetched_.erase(chunk_id);
+  stats_.d2h_bytes += bytes;
+  stats_.evictions += 1;
+  if (record_timeline_) {
+    moves_.push_back(MoveEvent{iteration_, m, chunk_id, bytes, false, false, start, end - start});
+  }
+}
+
+struct Scheduler::Candidate {
+  int64_t chunk_id;
+  int64_t rank;  // larger is evicted first
+  int64_t bytes;
+  bool operator<(const Candidate& other) const {  // "evicted before other"
+    if (rank != other.rank) return rank > other.rank;
+    if (bytes != other.bytes) return bytes > other.bytes;
+    return chunk_id > other.chunk_id;
+  }
+};
+
+bool Scheduler::evict_to_fit(int64_t bytes_to_add, int64_t budget, int64_t m,
+                             const std::set<int64_t>& pinned, int64_t prefetch_next_use,
+                             ChunkMover& mover) {
+  if (resident_bytes_ + bytes_to_add <= budget) {
+    return true;
+  }
+  const bool belady = has_trace_ && options_.policy == EvictionPolicy::kOpt;
+  std::vector<Candidate> candidates;
+  int64_t freeable = 0;
+  for (int64_t id : resident_) {
+    if (pinned.count(id) != 0) continue;
+    const ChunkInfo& chunk = info(id);
+    if (options_.policy == EvictionPolicy::kStatic && chunk.static_on_device) continue;
+    int64_t rank;
+    if (belady) {
+      rank = next_use(id, m);
+      if (rank <= prefetch_next_use) continue;  // a prefetch never evicts a chunk needed sooner
+    } else {
+      auto it = last_access_.find(id);
+      rank = -(it == last_access_.end() ? -1 : it->second);  // least recent: largest rank
+    }
+    if (!mover.movable(id)) continue;
+    candidates.push_back(Candidate{id, rank, chunk.bytes});
+    freeable += chunk.bytes;
+  }
+  if (resident_bytes_ - freeable + bytes_to_add > budget) {
+    return false;  // nothing is evicted when it would not be enough
+  }
+  std::sort(candidates.begin(), candidates.end());
+  for (const Candidate& victim : candidates) {
+    if (resident_bytes_ + bytes_to_add <= budget) break;
+    evict(victim.chunk_id, m, mover);
+  }
+  return true;
+}
+
+void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
+                          ChunkMover& mover, int64_t live_non_model_bytes) {
+  TORCH_CHECK(in_iteration_, "Scheduler::at_moment(", m,
+              ") outside an iteration (call begin_iteration first)");
+  TORCH_CHECK(!has_trace_ || (m >= 0 && m < trace_.size()), "Scheduler::at_moment: moment ", m,
+              " is outside the warm-up trace of ", trace_.size(),
+              " moments: the model's control flow changed; record a new trace");
+  refresh_residency(mover);
+  warmup_non_model_bytes_ = has_trace_ ? 0 : std::max<int64_t>(live_non_model_bytes, 0);
+  const int64_t budget = budget_bytes(m);
+  stats_.budget_bytes.push_back(budget);
+  std::set<int64_t> pinned(accessed.begin(), accessed.end());
+  for (int64_t id : accessed) {
+    last_access_[id] = ++access_clock_;
+    if (prefetched_.erase(id) != 0) {
+      stats_.prefetches_used += 1;
+    }
+  }
+
+  if (options_.policy == EvictionPolicy::kStatic && kind == MomentKind::kStep) {
+    // ZeRO-Offload style: the step runs on the host, so its chunks go there.
+    for (int64_t id : accessed) {
+      if (resident_.count(id) != 0) evict(id, m, mover);
+    }
+    TORCH_CHECK(evict_to_fit(0, budget, m, pinned, -1, mover), describe_moment(m), " has ",
+                resident_bytes_, " chunk bytes on the device above the budget of ", budget,
+                " bytes and the static policy may not move them: the chunks marked "
+                "static_on_device do not fit; use a smaller batch or another policy");
+  } else {
+    int64_t needed = 0;
+    int64_t missing = 0;
+    for (int64_t id : pinned) {
+      const int64_t bytes = info(id).bytes;
+      needed += bytes;
+      if (resident_.count(id) == 0) missing += bytes;
+    }
+    TORCH_CHECK(needed <= budget, describe_moment(m), " accesses ", pinned.size(), " chunks of ",
+                needed, " bytes in all but the chunk budget is ", budget, " bytes (capacity ",
+                options_.capacity_bytes, ", reserve ", options_.reserve_bytes,
+                has_trace_ ? "" : ", warm-up ratio applies",
+                "): use a smaller chunk size, a smaller batch or activation checkpointing");
+    TORCH_CHECK(evict_to_fit(missing, budget, m, pinned, -1, mover), describe_moment(m), " needs ",
+                missing, " more chunk bytes on the device with ", resident_bytes_,
+                " resident and a budget of ", budget,
+                " bytes, but not enough resident chunks may move (in COMPUTE, or kept on the "
+                "device by the static policy)");
+    for (int64_t id : accessed) {
+      if (resident_.count(id) == 0) load(id, m, /*prefetch=*/false, mover);
+    }
+  }
+  if (has_trace_ && options_.policy != EvictionPolicy::kStatic && options_.prefetch_depth > 0 &&
+      !options_.prefetch_after_compute) {
+    prefetch_after(m, pinned, mover);
+  }
+  TORCH_INTERNAL_ASSERT(resident_bytes_ <= budget, "scheduler exceeded its budget at ",
+                        describe_moment(m), ": ", resident_bytes_, " > ", budget);
+
+  const int64_t non_model =
+      has_trace_ ? std::max(trace_.moments[m].non_model_bytes, trace_.next_non_model_bytes(m)) : -1;
+  stats_.peak_chunk_bytes = std::max(stats_.peak_chunk_bytes, resident_bytes_);
+  if (non_model >= 0) {
+    stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, resident_bytes_ + non_model);
+  }
+  if (record_timeline_) {
+    moment_records_.push_back(MomentRecord{iteration_, m, kind,
+                                           has_trace_ ? trace_.moments[m].label : std::string(),
+                                           now_us_(), resident_bytes_, non_model, budget});
+  }
+}
+
+void Scheduler::after_moment(int64_t m, ChunkMover& mover) {
+  TORCH_CHECK(in_iteration_, "Scheduler::after_moment(", m,
+              ") outside an iteration (call begin_iteration first)");
+  if (!has_trace_ || options_.policy == EvictionPolicy::kStatic || options_.prefetch_depth == 0) {
+    return;
+  }
+  TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::after_moment: moment ", m,
+              " is outside the warm-up trace of ", trace_.size(), " moments");
+  refresh_residency(mover);
+  prefetch_after(m, {}, mover);
+  const int64_t budget = budget_bytes(m);
+  TORCH_INTERNAL_ASSERT(resident_bytes_ <= budget, "scheduler exceeded its budget after ",
+                        describe_moment(m), ": ", resident_bytes_, " > ", budget);
+  const int64_t non_model =
+      std::max(trace_.moments[m].non_model_bytes, trace_.next_non_model_bytes(m));
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, resident_bytes_ + non_model);
+  if (record_timeline_ && !moment_records_.empty() && moment_records_.back().moment == m) {
+    moment_records_.back().chunk_bytes =
+        std::max(moment_records_.back().chunk_bytes, resident_bytes_);
+  }
+}
+
+void Scheduler::prefetch_after(int64_t m, const std::set<int64_t>& pinned, ChunkMover& mover) {
+  const int64_t moments = trace_.size();
+  // Next use after absolute moment a (a >= moments is in the next iteration), in the frame of this
+  // iteration's positions.
+  auto next_use_after = [&](int64_t id, int64_t a) {
+    const int64_t use = next_use(id, a % moments);
+    return a >= moments && use != kNever ? use + accesses_per_iteration_ : use;
+  };
+  int64_t window_budget = budget_bytes(m);
+  // A prefetch for moment t evicts now what Belady would evict at t. Chunks accessed at m .. t-1
+  // stay on the device until then, and at t Belady could pick one of them instead (its next use
+  // after t-1 is far): so a prefetch may only evict chunks used later than all of those; otherwise
+  // the chunk waits for its demand load. `window_next_use` is that threshold.
+  int64_t window_next_use = -1;
+  for (int64_t d = 1; d <= options_.prefetch_depth && d < moments; ++d) {
+    const int64_t t = (m + d) % moments;
+    // The chunk stays resident through the intervals after moments m .. m+d-1.
+    window_budget = std::min(window_budget, budget_bytes((m + d - 1) % moments));
+    // Evicting to fit a smaller budget before t than at t would evict chunks the demand load at t
+    // keeps: a prefetch evicts only when t's budget is the tightest of the window.
+    const bool may_evict = budget_bytes(t) <= window_budget;
+    std::set<int64_t> protect = pinned;
+    for (int64_t id : trace_.moments[t].chunk_ids) protect.insert(id);
+    window_next_use = -1;
+    for (int64_t a = pinned.empty() ? m + 1 : m; a < m + d; ++a) {
+      for (int64_t id : trace_.moments[a % moments].chunk_ids) {
+        if (protect.count(id) != 0 && pinned.count(id) == 0) continue;  // needed at t
+        window_next_use = std::max(window_next_use, next_use_after(id, m + d - 1));
+      }
+    }
+    for (int64_t id : trace_.moments[t].chunk_ids) {
+      if (resident_.count(id) != 0) continue;
+      const int64_t bytes = info(id).bytes;
+      bool fits;
+      if (options_.policy == EvictionPolicy::kOpt && may_evict) {
+        fits = evict_to_fit(bytes, window_budget, m, protect,
+                            std::max(next_use(id, m), window_next_use), mover);
+      } else {
+        fits = resident_bytes_ + bytes <= window_budget;
+      }
+      if (!fits) return;  // keep access order: no later chunk jumps ahead of this one
+      load(id, m, /*prefetch=*/true, mover);
+    }
+  }
+}
+
+}  // namespace patrickstar

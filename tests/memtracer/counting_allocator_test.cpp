@@ -1,0 +1,132 @@
+// CountingCpuAllocator: counts what it allocates, frees only what it counted, thread-safe counters.
+#include <thread>
+#include <vector>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
+
+#include "patrickstar/memtracer/counting_allocator.h"
+#include "patrickstar/memtracer/memory_probe.h"
+
+namespace patrickstar {
+namespace {
+
+constexpr int64_t kMiB = 1 << 20;
+
+TEST(CountingAllocator, InstalledCounterSeesAtEmpty) {
+  CountingCpuAllocator& counter = CountingCpuAllocator::install();
+  EXPECT_EQ(&counter, &CountingCpuAllocator::install());  // idempotent
+  EXPECT_EQ(CountingCpuAllocator::installed(), &counter);
+  EXPECT_EQ(c10::GetCPUAllocator(), &counter);
+  const int64_t before = counter.live_bytes();
+  counter.reset_peak();
+  {
+    at::Tensor t = at::empty({kMiB}, at::TensorOptions().dtype(at::kByte));
+    EXPECT_GE(counter.live_bytes() - before, kMiB);
+    EXPECT_GE(counter.peak_bytes() - before, kMiB);
+  }
+  EXPECT_EQ(counter.live_bytes(), before);
+  EXPECT_GE(counter.peak_bytes() - before, kMiB);  // the peak remembers
+  counter.reset_peak();
+  EXPECT_EQ(counter.peak_bytes(), counter.live_bytes());
+}
+
+TEST(CountingAllocator, ProbeReadsTheCounter) {
+  CountingCpuAllocator& counter = CountingCpuAllocator::install();
+  CpuMemoryProbe probe(counter);
+  probe.reset_peak();
+  const int64_t before = probe.live_bytes();
+  {
+    at::Tensor a = at::empty({2 * kMiB}, at::TensorOptions().dtype(at::kByte));
+    at::Tensor b = at::empty({kMiB}, at::TensorOptions().dtype(at::kByte));
+  }
+  EXPECT_EQ(probe.live_bytes(), before);
+  EXPECT_GE(probe.peak_bytes() - before, 3 * kMiB);
+}
+
+TEST(CountingAllocator, RawInterfaceCountsAndFrees) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  ASSERT_NE(counter.raw_deleter(), nullptr);
+  void* p = counter.raw_allocate(1000);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);  // c10's alignment is kept
+  EXPECT_EQ(counter.live_bytes(), 1000);
+  counter.raw_deallocate(p);
+  EXPECT_EQ(counter.live_bytes(), 0);
+  EXPECT_EQ(counter.peak_bytes(), 1000);
+  EXPECT_EQ(counter.allocations(), 1);
+  {
+    c10::DataPtr empty = counter.allocate(0);  // zero bytes: nothing counted, deleter accepts null
+    EXPECT_EQ(counter.live_bytes(), 0);
+  }
+}
+
+TEST(CountingAllocator, ForeignAllocationsDoNotTouchTheCounters) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  c10::DataPtr foreign = c10::GetDefaultCPUAllocator()->allocate(4096);  // "before install"
+  c10::DataPtr ours = counter.allocate(512);
+  EXPECT_EQ(counter.live_bytes(), 512);
+  foreign.clear();
+  EXPECT_EQ(counter.live_bytes(), 512);
+  ours.clear();
+  EXPECT_EQ(counter.live_bytes(), 0);
+}
+
+// An inner allocator without a raw interface: the counter keeps the inner DataPtr in a context.
+struct NoRawAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = c10::GetDefaultCPUAllocator()->allocate(n);
+    void* data = inner.get();
+    auto* holder = new c10::DataPtr(std::move(inner));
+    return {data, holder, [](void* ctx) { delete static_cast<c10::DataPtr*>(ctx); },
+            c10::Device(c10::DeviceType::CPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+TEST(CountingAllocator, InnerWithoutRawInterface) {
+  NoRawAllocator inner;
+  CountingCpuAllocator counter(&inner);
+  EXPECT_EQ(counter.raw_deleter(), nullptr);
+  c10::DataPtr a = counter.allocate(300);
+  ASSERT_NE(a.get(), nullptr);
+  static_cast<char*>(a.get())[299] = 7;  // the whole span is usable
+  c10::DataPtr b = counter.clone(a.get(), 300);
+  EXPECT_EQ(static_cast<char*>(b.get())[299], 7);
+  EXPECT_EQ(counter.live_bytes(), 600);
+  a.clear();
+  b.clear();
+  EXPECT_EQ(counter.live_bytes(), 0);
+  EXPECT_EQ(counter.peak_bytes(), 600);
+}
+
+TEST(CountingAllocator, ThreadSafeCounters) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 2000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&counter, t] {
+      for (int i = 0; i < kRounds; ++i) {
+        c10::DataPtr p = counter.allocate(static_cast<size_t>(64 + t));
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(counter.live_bytes(), 0);
+  EXPECT_EQ(counter.allocations(), kThreads * kRounds);
+  EXPECT_GE(counter.peak_bytes(), 64);
+  EXPECT_LE(counter.peak_bytes(), 64 + 65 + 66 + 67);  // at most one live allocation per thread
+}
+
+TEST(CountingAllocator, CudaProbeMatchesTheBuild) {
+  if (memtracer_built_with_cuda()) {
+    GTEST_SKIP() << "built with CUDA: the probe needs a GPU to run";
+  }
+  EXPECT_THROW(make_cuda_memory_probe(0), c10::Error);
+}
+
+}  // namespace
+}  // namespace patrickstar

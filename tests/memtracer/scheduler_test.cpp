@@ -1,0 +1,371 @@
+// Scheduler and simulator: hand-computed OPT answers, OPT never above LRU on random traces, the
+// budget never exceeded, zero traffic when everything fits, the static policy, clear errors.
+#include <random>
+#include <set>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/simulator.h"
+
+namespace patrickstar {
+namespace {
+
+using ::testing::HasSubstr;
+
+Trace make_trace(const std::vector<std::vector<int64_t>>& accesses,
+                 const std::vector<int64_t>& non_model = {}) {
+  Trace trace;
+  for (size_t m = 0; m < accesses.size(); ++m) {
+    trace.moments.push_back(Moment{MomentKind::kPreForward, "m" + std::to_string(m),
+                                   non_model.empty() ? 0 : non_model[m], accesses[m]});
+  }
+  return trace;
+}
+
+std::map<int64_t, ChunkInfo> equal_chunks(int64_t count, int64_t bytes) {
+  std::map<int64_t, ChunkInfo> chunks;
+  for (int64_t id = 0; id < count; ++id) chunks[id] = ChunkInfo{bytes, false};
+  return chunks;
+}
+
+SimulationOptions sim_options(int64_t capacity, EvictionPolicy policy, int64_t prefetch_depth,
+                              int64_t iterations = 3) {
+  SimulationOptions options;
+  options.scheduler.capacity_bytes = capacity;
+  options.scheduler.policy = policy;
+  options.scheduler.prefetch_depth = prefetch_depth;
+  options.scheduler.warmup_ratio = 1.0;
+  options.iterations = iterations;
+  return options;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// Three chunks of 100 bytes used in a loop 0 1 2 0 1 2 with room for two.
+// OPT (hand run of Belady, the iteration wrapping into the next): resident {a, b}, c misses and
+// evicts whichever of a, b comes back last; the next access hits; the one after misses again. So
+// every second access misses: 3 loads (and 3 evictions) per iteration of 6 accesses. LRU: the least
+// recently used chunk is always the next one needed: all 6 accesses miss.
+TEST(Scheduler, HandComputedLoop) {
+  const Trace trace = make_trace({{0}, {1}, {2}, {0}, {1}, {2}});
+  const auto chunks = equal_chunks(3, 100);
+  const SimulationResult opt = simulate(trace, chunks, sim_options(200, EvictionPolicy::kOpt, 0));
+  EXPECT_EQ(opt.steady.loads, 3);
+  EXPECT_EQ(opt.steady.h2d_bytes, 300);
+  EXPECT_EQ(opt.steady.d2h_bytes, 300);
+  const SimulationResult lru = simulate(trace, chunks, sim_options(200, EvictionPolicy::kLru, 0));
+  EXPECT_EQ(lru.steady.loads, 6);
+  EXPECT_EQ(lru.steady.h2d_bytes, 600);
+  const TrafficBound bound =
+      opt_traffic_bound(trace, chunks, sim_options(200, EvictionPolicy::kOpt, 0).scheduler);
+  EXPECT_TRUE(bound.proven);
+  EXPECT_EQ(bound.loads, 3);
+  EXPECT_EQ(bound.h2d_bytes, 300);
+  EXPECT_EQ(bound.d2h_bytes, 300);
+}
+
+// Non-model bytes shape the budget. Chunks 0, 1, 2 of 100 bytes, capacity 400.
+//   m0 accesses {0, 1}, non-model 0
+//   m1 accesses {2},    non-model 200
+//   m2 accesses {0},    non-model 0
+// Budgets: m0: 400 - max(0, 200) = 200; m1: 400 - max(200, 0) = 200; m2: 400 - max(0, 0) = 400.
+// Demand paging (no prefetch): at m1 one of {0, 1} must leave; 0 is needed at m2, 1 only at the
+// next m0, so OPT evicts 1 at m1. At the next m0, {0, 1} fill the budget of 200: chunk 2 leaves,
+// 1 comes back. Two loads and two evictions per iteration, and no schedule does better: 2 must be
+// away at m0 and back at m1, and one of {0, 1} away at m1 and back at m0.
+// Prefetch after compute (depth 2): after m0's compute, chunk 2 (needed at m1) comes early and
+// evicts 1 (next use: the next m0, later than 0's at m2), so that eviction moves to m0. After m1's
+// compute, chunk 1 (needed at the next m0, whose budget of 200 is the tightest of the window)
+// evicts 2, next used at the next m1. Still two loads per iteration, both prefetched and used.
+TEST(Scheduler, HandComputedBudgetsFromNonModelBytes) {
+  const Trace trace = make_trace({{0, 1}, {2}, {0}}, {0, 200, 0});
+  const auto chunks = equal_chunks(3, 100);
+  for (int64_t depth : {0, 2}) {
+    const SimulationResult result =
+        simulate(trace, chunks, sim_options(400, EvictionPolicy::kOpt, depth));
+    EXPECT_EQ(result.steady.budget_bytes, (std::vector<int64_t>{200, 200, 400}));
+    EXPECT_EQ(result.steady.loads, 2) << "prefetch depth " << depth;
+    EXPECT_EQ(result.steady.evictions, 2) << "prefetch depth " << depth;
+    EXPECT_EQ(result.steady.prefetches_used, depth == 0 ? 0 : 2);
+    std::vector<std::pair<int64_t, int64_t>> evictions;  // (moment, chunk) in the last iteration
+    for (const MoveEvent& move : result.moves) {
+      if (move.iteration == 3 && !move.to_device)
+        evictions.emplace_back(move.moment, move.chunk_id);
+    }
+    if (depth == 0) {
+      EXPECT_EQ(evictions, (std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {1, 1}}));
+    } else {
+      EXPECT_EQ(evictions, (std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 2}}));
+    }
+    // The device never holds more than the capacity: chunks + non-model.
+    for (const MomentRecord& record : result.moments) {
+      if (record.iteration == 0) continue;
+      EXPECT_LE(record.chunk_bytes, record.budget_bytes);
+      EXPECT_LE(record.chunk_bytes + record.non_model_bytes, 400);
+    }
+  }
+  const TrafficBound bound =
+      opt_traffic_bound(trace, chunks, sim_options(400, EvictionPolicy::kOpt, 0).scheduler);
+  EXPECT_EQ(bound.loads, 2);
+}
+
+Trace random_trace(std::mt19937& rng, int64_t chunk_count, int64_t max_non_model) {
+  std::uniform_int_distribution<int64_t> moments_dist(4, 16), per_moment(1, 3),
+      chunk_dist(0, chunk_count - 1), non_model_dist(0, max_non_model);
+  Trace trace;
+  const int64_t moments = moments_dist(rng);
+  for (int64_t m = 0; m < moments; ++m) {
+    Moment moment{MomentKind::kPreForward, "m" + std::to_string(m), non_model_dist(rng), {}};
+    const int64_t n = per_moment(rng);
+    while (static_cast<int64_t>(moment.chunk_ids.size()) < n) {
+      const int64_t id = chunk_dist(rng);
+      if (std::find(moment.chunk_ids.begin(), moment.chunk_ids.end(), id) ==
+          moment.chunk_ids.end()) {
+        moment.chunk_ids.push_back(id);
+      }
+    }
+    trace.moments.push_back(moment);
+  }
+  trace.tail_non_model_bytes = non_model_dist(rng);
+  return trace;
+}
+
+// Belady is optimal for equal-size chunks: from the same state after the warm-up (both policies
+// warm up with LRU and warm-start alike), OPT never loads more than LRU over the same iterations,
+// and never fewer than the offline bound per steady iteration.
+TEST(Scheduler, OptNeverAboveLruOnRandomTraces) {
+  int64_t opt_better = 0;
+  for (uint32_t seed = 0; seed < 250; ++seed) {
+    std::mt19937 rng(seed);
+    const int64_t chunk_count = std::uniform_int_distribution<int64_t>(3, 10)(rng);
+    const Trace trace = random_trace(rng, chunk_count, 150);
+    const auto chunks = equal_chunks(chunk_count, 100);
+    // Room for the 3 chunks a moment may need beside the largest non-model figure, and some more.
+    const int64_t capacity = 300 + 150 + std::uniform_int_distribution<int64_t>(0, 500)(rng);
+    const auto opt = simulate(trace, chunks, sim_options(capacity, EvictionPolicy::kOpt, 0, 4));
+    const auto lru = simulate(trace, chunks, sim_options(capacity, EvictionPolicy::kLru, 0, 4));
+    int64_t opt_h2d = 0, lru_h2d = 0;
+    for (size_t i = 1; i < opt.iterations.size(); ++i) {
+      opt_h2d += opt.iterations[i].h2d_bytes;
+      lru_h2d += lru.iterations[i].h2d_bytes;
+    }
+    ASSERT_LE(opt_h2d, lru_h2d) << "seed " << seed << ", capacity " << capacity;
+    opt_better += opt_h2d < lru_h2d ? 1 : 0;
+    const TrafficBound bound =
+        opt_traffic_bound(trace, chunks, sim_options(capacity, EvictionPolicy::kOpt, 0).scheduler);
+    // Long-run means: the scheduler's start state differs from the bound's empty device by at most
+    // the chunks the device holds (here < 10 chunks of 100 bytes).
+    const int64_t slack_bytes = 10 * 100;
+    const auto long_opt =
+        simulate(trace, chunks, sim_options(capacity, EvictionPolicy::kOpt, 0, 12));
+    ASSERT_GE(long_opt.mean_h2d_bytes * 11 + slack_bytes, static_cast<double>(bound.h2d_bytes) * 11)
+        << "seed " << seed;
+    const auto prefetching =
+        simulate(trace, chunks, sim_options(capacity, EvictionPolicy::kOpt, 2, 12));
+    ASSERT_GE(prefetching.mean_h2d_bytes * 11 + slack_bytes,
+              static_cast<double>(bound.h2d_bytes) * 11)
+        << "seed " << seed;
+  }
+  EXPECT_GT(opt_better, 25);  // the property is not vacuous: OPT often strictly wins
+}
+
+// Unequal sizes and every policy: after the warm-up the chunks never exceed a moment's budget and,
+// with the measured non-model bytes, never the capacity.
+TEST(Scheduler, BudgetNeverExceededOnRandomTraces) {
+  for (uint32_t seed = 0; seed < 200; ++seed) {
+    std::mt19937 rng(1000 + seed);
+    const int64_t chunk_count = std::uniform_int_distribution<int64_t>(3, 10)(rng);
+    const Trace trace = random_trace(rng, chunk_count, 300);
+    std::map<int64_t, ChunkInfo> chunks;
+    for (int64_t id = 0; id < chunk_count; ++id) {
+      chunks[id] = ChunkInfo{std::uniform_int_distribution<int64_t>(50, 150)(rng), id % 2 == 0};
+    }
+    const int64_t capacity = 3 * 150 + 300 + std::uniform_int_distribution<int64_t>(0, 400)(rng);
+    for (EvictionPolicy policy : {EvictionPolicy::kOpt, EvictionPolicy::kLru}) {
+      for (int64_t depth : {0, 1, 3}) {
+        SimulationOptions options = sim_options(capacity, policy, depth);
+        options.scheduler.prefetch_after_compute = seed % 2 == 0;
+        const auto result = simulate(trace, chunks, options);
+        for (const MomentRecord& record : result.moments) {
+          if (record.iteration == 0) continue;  // the warm-up budget is a ratio, not a measurement
+          ASSERT_LE(record.chunk_bytes, record.budget_bytes)
+              << "seed " << seed << " moment " << record.moment;
+          ASSERT_LE(record.chunk_bytes + record.non_model_bytes, capacity)
+              << "seed " << seed << " moment " << record.moment;
+        }
+        for (size_t i = 1; i < result.iterations.size(); ++i) {
+          ASSERT_LE(result.iterations[i].peak_device_bytes, capacity);
+        }
+      }
+    }
+  }
+}
+
+TEST(Scheduler, NoTrafficAfterWarmupWhenEverythingFits) {
+  GptLikeOptions gpt;
+  gpt.layers = 4;
+  gpt.chunk_elems = 1024;
+  gpt.activation_bytes_per_layer = 8192;
+  gpt.step_non_model_bytes = 1024;
+  const SyntheticWorkload workload = make_gpt_like_workload(gpt);
+  const int64_t capacity = workload.total_chunk_bytes + 4 * 8192 + 8192;
+  for (EvictionPolicy policy : {EvictionPolicy::kOpt, EvictionPolicy::kLru}) {
+    SimulationOptions options = sim_options(capacity, policy, 2);
+    options.scheduler.warmup_ratio = 0.3;  // the warm-up evicts ...
+    const auto result = simulate(workload.trace, workload.chunks, options);
+    EXPECT_GT(result.iterations[0].evictions, 0);
+    for (size_t i = 1; i < result.iterations.size(); ++i) {  // ... and afterwards nothing moves
+      EXPECT_EQ(result.iterations[i].h2d_bytes, 0) << eviction_policy_name(policy);
+      EXPECT_EQ(result.iterations[i].d2h_bytes, 0) << eviction_policy_name(policy);
+    }
+  }
+}
+
+// Static (ZeRO-Offload-like): param chunks stay on the device through forward and backward; at the
+// step they go to the host for the host Adam and come back at the next forward: per iteration
+// exactly the param bytes each way, the optimizer chunks never on the device.
+TEST(Scheduler, StaticPolicyMovesOnlyParamsAtTheStep) {
+  GptLikeOptions gpt;
+  gpt.layers = 3;
+  gpt.param_chunks_per_layer = 1;
+  gpt.chunk_elems = 1000;
+  gpt.mixed_precision_sizes = true;
+  const SyntheticWorkload workload = make_gpt_like_workload(gpt);
+  int64_t param_bytes = 0;
+  for (const auto& [id, chunk] : workload.chunks) {
+    if (chunk.static_on_device) param_bytes += chunk.bytes;
+  }
+  EXPECT_EQ(param_bytes, 4 * 2000);
+  const auto result =
+      simulate(workload.trace, workload.chunks, sim_options(1 << 30, EvictionPolicy::kStatic, 2));
+  for (size_t i = 1; i < result.iterations.size(); ++i) {
+    EXPECT_EQ(result.iterations[i].h2d_bytes, param_bytes);
+    EXPECT_EQ(result.iterations[i].d2h_bytes, param_bytes);
+  }
+  for (const MoveEvent& move : result.moves) {
+    EXPECT_TRUE(workload.chunks.at(move.chunk_id).static_on_device) << "chunk " << move.chunk_id;
+  }
+}
+
+// A mover whose chunk 0 is pinned in COMPUTE: the scheduler evicts around it.
+class PinnedMover final : public ChunkMover {
+ public:
+  bool on_device(int64_t id) override { return resident.count(id) != 0; }
+  bool movable(int64_t id) override { return id != 0; }
+  void to_device(int64_t id) override { resident.insert(id); }
+  void to_host(int64_t id) override {
+    ASSERT_NE(id, 0) << "chunk 0 is in COMPUTE";
+    resident.erase(id);
+  }
+  std::set<int64_t> resident;
+};
+
+TEST(Scheduler, NeverEvictsAChunkThatMayNotMove) {
+  SchedulerOptions options;
+  options.capacity_bytes = 200;
+  options.warmup_ratio = 1.0;
+  Scheduler scheduler(options, equal_chunks(3, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {0}, mover);
+  scheduler.at_moment(1, MomentKind::kPreForward, {1}, mover);
+  scheduler.at_moment(2, MomentKind::kPreForward, {2}, mover);  // evicts 1, not 0
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{0, 2}));
+  EXPECT_EQ(scheduler.current_stats().evictions, 1);
+}
+
+// During the warm-up the budget is the warm-up ratio's, capped by the live non-model reading.
+TEST(Scheduler, WarmupBudgetFollowsTheRatioAndTheLiveReading) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.5;
+  options.reserve_bytes = 50;
+  Scheduler scheduler(options, equal_chunks(3, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {1}, mover, 100);  // ratio: 500 - 50
+  scheduler.at_moment(1, MomentKind::kPreForward, {1}, mover, 700);  // live: 1000 - 700 - 50
+  EXPECT_EQ(scheduler.current_stats().budget_bytes, (std::vector<int64_t>{450, 250}));
+  EXPECT_THAT(error_of([&] {
+                scheduler.at_moment(2, MomentKind::kPreForward, {1, 2}, mover, 850);
+              }),
+              HasSubstr("chunk budget is 100"));
+}
+
+TEST(Scheduler, ErrorsNameTheMomentAndTheBytes) {
+  const auto chunks = equal_chunks(3, 100);
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  {
+    Scheduler scheduler(options, chunks);
+    Trace trace = make_trace({{0}, {1}}, {100, 1200});
+    trace.moments[1].label = "block7";
+    const std::string message = error_of([&] { scheduler.set_trace(trace); });
+    EXPECT_THAT(message, HasSubstr("block7"));
+    EXPECT_THAT(message, HasSubstr("1200"));
+    EXPECT_THAT(message, HasSubstr("activation checkpointing"));
+    EXPECT_FALSE(scheduler.has_trace());  // nothing half-applied
+  }
+  {
+    Scheduler scheduler(options, chunks);
+    const std::string message = error_of([&] {
+      scheduler.set_trace(make_trace({{0, 1, 2}}, {800}));
+    });
+    EXPECT_THAT(message, HasSubstr("300 bytes"));
+    EXPECT_THAT(message, HasSubstr("budget is 200"));
+  }
+  {
+    Scheduler scheduler(options, chunks);
+    EXPECT_THAT(error_of([&] { scheduler.set_trace(make_trace({{9}})); }),
+                HasSubstr("chunk 9 is unknown"));
+  }
+  EXPECT_THROW(parse_eviction_policy("fifo"), c10::Error);
+  EXPECT_EQ(parse_eviction_policy("static"), EvictionPolicy::kStatic);
+}
+
+// The GPT-like workload at a device that holds about half of the model: OPT with prefetch stays
+// within 2% of the offline bound (the target), and LRU is worse.
+TEST(Scheduler, GptLikeOptNearTheBound) {
+  GptLikeOptions gpt;
+  gpt.layers = 8;
+  gpt.chunk_elems = 1 << 10;
+  gpt.activation_bytes_per_layer = 4 << 10;
+  gpt.step_non_model_bytes = 1 << 10;
+  const SyntheticWorkload workload = make_gpt_like_workload(gpt);
+  const int64_t capacity = workload.total_chunk_bytes / 2;
+  const auto options = sim_options(capacity, EvictionPolicy::kOpt, 2);
+  const TrafficBound bound = opt_traffic_bound(workload.trace, workload.chunks, options.scheduler);
+  ASSERT_TRUE(bound.proven);
+  ASSERT_GT(bound.h2d_bytes, 0);
+  const auto opt = simulate(workload.trace, workload.chunks, options);
+  const auto lru =
+      simulate(workload.trace, workload.chunks, sim_options(capacity, EvictionPolicy::kLru, 2));
+  const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes);
+  EXPECT_LE(opt.mean_h2d_bytes + opt.mean_d2h_bytes, 1.02 * bound_bytes);
+  EXPECT_GT(lru.mean_h2d_bytes, opt.mean_h2d_bytes);
+  // Prefetching after each moment's compute, every steady load is a prefetch, and each is used.
+  EXPECT_GT(opt.steady.loads, 0);
+  EXPECT_EQ(opt.steady.prefetches, opt.steady.loads);
+  EXPECT_EQ(opt.steady.prefetches_used, opt.steady.prefetches);
+  // Prefetching inside at_moment (no after-compute call) never beats demand paging here, but it
+  // must stay correct: the budget holds and traffic is not below the bound.
+  SimulationOptions at_moment_options = options;
+  at_moment_options.scheduler.prefetch_after_compute = false;
+  const auto inline_prefetch = simulate(workload.trace, workload.chunks, at_moment_options);
+  EXPECT_GE(inline_prefetch.mean_h2d_bytes, static_cast<double>(bound.h2d_bytes));
+  for (const MomentRecord& record : inline_prefetch.moments) {
+    EXPECT_LE(record.chunk_bytes, record.budget_bytes);
+  }
+}
+
+}  // namespace
+}  // namespace patrickstar
