@@ -260,6 +260,7 @@ void Engine::begin_iteration_if_needed() {
   if (in_iteration_) return;
   in_iteration_ = true;
   scopes_.clear();
+  open_moment_ = -1;
   counters_at_iteration_start_ = store_->move_counters();
   device_->reset_peak();
   recorder_->begin_iteration();
@@ -278,10 +279,12 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
       add_chunk(store_->chunk_of(id, ChunkKind::kGrad));
     }
   }
+  close_moment();
   const int64_t m = recorder_->tick(kind, module.label);
   for (int64_t c : chunk_ids) recorder_->record_access(c);
   try {
-    scheduler_->at_moment(m, kind, chunk_ids, *mover_);
+    scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
+    open_moment_ = m;
   } catch (c10::Error& e) {
     e.add_context(absl::StrCat("while making the chunks of module ", module.label,
                                " resident; chunks pinned by tensors in use: ", describe_pinned()));
@@ -297,6 +300,12 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
     point_at_chunk(p);
   }
   return module.params;
+}
+
+void Engine::close_moment() {
+  // The previous moment's compute is over: the scheduler may prefetch for the next ones now.
+  if (open_moment_ >= 0) scheduler_->after_moment(open_moment_, *mover_);
+  open_moment_ = -1;
 }
 
 std::string Engine::describe_pinned() const {
@@ -449,6 +458,7 @@ void Engine::discard_iteration() {
     p.compute_refs = 0;
     point_at_nothing(p);
   }
+  open_moment_ = -1;
   if (in_iteration_ && backwards_since_step_ == 0) {
     recorder_->abort_iteration();
     scheduler_->abort_iteration();
@@ -522,10 +532,11 @@ IterationReport Engine::run_adam() {
     device_chunks.push_back(id_of(ChunkKind::kVariance, i));
     if (grad_space_) device_chunks.push_back(id_of(ChunkKind::kGrad, i));
   }
+  close_moment();
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
   scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
-                        *mover_);
+                        *mover_, probe_->live_bytes());
   // The rest update on the host: their gradients come home (the states live there already).
   for (int64_t i = 0; i < n; ++i) {
     if (on_device[i]) continue;

@@ -196,6 +196,13 @@ void Scheduler::end_iteration() {
   history_.push_back(stats_);
 }
 
+void Scheduler::abort_iteration() {
+  if (!in_iteration_) return;
+  in_iteration_ = false;
+  --iteration_;
+  stats_ = IterationStats{};
+}
+
 void Scheduler::refresh_residency(ChunkMover& mover) {
   resident_.clear();
   resident_bytes_ = 0;

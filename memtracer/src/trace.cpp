@@ -111,6 +111,14 @@ void TraceRecorder::end_iteration() {
               ": the model's control flow changed; call rewarm() to record a new trace");
 }
 
+void TraceRecorder::abort_iteration() {
+  if (!in_iteration_) return;
+  in_iteration_ = false;
+  --iteration_;
+  current_moment_ = -1;
+  current_ = Trace{};
+}
+
 void TraceRecorder::rewarm() {
   warmup_ = Trace{};
   has_warmup_ = false;

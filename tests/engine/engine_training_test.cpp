@@ -62,6 +62,8 @@ std::vector<double> train_plain(int steps) {
 struct EngineRun {
   std::vector<double> losses;
   std::vector<IterationReport> reports;
+  int64_t moments_checked = 0;  // moments whose chunk + non-model bytes were within the capacity
+  int64_t moments_over = 0;
 };
 
 EngineRun train_engine(const Config& config, int steps, int first_step = 0,
@@ -94,6 +96,11 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
       loss_sum += loss.item<double>();
     }
     run.reports.push_back(engine->step());
+    for (const MomentRecord& m : engine->scheduler().moment_records()) {
+      if (m.iteration != s - first_step || m.non_model_bytes < 0) continue;
+      ++run.moments_checked;
+      if (m.chunk_bytes + m.non_model_bytes > config.device.capacity_bytes) ++run.moments_over;
+    }
     run.losses.push_back(loss_sum / micro);
     if (!save_at_10.empty() && s + 1 == 10) engine->save_checkpoint(save_at_10);
   }
@@ -132,6 +139,12 @@ TEST(EngineTraining, Fp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
   EXPECT_LE(max_relative_difference(run.losses, plain), 1e-5);
   EXPECT_LT(plain.back(), plain.front()) << "the reference must actually train";
   expect_evictions_after_warmup(run);
+  // The guarantee: at every moment after the warm-up, resident chunks plus the non-model bytes the
+  // trace measured for the interval fit the device.
+  EXPECT_GT(run.moments_checked, (kSteps - 1) * 30);
+  EXPECT_EQ(run.moments_over, 0);
+  std::printf("fp32: max relative loss difference %.3g over %d steps\n",
+              max_relative_difference(run.losses, plain), kSteps);
 }
 
 TEST(EngineTraining, Fp32WithoutHybridAdamMatchesToo) {
@@ -173,6 +186,8 @@ TEST(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
       tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 900000}}})"),
       kSteps);
   EXPECT_LE(max_relative_difference(run.losses, plain), 2e-2);
+  std::printf("bf16: max relative loss difference to fp32 %.3g over %d steps\n",
+              max_relative_difference(run.losses, plain), kSteps);
   expect_evictions_after_warmup(run);
 }
 

@@ -164,6 +164,8 @@ class Engine final : public ModuleHookHandler {
   void point_at_chunk(const Param& p);
   void point_at_nothing(const Param& p);
   void decide_adam_placement();
+  // Tells the scheduler the last moment's compute is over (its prefetch point).
+  void close_moment();
   // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
   std::string describe_pinned() const;
   IterationReport run_adam();
@@ -192,6 +194,7 @@ class Engine final : public ModuleHookHandler {
   int backwards_since_step_ = 0;
   int64_t iteration_ = 0;
   std::vector<OpenScope> scopes_;
+  int64_t open_moment_ = -1;  // the last moment, until close_moment()
   std::vector<bool> adam_on_device_;
   bool placement_decided_ = false;
   MoveCounters counters_at_iteration_start_;

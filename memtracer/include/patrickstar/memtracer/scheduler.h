@@ -154,6 +154,9 @@ class Scheduler {
   // the prefetch may evict them as Belady would. A no-op during the warm-up and for kStatic.
   void after_moment(int64_t m, ChunkMover& mover);
   void end_iteration();
+  // Forgets the iteration in progress (its statistics; the moves it made stand). The next
+  // begin_iteration starts the same iteration number again. A no-op outside an iteration.
+  void abort_iteration();
 
   // Chunk bytes allowed on the device at moment m (the warm-up budget before set_trace).
   int64_t budget_bytes(int64_t m) const;

@@ -71,6 +71,9 @@ class TraceRecorder {
   const Trace& warmup_trace() const { return warmup_; }
   // The iteration in progress (or the last finished one).
   const Trace& current_trace() const { return current_; }
+  // Forgets the iteration in progress (a forward that was discarded): the next begin_iteration
+  // starts the same iteration number again. A no-op outside an iteration.
+  void abort_iteration();
   // Drops the warm-up trace: the next iteration records a new one (after a change of control flow).
   void rewarm();
 
