@@ -114,7 +114,7 @@ void Engine::register_parameters() {
   try {
     if (config_.chunk_size_auto) {
       const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
-      const int64_t hi = std::max(lo, std::min<int64_t>(config_.default_chunk_size, 8 * lo));
+      const int64_t hi = 2 * lo;  // least waste among sizes that keep the chunks many
       layout.finalize_search(lo, hi, std::max<int64_t>(1024, (hi - lo) / 256 / 1024 * 1024));
     } else {
       layout.finalize(config_.default_chunk_size);
@@ -241,6 +241,7 @@ Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
   }
   ModuleInfo* raw = info.get();
   info->hook_id = hooks_.add([this, raw] { pre_backward(*raw); });
+  info->post_hook_id = hooks_.add([this, raw] { post_backward(*raw); });
   return *modules_.emplace(&module, std::move(info)).first->second;
 }
 
@@ -251,9 +252,9 @@ void Engine::point_at_chunk(const Param& p) {
 
 // A released parameter has no memory and no elements: a module called outside a door fails on its
 // shapes instead of reading freed memory. Views autograd saved keep their own sizes.
-void Engine::point_at_nothing(const Param& p) {
+void Engine::point_at_nothing(const Param& p, bool keep_shape) {
   repoint(p.tensor, nullptr);
-  p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+  if (!keep_shape) p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous({0});
 }
 
 void Engine::begin_iteration_if_needed() {
@@ -376,6 +377,30 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
 void Engine::pre_backward(ModuleInfo& module) {
   if (module.params.empty()) return;
   access(module, MomentKind::kPreBackward, /*with_grad_chunks=*/true);
+}
+
+std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
+              "patrickstar: internal: unknown door token ", token);
+  const ModuleInfo& info = *scopes_[static_cast<size_t>(token)].module;
+  if (!at::GradMode::is_enabled() || info.params.empty()) return inputs;
+  return with_pre_backward(inputs, hooks_, info.post_hook_id);
+}
+
+void Engine::post_backward(ModuleInfo& module) {
+  // The module's backward is over. Parameters whose gradient is still to come (a tied weight used
+  // again earlier in the model) wait without memory; their gradient lands in the slot later.
+  for (TensorId id : module.params) {
+    Param& p = params_[id];
+    if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
+    store_->set_state(id, ChunkKind::kParam,
+                      p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
+    if (grad_space_ && p.trainable &&
+        store_->state(id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store_->set_state(id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    point_at_nothing(p, /*keep_shape=*/true);
+  }
 }
 
 void Engine::on_gradient(TensorId id, const at::Tensor& param) {
@@ -538,13 +563,17 @@ IterationReport Engine::run_adam() {
   scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
                         *mover_, probe_->live_bytes());
   // The rest update on the host: their gradients come home (the states live there already).
+  int64_t adam_host_d2h_bytes = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (on_device[i]) continue;
     for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kParamFp32,
                            ChunkKind::kMomentum, ChunkKind::kVariance}) {
       if (!store_->has_kind(kind)) continue;
       const ChunkId c = id_of(kind, i);
-      if (store_->tier(c) == Tier::kDevice) mover_->to_host(c);
+      if (store_->tier(c) == Tier::kDevice) {
+        mover_->to_host(c);
+        adam_host_d2h_bytes += store_->chunk_bytes(c);
+      }
     }
   }
 
@@ -586,6 +615,7 @@ IterationReport Engine::run_adam() {
     }
   }
   IterationReport report;
+  report.adam_host_d2h_bytes = adam_host_d2h_bytes;
   StepReport step = adam_->step(runs, plan);
   report.skipped = step.skipped;
   report.loss_scale = step.loss_scale;

@@ -29,6 +29,11 @@ ModuleScope::~ModuleScope() {
   }
 }
 
+at::Tensor ModuleScope::input(const at::Tensor& input) {
+  if (handler_ == nullptr || finished_) return input;
+  return handler_->wrap_inputs(token_, {input})[0];
+}
+
 at::Tensor ModuleScope::done(const at::Tensor& output) {
   return done(std::vector<at::Tensor>{output})[0];
 }

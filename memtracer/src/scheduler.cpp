@@ -104,8 +104,10 @@ std::string Scheduler::describe_moment(int64_t m) const {
 int64_t Scheduler::budget_bytes(int64_t m) const {
   const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
   if (!has_trace_) {
-    return std::min(scaled_bytes(usable, options_.warmup_ratio), usable - warmup_non_model_bytes_) -
-           options_.reserve_bytes;
+    // The warm-up ratio is a floor, not a wall: a moment whose chunks alone need more gets what
+    // the device has left next to the live non-model bytes.
+    const int64_t share = std::max(scaled_bytes(usable, options_.warmup_ratio), warmup_floor_bytes_);
+    return std::min(share, usable - warmup_non_model_bytes_) - options_.reserve_bytes;
   }
   TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::budget_bytes: moment ", m,
               " is outside the trace of ", trace_.size(), " moments");
@@ -320,6 +322,12 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
               " moments: the model's control flow changed; record a new trace");
   refresh_residency(mover);
   warmup_non_model_bytes_ = has_trace_ ? 0 : std::max<int64_t>(live_non_model_bytes, 0);
+  warmup_floor_bytes_ = 0;
+  if (!has_trace_) {
+    std::set<int64_t> distinct(accessed.begin(), accessed.end());
+    for (int64_t id : distinct) warmup_floor_bytes_ += info(id).bytes;
+    warmup_floor_bytes_ += options_.reserve_bytes;
+  }
   const int64_t budget = budget_bytes(m);
   stats_.budget_bytes.push_back(budget);
   std::set<int64_t> pinned(accessed.begin(), accessed.end());

@@ -118,7 +118,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   x = call(ln_f, x);
   // The LM head shares the token embedding's weight: the embedding module's door covers it.
   ModuleScope head(*wte);
-  return head.done(at::matmul(x, wte->weight.t()));
+  return head.done(at::matmul(head.input(x), wte->weight.t()));
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

@@ -55,6 +55,9 @@ struct IterationReport {
   int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
   int64_t evictions = 0;
   int64_t prefetches = 0;
+  // Of d2h_bytes: chunks sent to the host for the host-side Adam (gradients in, new weights out);
+  // they return at their next use. The rest of the traffic is the scheduler's choice.
+  int64_t adam_host_d2h_bytes = 0;
   PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
 };
 
@@ -127,6 +130,7 @@ class Engine final : public ModuleHookHandler {
 
   // ModuleHookHandler (called by the doors).
   int64_t pre_forward(torch::nn::Module& module) override;
+  std::vector<at::Tensor> wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) override;
   std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) override;
 
  private:
@@ -141,7 +145,8 @@ class Engine final : public ModuleHookHandler {
   struct ModuleInfo {
     std::string label;
     std::vector<TensorId> params;  // its own and its descendants', registered order
-    int64_t hook_id = -1;
+    int64_t hook_id = -1;       // pre-backward (on its outputs)
+    int64_t post_hook_id = -1;  // post-backward (on its inputs)
   };
   struct OpenScope {
     ModuleInfo* module = nullptr;
@@ -157,12 +162,15 @@ class Engine final : public ModuleHookHandler {
   std::vector<TensorId> access(const ModuleInfo& module, MomentKind kind, bool with_grad_chunks);
   void release(TensorId id, TensorState to);
   void pre_backward(ModuleInfo& module);
+  void post_backward(ModuleInfo& module);
   void on_gradient(TensorId id, const at::Tensor& param);
   void begin_iteration_if_needed();
   void finish_backward();
   void discard_iteration();
   void point_at_chunk(const Param& p);
-  void point_at_nothing(const Param& p);
+  // Releases the parameter's memory; keep_shape leaves its sizes (autograd may still accumulate
+  // its gradient), otherwise it gets zero elements.
+  void point_at_nothing(const Param& p, bool keep_shape = false);
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();

@@ -27,6 +27,11 @@ class ModuleHookHandler {
   virtual ~ModuleHookHandler() = default;
   // Makes the parameters of `module` (and its descendants) usable; returns a token for post_forward.
   virtual int64_t pre_forward(torch::nn::Module& module) = 0;
+  // Passes the module's `inputs` through the post-backward hook: it runs once the module's
+  // backward has produced their gradients, so the module's parameters may go.
+  virtual std::vector<at::Tensor> wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
+    return inputs;
+  }
   // Releases what pre_forward acquired and passes `outputs` through the pre-backward hook.
   virtual std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) = 0;
 };
@@ -54,6 +59,11 @@ class ModuleScope {
   ModuleScope(const ModuleScope&) = delete;
   ModuleScope& operator=(const ModuleScope&) = delete;
 
+  // Optional: pass the module's tensor inputs through this before using them, so the engine can
+  // release the parameters as soon as the module's backward is over (without it, they stay until
+  // their gradients are final).
+  at::Tensor input(const at::Tensor& input);
+
   at::Tensor done(const at::Tensor& output);
   std::vector<at::Tensor> done(std::vector<at::Tensor> outputs);
 
@@ -64,6 +74,15 @@ class ModuleScope {
 };
 
 namespace detail {
+template <typename A>
+decltype(auto) scoped_input(ModuleScope& scope, A&& arg) {
+  if constexpr (std::is_convertible_v<A, const at::Tensor&>) {
+    return scope.input(arg);
+  } else {
+    return std::forward<A>(arg);
+  }
+}
+
 template <typename M>
 torch::nn::Module& module_of(M& module) {
   if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
@@ -74,8 +93,9 @@ torch::nn::Module& module_of(M& module) {
 }
 }  // namespace detail
 
-// The one-line door: runs `module(args...)` between the engine's pre- and post-forward. The module's
-// forward must return a tensor or a vector of tensors.
+// The one-line door: runs `module(args...)` between the engine's pre- and post-forward; tensor
+// arguments go through ModuleScope::input. The module's forward must return a tensor or a vector
+// of tensors.
 template <typename M, typename... Args>
 auto call(M& module, Args&&... args) {
   if (active_module_hook_handler() == nullptr) {
@@ -87,9 +107,9 @@ auto call(M& module, Args&&... args) {
   }
   ModuleScope scope(detail::module_of(module));
   if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
-    return scope.done(module.forward(std::forward<Args>(args)...));
+    return scope.done(module.forward(detail::scoped_input(scope, std::forward<Args>(args))...));
   } else {
-    return scope.done(module(std::forward<Args>(args)...));
+    return scope.done(module(detail::scoped_input(scope, std::forward<Args>(args))...));
   }
 }
 

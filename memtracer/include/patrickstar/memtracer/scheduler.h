@@ -10,7 +10,8 @@
 //   resident after moment m stay through the interval up to moment m+1, whose peak non_model[m+1]
 //   measured, so chunk bytes + non-model bytes never exceed the capacity. During the warm-up (no
 //   trace yet) the budget is floor(capacity_bytes * overall_ratio * warmup_ratio) - reserve_bytes,
-//   capped by the live non-model reading the caller passes.
+//   raised to the bytes the moment's accessed chunks need when they need more, and capped by
+//   floor(capacity_bytes * overall_ratio) minus the live non-model reading the caller passes.
 // - Demand. At each moment every accessed chunk is made resident. Before any load, resident
 //   chunks are evicted (moved to the host) until the resident bytes plus the bytes to load fit the
 //   budget; this also shrinks the resident set when the budget fell. Chunks accessed at the moment
@@ -199,6 +200,7 @@ class Scheduler {
   int64_t access_clock_ = 0;
   std::set<int64_t> prefetched_;  // prefetched, not yet accessed
 
+  int64_t warmup_floor_bytes_ = 0;  // warm-up: the accessed chunks' bytes at this moment
   int64_t warmup_non_model_bytes_ = 0;  // the live reading of the warm-up moment in progress
   int64_t iteration_ = -1;
   bool in_iteration_ = false;

@@ -1,0 +1,337 @@
+// ps_bench: the main job. Trains a GPT of the model zoo through the patrickstar engine on random
+// tokens (fixed seed), prints one line per step and a summary table, and writes the figures as JSON,
+// the chunk timeline as a Chrome trace and the memory timeline as SVG. With --baseline it also
+// trains the same model on the same data with plain LibTorch and torch::optim::AdamW in the same
+// run, so speed is a ratio and the losses can be compared. See BENCHMARKS.md.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "patrickstar/memtracer/export.h"
+#include "patrickstar/memtracer/simulator.h"
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+ABSL_FLAG(std::string, model, "gpt_mini", "GPT size from the model zoo (see --list-models)");
+ABSL_FLAG(bool, list_models, false, "print the model zoo with parameter counts and exit");
+ABSL_FLAG(int64_t, batch, 4, "sequences per step");
+ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length)");
+ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
+ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
+ABSL_FLAG(std::string, device, "", "emulated:<bytes> (e.g. emulated:64MiB) or cuda");
+ABSL_FLAG(std::string, host_memory, "", "host capacity for chunks, e.g. 8GiB (default unlimited)");
+ABSL_FLAG(std::string, policy, "", "chunk eviction policy: opt, lru or static");
+ABSL_FLAG(std::string, chunk_size, "", "elements per chunk, or auto");
+ABSL_FLAG(std::string, config, "", "a patrickstar JSON config; the flags above override it");
+ABSL_FLAG(bool, baseline, false, "also train with plain LibTorch + torch::optim::AdamW");
+ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
+ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
+ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
+ABSL_FLAG(uint64_t, seed, 1234, "seed of the weights and the data");
+
+namespace ps = patrickstar;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
+
+ps::Config build_config() {
+  ps::Config base;
+  if (!absl::GetFlag(FLAGS_config).empty()) base = ps::Config::from_file(absl::GetFlag(FLAGS_config));
+  nlohmann::json j = base.to_json();
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (!dtype.empty()) {
+    TORCH_CHECK(dtype == "fp32" || dtype == "bf16" || dtype == "fp16",
+                "--dtype: expected fp32, bf16 or fp16, got \"", dtype, "\"");
+    j["fp16"]["enabled"] = dtype == "fp16";
+    j["bf16"]["enabled"] = dtype == "bf16";
+  }
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (!device.empty()) {
+    if (device == "cuda") {
+      j["client"]["device"]["type"] = "cuda";
+    } else {
+      TORCH_CHECK(device.rfind("emulated:", 0) == 0,
+                  "--device: expected emulated:<bytes> (e.g. emulated:64MiB) or cuda, got \"",
+                  device, "\"");
+      j["client"]["device"]["type"] = "emulated";
+      j["client"]["device"]["capacity_bytes"] = ps::parse_byte_size(device.substr(9), "--device");
+    }
+  }
+  if (!absl::GetFlag(FLAGS_host_memory).empty()) {
+    j["client"]["device"]["host_capacity_bytes"] =
+        ps::parse_byte_size(absl::GetFlag(FLAGS_host_memory), "--host-memory");
+  }
+  if (!absl::GetFlag(FLAGS_policy).empty()) {
+    j["client"]["scheduler"]["policy"] = absl::GetFlag(FLAGS_policy);
+    j["client"]["mem_tracer"]["with_static_partition"] = absl::GetFlag(FLAGS_policy) == "static";
+  }
+  const std::string chunk = absl::GetFlag(FLAGS_chunk_size);
+  if (!chunk.empty()) {
+    if (chunk == "auto") {
+      j["default_chunk_size"] = "auto";
+    } else {
+      j["default_chunk_size"] = ps::parse_byte_size(chunk, "--chunk-size");
+    }
+  }
+  return ps::Config::from_json(j);
+}
+
+struct BaselineResult {
+  std::vector<double> losses;
+  double step_time_s = 0;
+};
+
+BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
+                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed) {
+  torch::manual_seed(seed);
+  ps::models::Gpt model(spec);
+  const auto& o = config.optimizer;
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)
+                                                     .betas({o.beta1, o.beta2})
+                                                     .eps(o.eps)
+                                                     .weight_decay(o.weight_decay));
+  BaselineResult r;
+  std::vector<double> times;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    const auto start = Clock::now();
+    adamw.zero_grad();
+    at::Tensor loss = model->loss(data.tokens, data.targets);
+    loss.backward();
+    adamw.step();
+    const double t = seconds_since(start);
+    r.losses.push_back(loss.item<double>());
+    if (s > 0) times.push_back(t);
+    std::printf("  baseline step %lld/%lld  loss %.5f  %.3f s\n", static_cast<long long>(s + 1),
+                static_cast<long long>(steps), r.losses.back(), t);
+  }
+  r.step_time_s = median(times);
+  return r;
+}
+
+int run() {
+  if (absl::GetFlag(FLAGS_list_models)) {
+    for (const std::string& name : ps::models::gpt_spec_names()) {
+      const auto s = ps::models::gpt_spec(name);
+      std::printf("%-15s layers %3lld hidden %5lld heads %3lld  %15lld parameters\n", name.c_str(),
+                  static_cast<long long>(s.layers), static_cast<long long>(s.hidden),
+                  static_cast<long long>(s.heads), static_cast<long long>(s.parameter_count()));
+    }
+    return 0;
+  }
+  const ps::Config config = build_config();
+  for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
+  const auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
+  const int64_t batch = absl::GetFlag(FLAGS_batch);
+  const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  TORCH_CHECK(batch > 0 && steps >= 2, "--batch must be positive and --steps at least 2 (the first "
+              "is the warm-up)");
+  TORCH_CHECK(seq <= spec.max_seq, "--seq ", seq, " exceeds the ", spec.max_seq, " positions of ",
+              spec.name);
+
+  std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
+              "policy %s\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
+              std::string(ps::to_string(config.precision())).c_str(),
+              static_cast<long long>(batch), static_cast<long long>(seq),
+              static_cast<long long>(steps), std::string(ps::to_string(config.device.type)).c_str(),
+              mib(static_cast<double>(config.device.capacity_bytes)).c_str(),
+              ps::eviction_policy_name(config.scheduler.policy));
+  std::fflush(stdout);
+
+  auto [model, optimizer] = ps::initialize_engine(
+      [&] {
+        torch::manual_seed(seed);
+        return ps::models::Gpt(spec);
+      },
+      0, config);
+  ps::Engine& engine = model.engine();
+  const auto& reg = engine.registration();
+  std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "
+              "%.2f model-data bytes per parameter\n",
+              static_cast<long long>(reg.params), static_cast<long long>(reg.chunks_per_kind),
+              static_cast<long long>(reg.chunk_elems), 100.0 * reg.chunk_waste_fraction,
+              reg.model_data_bytes_per_param);
+
+  std::vector<double> losses, times;
+  std::vector<ps::IterationReport> reports;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    const auto start = Clock::now();
+    optimizer.zero_grad();
+    at::Tensor loss = model->loss(data.tokens, data.targets);
+    model.backward(loss);
+    reports.push_back(optimizer.step());
+    const double t = seconds_since(start);
+    losses.push_back(loss.item<double>());
+    if (s > 0) times.push_back(t);
+    const auto& r = reports.back();
+    std::printf("step %lld/%lld%s  loss %.5f  %.3f s  %.2f samples/s  h2d %s  d2h %s  adam "
+                "device/host chunks %lld/%lld%s\n",
+                static_cast<long long>(s + 1), static_cast<long long>(steps),
+                r.warmup ? " (warm-up)" : "", losses.back(), t, static_cast<double>(batch) / t,
+                mib(static_cast<double>(r.h2d_bytes)).c_str(),
+                mib(static_cast<double>(r.d2h_bytes)).c_str(),
+                static_cast<long long>(r.adam.chunks_device),
+                static_cast<long long>(r.adam.chunks_host), r.skipped ? "  (overflow: skipped)" : "");
+    std::fflush(stdout);
+  }
+
+  // Figures over the iterations after the warm-up.
+  double h2d = 0, d2h = 0, forced = 0;
+  int64_t device_peak = 0;
+  for (size_t i = 1; i < reports.size(); ++i) {
+    h2d += static_cast<double>(reports[i].h2d_bytes);
+    d2h += static_cast<double>(reports[i].d2h_bytes);
+    forced += static_cast<double>(reports[i].adam_host_d2h_bytes);
+  }
+  const double after = static_cast<double>(reports.size() - 1);
+  h2d /= after;
+  d2h /= after;
+  forced /= after;
+  for (const auto& stats : engine.scheduler().history()) {
+    if (!stats.warmup) device_peak = std::max(device_peak, stats.peak_device_bytes);
+  }
+  // The OPT lower bound of the scheduler's traffic on the same trace and budgets, plus the moves
+  // the host-side Adam forces (gradients to the host and the new weights back at their next use).
+  std::map<int64_t, ps::ChunkInfo> chunks = engine.scheduler().chunks();
+  const ps::TrafficBound bound = ps::opt_traffic_bound(engine.tracer().warmup_trace(), chunks,
+                                                       engine.scheduler().options());
+  const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes) /
+                                 static_cast<double>(std::max<int64_t>(1, bound.period_iterations)) +
+                             2 * forced;
+  const double step_time = median(times);
+  const double params = static_cast<double>(reg.params);
+  const double tokens = static_cast<double>(batch * seq);
+  const double tflops_ps = 8.0 * params * tokens / step_time / 1e12;
+  const double l = static_cast<double>(spec.layers), h = static_cast<double>(spec.hidden);
+  const double tflops_megatron = 96.0 * tokens * l * h * h *
+                                 (1.0 + static_cast<double>(seq) / (6.0 * h) +
+                                  static_cast<double>(spec.vocab) / (16.0 * l * h)) /
+                                 step_time / 1e12;
+
+  std::optional<BaselineResult> baseline;
+  if (absl::GetFlag(FLAGS_baseline)) {
+    std::printf("baseline: plain LibTorch + torch::optim::AdamW (fp32), same weights and data\n");
+    baseline = run_baseline(spec, config, batch, seq, steps, seed);
+  }
+
+  nlohmann::json out;
+  out["model"] = spec.name;
+  out["params"] = reg.params;
+  out["dtype"] = std::string(ps::to_string(config.precision()));
+  out["batch"] = batch;
+  out["seq"] = seq;
+  out["steps"] = steps;
+  out["chunk_elems"] = reg.chunk_elems;
+  out["chunk_waste_fraction"] = reg.chunk_waste_fraction;
+  out["model_data_bytes_per_param"] = reg.model_data_bytes_per_param;
+  out["device_capacity_bytes"] = config.device.capacity_bytes;
+  out["device_peak_bytes"] = device_peak;
+  out["host_peak_bytes"] = engine.host_tier().peak_bytes();
+  out["h2d_bytes_per_iter"] = h2d;
+  out["d2h_bytes_per_iter"] = d2h;
+  out["adam_host_d2h_bytes_per_iter"] = forced;
+  out["opt_bound_bytes_per_iter"] = bound_bytes;
+  out["opt_bound_proven"] = bound.proven;
+  out["step_time_s"] = step_time;
+  out["samples_per_s"] = static_cast<double>(batch) / step_time;
+  out["tflops_ps"] = tflops_ps;
+  out["tflops_megatron"] = tflops_megatron;
+  out["adam_chunks_device"] = reports.back().adam.chunks_device;
+  out["adam_chunks_host"] = reports.back().adam.chunks_host;
+  out["policy"] = ps::eviction_policy_name(config.scheduler.policy);
+  out["losses"] = losses;
+  if (baseline) {
+    out["baseline_step_time_s"] = baseline->step_time_s;
+    out["baseline_losses"] = baseline->losses;
+    double worst = 0;
+    for (size_t i = 0; i < losses.size(); ++i) {
+      worst = std::max(worst, std::abs(losses[i] - baseline->losses[i]) /
+                                  std::max(1e-12, std::abs(baseline->losses[i])));
+    }
+    out["max_relative_loss_difference"] = worst;
+    out["step_time_ratio_to_baseline"] = step_time / baseline->step_time_s;
+  }
+
+  std::printf("\n%-30s %s\n", "figure", "value");
+  for (const auto& [key, value] : out.items()) {
+    if (value.is_array()) continue;
+    std::printf("%-30s %s\n", key.c_str(), value.dump().c_str());
+  }
+  std::printf("%-30s %.3f (traffic %s per iteration vs bound %s)\n", "traffic_to_opt_bound",
+              (h2d + d2h) / std::max(1.0, bound_bytes), mib(h2d + d2h).c_str(),
+              mib(bound_bytes).c_str());
+
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
+  }
+  if (!absl::GetFlag(FLAGS_trace).empty()) {
+    ps::write_text_file(absl::GetFlag(FLAGS_trace),
+                        ps::chrome_trace_json(engine.scheduler().moves(),
+                                              engine.scheduler().moment_records(),
+                                              config.device.capacity_bytes));
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_trace).c_str());
+  }
+  if (!absl::GetFlag(FLAGS_plot).empty()) {
+    ps::write_text_file(absl::GetFlag(FLAGS_plot),
+                        ps::memory_timeline_svg(engine.scheduler().moment_records(),
+                                                config.device.capacity_bytes));
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_plot).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "trains a GPT of the model zoo through patrickstar on random data; e.g.\n"
+      "  ps_bench --model gpt_mini --device emulated:24MiB --steps 6 --baseline --json out.json");
+  // Flags are spelled with dashes (--chunk-size); Abseil names them with underscores.
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<char*> pointers;
+  for (std::string& arg : args) {
+    if (arg.rfind("--", 0) == 0) {
+      for (size_t i = 2; i < arg.size() && arg[i] != '='; ++i) {
+        if (arg[i] == '-') arg[i] = '_';
+      }
+    }
+    pointers.push_back(arg.data());
+  }
+  absl::ParseCommandLine(static_cast<int>(pointers.size()), pointers.data());
+  try {
+    return run();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "ps_bench: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
