@@ -59,6 +59,10 @@ GradStats cpu_grad_stats_fp32(const float* grad, int64_t numel);
 void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
                                   int64_t numel);
 
+// The bandwidth probe the benchmarks compare Adam with: adds 1 to every element in place, with the
+// same SIMD target and thread split as the kernels above (one read and one write per element).
+void cpu_memory_rmw(float* data, int64_t numel);
+
 // Name of the Highway target the dispatcher picked on this CPU (e.g. "AVX3", "AVX2", "NEON").
 const char* cpu_adam_simd_target();
 
