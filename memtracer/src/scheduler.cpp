@@ -118,6 +118,9 @@ int64_t Scheduler::budget_bytes(int64_t m) const {
 
 void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
   TORCH_CHECK(trace.size() > 0, "Scheduler::set_trace: the trace has no moment");
+  TORCH_CHECK(mover == nullptr || in_iteration_,
+              "Scheduler::set_trace with a mover moves chunks: call it before the warm-up's "
+              "end_iteration() so the moves count in that iteration");
   // Validate before changing anything: a rejected trace leaves the scheduler as it was.
   const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
   // Non-model bytes alone: name the moment whose interval measured them.

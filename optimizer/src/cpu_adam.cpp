@@ -255,6 +255,17 @@ void HalfFromMasterRange(uint16_t* HWY_RESTRICT half, int32_t bf16, const float*
   for (; i < n; ++i) half[i] = bf16 ? float_to_bf16(p[i]) : float_to_fp16(p[i]);
 }
 
+void AddOneRange(float* HWY_RESTRICT data, int64_t numel) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  const size_t n = static_cast<size_t>(numel);
+  const VF one = hn::Set(df, 1.0f);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes)
+    hn::StoreU(hn::Add(hn::LoadU(df, data + i), one), df, data + i);
+  for (; i < n; ++i) data[i] += 1.0f;
+}
+
 const char* TargetName() {
   return hwy::TargetName(HWY_TARGET);
 }
@@ -278,6 +289,7 @@ HWY_EXPORT(AdamMixedRange);
 HWY_EXPORT(AdamFp32Range);
 HWY_EXPORT(SumSquaresRange);
 HWY_EXPORT(HalfFromMasterRange);
+HWY_EXPORT(AddOneRange);
 HWY_EXPORT(TargetName);
 
 namespace {
@@ -418,6 +430,13 @@ void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const
   for_each_block(numel, [&](int64_t begin, int64_t end) {
     HWY_DYNAMIC_DISPATCH(HalfFromMasterRange)
     (half_param + begin, bf16, master + begin, end - begin);
+  });
+}
+
+void cpu_memory_rmw(float* data, int64_t numel) {
+  ensure_dispatch_ready();
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(AddOneRange)(data + begin, end - begin);
   });
 }
 

@@ -10,6 +10,9 @@
 //   1-b1)) v = fma((1-beta2)*g, g, v*beta2) (exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)) denom =
 //   sqrt(v) / sqrt(1-beta2^t) + eps                  (true division, as torch's div) p = p + (-(lr
 //   / (1-beta1^t)) * m) / denom                (p.addcdiv_(m, denom, -step_size))
+// One deliberate difference: torch's vectorized CPU sqrt (AVX-512 build of 2.11) is not correctly
+// rounded (about 0.6% of results 1 ulp off); ours is IEEE sqrt. With an exact sqrt put into
+// torch's op sequence, the results are bit-identical (tests/optimizer/adam_test.cpp).
 // The per-step scalars are computed in double on the host and rounded to float once, as torch does
 // when it passes double Scalars to float kernels. The gradient is first multiplied by
 // grad_multiplier = clip_coef / loss_scale (exact for power-of-two scales).
