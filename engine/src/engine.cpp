@@ -73,6 +73,15 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
               "patrickstar::Engine: device type \"cuda\" is not supported by the engine yet; this "
               "build trains on the emulated device (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
+  // Accepted by the config for compatibility with PatrickStar's files, not carried out yet: say so
+  // rather than train differently from what the file asks.
+  TORCH_CHECK(!config_.use_cpu_embedding,
+              "patrickstar::Engine: \"use_cpu_embedding\": true is not supported yet; embeddings "
+              "train in chunks like every other parameter (remove the key or set it to false)");
+  TORCH_CHECK(!config_.release_after_init,
+              "patrickstar::Engine: \"release_after_init\": true is not supported yet (the "
+              "parameters' original storage is always freed at registration; remove the key or set "
+              "it to false)");
   mixed_ = config_.precision() != Precision::kFp32;
   grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.

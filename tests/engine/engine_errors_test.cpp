@@ -84,6 +84,17 @@ TEST(EngineErrors, ParametersHaveNoDataOutsideADoor) {
                c10::Error);
 }
 
+TEST(EngineErrors, OptionsNotCarriedOutYetAreRefused) {
+  torch::manual_seed(1);
+  models::Gpt model(models::gpt_spec("gpt_tiny"));
+  for (const char* key : {"use_cpu_embedding", "release_after_init"}) {
+    const std::string m = message_of([&] {
+      Engine engine(model.ptr(), Config::from_json({{key, true}, {"default_chunk_size", 40000}}));
+    });
+    EXPECT_NE(m.find(std::string(key) + "\": true is not supported yet"), std::string::npos) << m;
+  }
+}
+
 TEST(EngineErrors, ModelWithoutParameters) {
   auto empty = std::make_shared<torch::nn::Module>();
   const std::string m = message_of([&] { Engine engine(empty, small_config()); });

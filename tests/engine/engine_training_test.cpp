@@ -191,6 +191,25 @@ TEST(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
   expect_evictions_after_warmup(run);
 }
 
+TEST(EngineTraining, Fp16WithDynamicLossScalingTracksFp32) {
+  // fp16 keeps 11 significant bits; gradients are scaled by the loss scale (2^8 here, so the first
+  // steps need not overflow) and unscaled inside the update. Any overflow skips a step, which
+  // would move the curve away from fp32: the test holds fp16 to 2% of fp32 and checks the scale.
+  const std::vector<double> plain = train_plain(kSteps);
+  const EngineRun run = train_engine(
+      tight_config(R"({"fp16": {"enabled": true, "initial_scale_power": 8, "loss_scale_window": 5},
+                       "client": {"device": {"capacity_bytes": 1300000}}})"),
+      kSteps);
+  int skipped = 0;
+  for (const auto& r : run.reports) skipped += r.skipped ? 1 : 0;
+  EXPECT_EQ(skipped, 0);
+  EXPECT_EQ(run.reports.front().loss_scale, 256.0);
+  EXPECT_GT(run.reports.back().loss_scale, 256.0) << "the scale grows after clean windows";
+  EXPECT_LE(max_relative_difference(run.losses, plain), 2e-2);
+  std::printf("fp16: max relative loss difference to fp32 %.3g over %d steps\n",
+              max_relative_difference(run.losses, plain), kSteps);
+}
+
 TEST(EngineTraining, ResumedRunContinuesBitExactly) {
   const std::string path = ::testing::TempDir() + "/ps_engine_resume.pt";
   const EngineRun full = train_engine(tight_config(), kSteps, 0, nullptr, path);
