@@ -20,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
@@ -41,6 +42,13 @@ ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
 ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
 ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
 ABSL_FLAG(uint64_t, seed, 1234, "seed of the weights and the data");
+ABSL_FLAG(bool, find_max_model, false,
+          "search, for each of --search-policies, the most layers (at --hidden) that complete "
+          "--search-steps training steps within --device and --host-memory");
+ABSL_FLAG(int64_t, hidden, 0, "--find-max-model: hidden size (0: the model's)");
+ABSL_FLAG(int64_t, max_layers, 4096, "--find-max-model: the most layers tried");
+ABSL_FLAG(std::string, search_policies, "opt,static", "--find-max-model: policies to compare");
+ABSL_FLAG(int64_t, search_steps, 3, "--find-max-model: steps a trial must complete (warm-up included)");
 
 namespace ps = patrickstar;
 namespace {
@@ -135,6 +143,182 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
   return r;
 }
 
+// --find-max-model: for each policy, the most layers of a GPT at a fixed hidden size that complete
+// a few training steps within the device and host budgets. Layers grow by doubling until a trial
+// fails, then bisect (a model that fails is assumed to fail with more layers too).
+struct Trial {
+  bool ok = false;
+  std::string error;  // the first line of the failure
+  int64_t params = 0;
+  int64_t model_data_bytes = 0;
+  int64_t device_peak_bytes = 0;
+  int64_t host_peak_bytes = 0;
+  double seconds = 0;
+};
+
+Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64_t batch,
+                int64_t seq, int64_t steps, uint64_t seed) {
+  Trial trial;
+  const auto start = Clock::now();
+  try {
+    auto [model, optimizer] = ps::initialize_engine(
+        [&] {
+          torch::manual_seed(seed);
+          return ps::models::Gpt(spec);
+        },
+        0, config);
+    ps::Engine& engine = model.engine();
+    for (int64_t s = 0; s < steps; ++s) {
+      auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+      optimizer.zero_grad();
+      at::Tensor loss = model->loss(data.tokens, data.targets);
+      model.backward(loss);
+      optimizer.step();
+      TORCH_CHECK(std::isfinite(loss.item<double>()), "the loss is not finite");
+    }
+    trial.ok = true;
+    trial.params = engine.registration().params;
+    trial.model_data_bytes = engine.registration().model_data_bytes;
+    for (const auto& stats : engine.scheduler().history()) {
+      trial.device_peak_bytes = std::max(trial.device_peak_bytes, stats.peak_device_bytes);
+    }
+    trial.host_peak_bytes = engine.host_tier().peak_bytes();
+  } catch (const c10::Error& e) {
+    trial.error = e.what_without_backtrace();
+    trial.error = trial.error.substr(0, trial.error.find('\n'));
+  }
+  trial.seconds = seconds_since(start);
+  return trial;
+}
+
+int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& base, int64_t batch,
+                   int64_t seq, uint64_t seed) {
+  TORCH_CHECK(base_config.device.host_capacity_bytes > 0,
+              "--find-max-model needs a host budget (--host-memory, e.g. 512MiB): without one the "
+              "engine's host side never runs out");
+  const int64_t steps = absl::GetFlag(FLAGS_search_steps);
+  const int64_t max_layers = absl::GetFlag(FLAGS_max_layers);
+  TORCH_CHECK(steps >= 2, "--search-steps must be at least 2 (the warm-up and a scheduled step)");
+  TORCH_CHECK(max_layers >= 1, "--max-layers must be positive");
+  ps::models::GptSpec shape = base;
+  if (absl::GetFlag(FLAGS_hidden) > 0) shape.hidden = absl::GetFlag(FLAGS_hidden);
+  TORCH_CHECK(shape.hidden % shape.heads == 0, "--hidden ", shape.hidden,
+              " is not a multiple of the ", shape.heads, " heads of ", base.name);
+  std::vector<std::string> policies;
+  for (const std::string& p : std::vector<std::string>(
+           absl::StrSplit(absl::GetFlag(FLAGS_search_policies), ','))) {
+    ps::parse_eviction_policy(p);  // a clear error for a typo, before any trial
+    policies.push_back(p);
+  }
+  std::printf("find-max-model: GPT hidden %lld, heads %lld, vocab %lld, %s, batch %lld, seq %lld, "
+              "device %s, host %s, %lld steps per trial\n",
+              static_cast<long long>(shape.hidden), static_cast<long long>(shape.heads),
+              static_cast<long long>(shape.vocab),
+              std::string(ps::to_string(base_config.precision())).c_str(),
+              static_cast<long long>(batch), static_cast<long long>(seq),
+              mib(static_cast<double>(base_config.device.capacity_bytes)).c_str(),
+              mib(static_cast<double>(base_config.device.host_capacity_bytes)).c_str(),
+              static_cast<long long>(steps));
+  std::fflush(stdout);
+
+  nlohmann::json results = nlohmann::json::array();
+  struct Best {
+    std::string policy;
+    int64_t layers = 0;
+    Trial trial;
+  };
+  std::vector<Best> best;
+  for (const std::string& policy : policies) {
+    nlohmann::json j = base_config.to_json();
+    j["client"]["scheduler"]["policy"] = policy;
+    j["client"]["mem_tracer"]["with_static_partition"] = policy == "static";
+    const ps::Config config = ps::Config::from_json(j);
+    auto attempt = [&](int64_t layers) {
+      ps::models::GptSpec spec = shape;
+      spec.layers = layers;
+      spec.name = absl::StrCat(base.name, "-h", shape.hidden, "-L", layers);
+      std::printf("  %-7s layers %5lld  %12lld params ... ", policy.c_str(),
+                  static_cast<long long>(layers), static_cast<long long>(spec.parameter_count()));
+      std::fflush(stdout);
+      Trial t = run_trial(spec, config, batch, seq, steps, seed);
+      if (t.ok) {
+        std::printf("ok (%.1f s)\n", t.seconds);
+      } else {
+        std::printf("fails (%.1f s): %s\n", t.seconds, t.error.c_str());
+      }
+      std::fflush(stdout);
+      return t;
+    };
+    Best b{policy, 0, {}};
+    int64_t bad = max_layers + 1;  // smallest layer count known to fail
+    for (int64_t layers = 1;; layers = std::min(layers * 2, max_layers)) {
+      Trial t = attempt(layers);
+      if (!t.ok) {
+        bad = layers;
+        break;
+      }
+      b.layers = layers;
+      b.trial = t;
+      if (layers == max_layers) break;
+    }
+    while (b.layers > 0 && bad - b.layers > 1) {
+      const int64_t mid = b.layers + (bad - b.layers) / 2;
+      Trial t = attempt(mid);
+      if (t.ok) {
+        b.layers = mid;
+        b.trial = t;
+      } else {
+        bad = mid;
+      }
+    }
+    best.push_back(b);
+  }
+
+  std::printf("\n%-8s %8s %14s %18s %18s %18s\n", "policy", "layers", "params", "model data",
+              "device peak", "host peak");
+  for (const Best& b : best) {
+    std::printf("%-8s %8lld %14lld %18s %18s %18s\n", b.policy.c_str(),
+                static_cast<long long>(b.layers), static_cast<long long>(b.trial.params),
+                mib(static_cast<double>(b.trial.model_data_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.device_peak_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.host_peak_bytes)).c_str());
+    results.push_back({{"policy", b.policy},
+                       {"max_layers", b.layers},
+                       {"params", b.trial.params},
+                       {"model_data_bytes", b.trial.model_data_bytes},
+                       {"device_peak_bytes", b.trial.device_peak_bytes},
+                       {"host_peak_bytes", b.trial.host_peak_bytes}});
+  }
+  nlohmann::json out;
+  out["hidden"] = shape.hidden;
+  out["heads"] = shape.heads;
+  out["vocab"] = shape.vocab;
+  out["dtype"] = std::string(ps::to_string(base_config.precision()));
+  out["batch"] = batch;
+  out["seq"] = seq;
+  out["device_capacity_bytes"] = base_config.device.capacity_bytes;
+  out["host_capacity_bytes"] = base_config.device.host_capacity_bytes;
+  out["search_steps"] = steps;
+  out["results"] = results;
+  auto params_of = [&](const std::string& policy) -> int64_t {
+    for (const Best& b : best) {
+      if (b.policy == policy) return b.trial.params;
+    }
+    return 0;
+  };
+  if (params_of("opt") > 0 && params_of("static") > 0) {
+    const double ratio = static_cast<double>(params_of("opt")) /
+                         static_cast<double>(params_of("static"));
+    out["opt_to_static_params"] = ratio;
+    std::printf("largest model under opt / under static: %.2fx the parameters\n", ratio);
+  }
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
+  }
+  return 0;
+}
+
 int run() {
   if (absl::GetFlag(FLAGS_list_models)) {
     for (const std::string& name : ps::models::gpt_spec_names()) {
@@ -156,6 +340,8 @@ int run() {
               "is the warm-up)");
   TORCH_CHECK(seq <= spec.max_seq, "--seq ", seq, " exceeds the ", spec.max_seq, " positions of ",
               spec.name);
+
+  if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
 
   std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
               "policy %s\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
@@ -204,30 +390,30 @@ int run() {
     std::fflush(stdout);
   }
 
-  // Figures over the iterations after the warm-up.
+  // Traffic over the steady iterations: after the warm-up and after the first scheduled iteration,
+  // which still moves the warm-up's placement into the schedule's (when there are enough steps).
   double h2d = 0, d2h = 0, forced = 0;
   int64_t device_peak = 0;
-  for (size_t i = 1; i < reports.size(); ++i) {
+  const size_t first_steady = reports.size() > 2 ? 2 : 1;
+  for (size_t i = first_steady; i < reports.size(); ++i) {
     h2d += static_cast<double>(reports[i].h2d_bytes);
     d2h += static_cast<double>(reports[i].d2h_bytes);
     forced += static_cast<double>(reports[i].adam_host_d2h_bytes);
   }
-  const double after = static_cast<double>(reports.size() - 1);
+  const double after = static_cast<double>(reports.size() - first_steady);
   h2d /= after;
   d2h /= after;
   forced /= after;
   for (const auto& stats : engine.scheduler().history()) {
     if (!stats.warmup) device_peak = std::max(device_peak, stats.peak_device_bytes);
   }
-  // The OPT lower bound of the scheduler's traffic on the same trace and budgets. It models the
-  // forward, backward and device-side Adam accesses; the moves a host-side Adam forces (gradient
-  // chunks to the host, new weights back) are outside it, so with host Adam there is no bound yet.
+  // The OPT lower bound of the scheduler's traffic on the same trace and budgets: the forward,
+  // backward and device-side Adam accesses, and the chunks the host-side Adam needs on the host.
   std::map<int64_t, ps::ChunkInfo> chunks = engine.scheduler().chunks();
   const ps::TrafficBound bound = ps::opt_traffic_bound(engine.tracer().warmup_trace(), chunks,
                                                        engine.scheduler().options());
   const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes) /
                              static_cast<double>(std::max<int64_t>(1, bound.period_iterations));
-  const bool bound_applies = forced == 0;
   const double step_time = median(times);
   const double params = static_cast<double>(reg.params);
   const double tokens = static_cast<double>(batch * seq);
@@ -260,8 +446,9 @@ int run() {
   out["h2d_bytes_per_iter"] = h2d;
   out["d2h_bytes_per_iter"] = d2h;
   out["adam_host_d2h_bytes_per_iter"] = forced;
-  out["opt_bound_bytes_per_iter"] = bound_applies ? nlohmann::json(bound_bytes) : nlohmann::json();
+  out["opt_bound_bytes_per_iter"] = bound_bytes;
   out["opt_bound_proven"] = bound.proven;
+  out["traffic_to_opt_bound"] = (h2d + d2h) / std::max(1.0, bound_bytes);
   out["step_time_s"] = step_time;
   out["samples_per_s"] = static_cast<double>(batch) / step_time;
   out["tflops_ps"] = tflops_ps;
@@ -287,16 +474,6 @@ int run() {
     if (value.is_array()) continue;
     std::printf("%-30s %s\n", key.c_str(), value.dump().c_str());
   }
-  if (bound_applies) {
-    std::printf("%-30s %.3f (traffic %s per iteration vs bound %s)\n", "traffic_to_opt_bound",
-                (h2d + d2h) / std::max(1.0, bound_bytes), mib(h2d + d2h).c_str(),
-                mib(bound_bytes).c_str());
-  } else {
-    std::printf("%-30s n/a: the host-side Adam moves %s of gradient chunks to the host per "
-                "iteration, which the bound does not model yet\n",
-                "traffic_to_opt_bound", mib(forced).c_str());
-  }
-
   if (!absl::GetFlag(FLAGS_json).empty()) {
     ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());

@@ -566,25 +566,30 @@ IterationReport Engine::run_adam() {
     device_chunks.push_back(id_of(ChunkKind::kVariance, i));
     if (grad_space_) device_chunks.push_back(id_of(ChunkKind::kGrad, i));
   }
+  // The rest update on the host: their gradients and weights go there (the states live there
+  // already). The trace records the steady state's host chunks, so the schedule and the OPT bound
+  // know these chunks leave the device at the step.
+  auto host_chunks = [&](const std::vector<bool>& device_side) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < n; ++i) {
+      if (device_side[i]) continue;
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+        if (store_->has_kind(kind)) ids.push_back(id_of(kind, i));
+      }
+    }
+    return ids;
+  };
+  const std::vector<int64_t> to_host = host_chunks(on_device);
+  int64_t adam_host_d2h_bytes = 0;
+  for (int64_t c : to_host) {
+    if (store_->tier(c) == Tier::kDevice) adam_host_d2h_bytes += store_->chunk_bytes(c);
+  }
   close_moment();
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
+  for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
   scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
-                        *mover_, probe_->live_bytes());
-  // The rest update on the host: their gradients come home (the states live there already).
-  int64_t adam_host_d2h_bytes = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (on_device[i]) continue;
-    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kParamFp32,
-                           ChunkKind::kMomentum, ChunkKind::kVariance}) {
-      if (!store_->has_kind(kind)) continue;
-      const ChunkId c = id_of(kind, i);
-      if (store_->tier(c) == Tier::kDevice) {
-        mover_->to_host(c);
-        adam_host_d2h_bytes += store_->chunk_bytes(c);
-      }
-    }
-  }
+                        *mover_, probe_->live_bytes(), to_host);
 
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;

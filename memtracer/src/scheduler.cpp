@@ -106,7 +106,11 @@ int64_t Scheduler::budget_bytes(int64_t m) const {
   if (!has_trace_) {
     // The warm-up ratio is a floor, not a wall: a moment whose chunks alone need more gets what
     // the device has left next to the live non-model bytes.
-    const int64_t share = std::max(scaled_bytes(usable, options_.warmup_ratio), warmup_floor_bytes_);
+    // kStatic keeps its chunks wherever they land, so it has no use for a conservative share.
+    const int64_t share =
+        options_.policy == EvictionPolicy::kStatic
+            ? usable
+            : std::max(scaled_bytes(usable, options_.warmup_ratio), warmup_floor_bytes_);
     return std::min(share, usable - warmup_non_model_bytes_) - options_.reserve_bytes;
   }
   TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::budget_bytes: moment ", m,
@@ -147,6 +151,13 @@ void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
     for (int64_t id : moment.chunk_ids) {
       needed += info(id).bytes;
     }
+    for (int64_t id : moment.host_chunk_ids) {
+      info(id);
+      TORCH_CHECK(std::find(moment.chunk_ids.begin(), moment.chunk_ids.end(), id) ==
+                      moment.chunk_ids.end(),
+                  "Scheduler::set_trace: moment ", m, " both accesses chunk ", id,
+                  " and sends it to the host");
+    }
     TORCH_CHECK(needed <= budget, "at moment ", m, " (", moment_kind_name(moment.kind), " '",
                 moment.label, "') the ", moment.chunk_ids.size(), " chunks accessed need ", needed,
                 " bytes but the chunk budget is ", budget, " bytes (capacity ",
@@ -156,14 +167,7 @@ void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
   }
   trace_ = trace;
   has_trace_ = true;
-  uses_.clear();
-  int64_t position = 0;
-  for (int64_t m = 0; m < trace_.size(); ++m) {
-    for (int64_t id : trace_.moments[m].chunk_ids) {
-      uses_[id].emplace_back(m, position++);
-    }
-  }
-  accesses_per_iteration_ = position;
+  index_ = NextUseIndex(trace_);
 
   if (mover == nullptr || options_.policy == EvictionPolicy::kStatic) {
     return;
@@ -223,16 +227,7 @@ void Scheduler::refresh_residency(ChunkMover& mover) {
 }
 
 int64_t Scheduler::next_use(int64_t chunk_id, int64_t m) const {
-  auto it = uses_.find(chunk_id);
-  if (it == uses_.end()) {
-    return kNever;
-  }
-  const auto& uses = it->second;
-  auto later = std::upper_bound(uses.begin(), uses.end(), std::make_pair(m, kNever));
-  if (later != uses.end()) {
-    return later->second;
-  }
-  return uses.front().second + accesses_per_iteration_;  // wraps into the next iteration
+  return index_.next_use(chunk_id, m);
 }
 
 void Scheduler::load(int64_t chunk_id, int64_t m, bool prefetch, ChunkMover& mover) {
@@ -317,7 +312,8 @@ bool Scheduler::evict_to_fit(int64_t bytes_to_add, int64_t budget, int64_t m,
 }
 
 void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
-                          ChunkMover& mover, int64_t live_non_model_bytes) {
+                          ChunkMover& mover, int64_t live_non_model_bytes,
+                          const std::vector<int64_t>& to_host) {
   TORCH_CHECK(in_iteration_, "Scheduler::at_moment(", m,
               ") outside an iteration (call begin_iteration first)");
   TORCH_CHECK(!has_trace_ || (m >= 0 && m < trace_.size()), "Scheduler::at_moment: moment ", m,
@@ -341,6 +337,14 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
     }
   }
 
+  for (int64_t id : to_host) {
+    TORCH_CHECK(pinned.count(id) == 0, describe_moment(m), " both accesses chunk ", id,
+                " and sends it to the host");
+    if (resident_.count(id) == 0) continue;
+    TORCH_CHECK(mover.movable(id), describe_moment(m), " must send chunk ", id,
+                " to the host but a tensor in it is in use (COMPUTE)");
+    evict(id, m, mover);
+  }
   if (options_.policy == EvictionPolicy::kStatic && kind == MomentKind::kStep) {
     // ZeRO-Offload style: the step runs on the host, so its chunks go there.
     for (int64_t id : accessed) {
@@ -420,7 +424,7 @@ void Scheduler::prefetch_after(int64_t m, const std::set<int64_t>& pinned, Chunk
   // iteration's positions.
   auto next_use_after = [&](int64_t id, int64_t a) {
     const int64_t use = next_use(id, a % moments);
-    return a >= moments && use != kNever ? use + accesses_per_iteration_ : use;
+    return a >= moments && use != kNever ? use + index_.accesses_per_iteration() : use;
   };
   int64_t window_budget = budget_bytes(m);
   // A prefetch for moment t evicts now what Belady would evict at t. Chunks accessed at m .. t-1
@@ -446,6 +450,7 @@ void Scheduler::prefetch_after(int64_t m, const std::set<int64_t>& pinned, Chunk
     }
     for (int64_t id : trace_.moments[t].chunk_ids) {
       if (resident_.count(id) != 0) continue;
+      if (next_use(id, m) == kNever) return;  // it goes to the host before its use: wait for it
       const int64_t bytes = info(id).bytes;
       bool fits;
       if (options_.policy == EvictionPolicy::kOpt && may_evict) {

@@ -65,7 +65,7 @@ SimulationResult simulate(const Trace& trace, const std::map<int64_t, ChunkInfo>
       const Moment& moment = trace.moments[m];
       // The warm-up reads the non-model bytes as the engine's probe would (the trace's figure).
       scheduler.at_moment(m, moment.kind, moment.chunk_ids, mover,
-                          iteration == 0 ? non_model_at(trace, m) : 0);
+                          iteration == 0 ? non_model_at(trace, m) : 0, moment.host_chunk_ids);
       mover.compute(options.moment_compute_us);
       scheduler.after_moment(m, mover);
     }
@@ -111,20 +111,10 @@ TrafficBound opt_traffic_bound(const Trace& trace, const std::map<int64_t, Chunk
   budgets.set_trace(trace);
   const int64_t moments = trace.size();
 
-  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> uses;  // chunk -> (moment, position)
-  int64_t position = 0;
-  for (int64_t m = 0; m < moments; ++m) {
-    for (int64_t id : trace.moments[m].chunk_ids) uses[id].emplace_back(m, position++);
-  }
-  const int64_t per_iteration = position;
-  auto next_use = [&](int64_t id, int64_t m) {
-    const auto& list = uses.at(id);
-    auto later = std::upper_bound(list.begin(), list.end(),
-                                  std::make_pair(m, std::numeric_limits<int64_t>::max()));
-    return later != list.end() ? later->second : list.front().second + per_iteration;
-  };
+  const NextUseIndex index(trace);
+  auto next_use = [&](int64_t id, int64_t m) { return index.next_use(id, m); };
   std::set<int64_t> sizes;
-  for (const auto& [id, list] : uses) sizes.insert(chunks.at(id).bytes);
+  for (int64_t id : index.accessed_chunks()) sizes.insert(chunks.at(id).bytes);
 
   TrafficBound bound;
   bound.proven = sizes.size() <= 1;
@@ -146,6 +136,12 @@ TrafficBound opt_traffic_bound(const Trace& trace, const std::map<int64_t, Chunk
     for (int64_t m = 0; m < moments; ++m) {
       const std::vector<int64_t>& accessed = trace.moments[m].chunk_ids;
       const std::set<int64_t> pinned(accessed.begin(), accessed.end());
+      for (int64_t id : trace.moments[m].host_chunk_ids) {  // a host-side optimizer's chunks
+        if (resident.erase(id) == 0) continue;
+        resident_bytes -= chunks.at(id).bytes;
+        current.d2h_bytes += chunks.at(id).bytes;
+        current.evictions += 1;
+      }
       int64_t missing = 0;
       for (int64_t id : pinned) {
         if (resident.count(id) == 0) missing += chunks.at(id).bytes;

@@ -35,11 +35,46 @@ bool Trace::same_moments(const Trace& other) const {
   for (size_t m = 0; m < moments.size(); ++m) {
     const Moment& a = moments[m];
     const Moment& b = other.moments[m];
-    if (a.kind != b.kind || a.label != b.label || a.chunk_ids != b.chunk_ids) {
+    if (a.kind != b.kind || a.label != b.label || a.chunk_ids != b.chunk_ids ||
+        a.host_chunk_ids != b.host_chunk_ids) {
       return false;
     }
   }
   return true;
+}
+
+NextUseIndex::NextUseIndex(const Trace& trace) : moments_(trace.size()) {
+  int64_t position = 0;
+  for (int64_t m = 0; m < trace.size(); ++m) {
+    for (int64_t id : trace.moments[m].chunk_ids) uses_[id].emplace_back(m, position++);
+    for (int64_t id : trace.moments[m].host_chunk_ids) host_moments_[id].push_back(m);
+  }
+  accesses_per_iteration_ = position;
+}
+
+int64_t NextUseIndex::next_use(int64_t chunk_id, int64_t m) const {
+  auto it = uses_.find(chunk_id);
+  if (it == uses_.end()) return kNever;
+  const auto& uses = it->second;
+  auto later = std::upper_bound(uses.begin(), uses.end(), std::make_pair(m, kNever));
+  // The next access, as a moment on a line that continues into the next iteration.
+  const bool wraps = later == uses.end();
+  const int64_t use_moment = wraps ? uses.front().first + moments_ : later->first;
+  const int64_t position = wraps ? uses.front().second + accesses_per_iteration_ : later->second;
+  auto host = host_moments_.find(chunk_id);
+  if (host != host_moments_.end()) {
+    const auto& at = host->second;
+    auto next_host = std::upper_bound(at.begin(), at.end(), m);
+    const int64_t host_moment = next_host != at.end() ? *next_host : at.front() + moments_;
+    if (host_moment < use_moment) return kNever;
+  }
+  return position;
+}
+
+std::vector<int64_t> NextUseIndex::accessed_chunks() const {
+  std::vector<int64_t> ids;
+  for (const auto& [id, list] : uses_) ids.push_back(id);
+  return ids;
 }
 
 TraceRecorder::TraceRecorder(MemoryProbe* probe) : probe_(probe) {}
@@ -81,7 +116,7 @@ int64_t TraceRecorder::tick(MomentKind kind, const std::string& label) {
                 "': the model's control flow changed; call rewarm() to record a new trace");
   }
   const int64_t peak = take_peak();
-  current_.moments.push_back(Moment{kind, label, peak, {}});
+  current_.moments.push_back(Moment{kind, label, peak, {}, {}});
   current_moment_ = m;
   return m;
 }
@@ -90,6 +125,15 @@ void TraceRecorder::record_access(int64_t chunk_id) {
   TORCH_CHECK(in_iteration_ && current_moment_ >= 0, "TraceRecorder::record_access(chunk ",
               chunk_id, ") before the first moment of an iteration (call tick first)");
   std::vector<int64_t>& ids = current_.moments.back().chunk_ids;
+  if (std::find(ids.begin(), ids.end(), chunk_id) == ids.end()) {
+    ids.push_back(chunk_id);
+  }
+}
+
+void TraceRecorder::record_host(int64_t chunk_id) {
+  TORCH_CHECK(in_iteration_ && current_moment_ >= 0, "TraceRecorder::record_host(chunk ",
+              chunk_id, ") before the first moment of an iteration (call tick first)");
+  std::vector<int64_t>& ids = current_.moments.back().host_chunk_ids;
   if (std::find(ids.begin(), ids.end(), chunk_id) == ids.end()) {
     ids.push_back(chunk_id);
   }

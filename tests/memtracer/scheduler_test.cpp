@@ -301,6 +301,74 @@ TEST(Scheduler, WarmupBudgetFollowsTheRatioAndTheLiveReading) {
               HasSubstr("chunk budget is 100"));
 }
 
+// kStatic keeps every chunk it loads, so during the warm-up it takes the whole device next to the
+// live non-model bytes rather than the warm-up ratio's share.
+TEST(Scheduler, StaticWarmupBudgetIsTheWholeDevice) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.1;
+  options.reserve_bytes = 50;
+  options.policy = EvictionPolicy::kStatic;
+  Scheduler scheduler(options, equal_chunks(3, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {1}, mover, 100);  // 1000 - 100 - 50
+  scheduler.at_moment(1, MomentKind::kPreForward, {2}, mover, 600);  // 1000 - 600 - 50
+  EXPECT_EQ(scheduler.current_stats().budget_bytes, (std::vector<int64_t>{850, 350}));
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{1, 2}));
+}
+
+// A host-side optimizer's chunks must leave the device at the step. Chunks 0, 1, 2 of 100 bytes,
+// capacity 300 (all fit): m0 {0}, m1 {1}, m2 {2}, m3 (step) accesses {2} and needs 0 and 1 on the
+// host. Without the host moment nothing moves after the warm-up; with it, 0 and 1 go out at m3 and
+// come back at m0 and m1 of the next iteration: 200 bytes each way per iteration, which is also the
+// least any schedule can do (the bound).
+TEST(Scheduler, HostMomentsSendChunksHomeAndCountInTheBound) {
+  Trace trace = make_trace({{0}, {1}, {2}, {2}});
+  trace.moments[3].kind = MomentKind::kStep;
+  const auto chunks = equal_chunks(3, 100);
+  for (int64_t depth : {0, 2}) {
+    for (EvictionPolicy policy : {EvictionPolicy::kOpt, EvictionPolicy::kLru}) {
+      const auto options = sim_options(300, policy, depth);
+      EXPECT_EQ(simulate(trace, chunks, options).steady.h2d_bytes, 0);
+      Trace with_host = trace;
+      with_host.moments[3].host_chunk_ids = {0, 1};
+      const SimulationResult result = simulate(with_host, chunks, options);
+      EXPECT_EQ(result.mean_h2d_bytes, 200) << eviction_policy_name(policy) << " depth " << depth;
+      EXPECT_EQ(result.mean_d2h_bytes, 200) << eviction_policy_name(policy) << " depth " << depth;
+      const TrafficBound bound = opt_traffic_bound(with_host, chunks, options.scheduler);
+      EXPECT_TRUE(bound.proven);
+      EXPECT_EQ(bound.h2d_bytes, 200);
+      EXPECT_EQ(bound.d2h_bytes, 200);
+    }
+  }
+}
+
+// Next uses: positions in the flattened access sequence (0: m0's chunk 0, 1: m1's chunk 1, 2: m2's
+// chunk 2, 3: m3's chunk 2; 4 per iteration); a chunk sent home before its next access is "never".
+TEST(NextUseIndex, HostMomentsEndAChunksUsefulStay) {
+  Trace trace = make_trace({{0}, {1}, {2}, {2}});
+  trace.moments[3].host_chunk_ids = {0};
+  const NextUseIndex index(trace);
+  EXPECT_EQ(index.accesses_per_iteration(), 4);
+  EXPECT_EQ(index.next_use(2, 0), 2);
+  EXPECT_EQ(index.next_use(2, 3), 2 + 4);  // wraps into the next iteration
+  EXPECT_EQ(index.next_use(1, 1), 1 + 4);  // no host moment for chunk 1
+  EXPECT_EQ(index.next_use(0, 0), NextUseIndex::kNever);  // home at m3 before m0 comes again
+  EXPECT_EQ(index.next_use(0, 3), 0 + 4);  // after m3 it is needed next at m0
+  EXPECT_EQ(index.next_use(7, 0), NextUseIndex::kNever);  // never accessed
+}
+
+TEST(Scheduler, RejectsATraceThatAccessesAChunkItSendsHome) {
+  Trace trace = make_trace({{0}, {1}});
+  trace.moments[1].host_chunk_ids = {1};
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  Scheduler scheduler(options, equal_chunks(2, 100));
+  EXPECT_THAT(error_of([&] { scheduler.set_trace(trace); }),
+              HasSubstr("both accesses chunk 1 and sends it to the host"));
+}
+
 TEST(Scheduler, ErrorsNameTheMomentAndTheBytes) {
   const auto chunks = equal_chunks(3, 100);
   SchedulerOptions options;

@@ -11,7 +11,8 @@
 //   measured, so chunk bytes + non-model bytes never exceed the capacity. During the warm-up (no
 //   trace yet) the budget is floor(capacity_bytes * overall_ratio * warmup_ratio) - reserve_bytes,
 //   raised to the bytes the moment's accessed chunks need when they need more, and capped by
-//   floor(capacity_bytes * overall_ratio) minus the live non-model reading the caller passes.
+//   floor(capacity_bytes * overall_ratio) minus the live non-model reading the caller passes
+//   (kStatic, which never gives a chunk back, takes that whole cap from the start).
 // - Demand. At each moment every accessed chunk is made resident. Before any load, resident
 //   chunks are evicted (moved to the host) until the resident bytes plus the bytes to load fit the
 //   budget; this also shrinks the resident set when the budget fell. Chunks accessed at the moment
@@ -19,7 +20,9 @@
 // - Eviction. kOpt: the resident chunk whose next use is farthest (Belady), next uses taken from
 //   the warm-up trace flattened into one access sequence (moment by moment, within a moment in
 //   recorded order) and wrapping into the next iteration; chunks never used again go first. Ties
-//   (only chunks never used again can tie) go to the larger chunk, then the larger id. kLru, and
+//   (only chunks never used again can tie) go to the larger chunk, then the larger id. A chunk the
+//   trace sends to the host (a host-side optimizer's, host_chunk_ids) before its next access counts
+//   as never used again. kLru, and
 //   every policy during the warm-up: least recently accessed first (same tie rule). kStatic (like
 //   ZeRO-Offload): chunks marked static_on_device are loaded on first use and never evicted,
 //   except that at kStep moments the accessed chunks go to the host (the host Adam reads the
@@ -34,6 +37,9 @@
 //   use is later than the prefetched chunk's and than that of every chunk accessed at m .. t-1
 //   (those stay until t, and Belady might pick one of them at t). Otherwise the chunk waits for its
 //   demand load. kLru prefetches into free budget only.
+// - Host moments. Chunks a moment needs on the host (the host-side Adam's gradients and weights)
+//   are moved there before the moment's loads, whatever the policy; prefetch never loads a chunk
+//   that must go to the host before its use.
 // - Errors. Accessed chunks alone above the budget, or non-model bytes alone above the capacity,
 //   raise c10::Error naming the moment, the bytes needed and the budget.
 // - Traffic. Every to_device counts its bytes as host-to-device, every to_host as device-to-host.
@@ -149,8 +155,11 @@ class Scheduler {
   // prefetches. With a trace, m must be a moment of it. During the warm-up, live_non_model_bytes
   // (the probe's reading now, if the caller has one) also caps the budget at floor(capacity *
   // overall_ratio) - live_non_model_bytes - reserve_bytes.
+  // Chunks in `to_host` (a host-side optimizer's, at a kStep moment; disjoint from `accessed`)
+  // are moved to the host first when they are on the device.
   void at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
-                 ChunkMover& mover, int64_t live_non_model_bytes = 0);
+                 ChunkMover& mover, int64_t live_non_model_bytes = 0,
+                 const std::vector<int64_t>& to_host = {});
   // Prefetches after moment m's compute (prefetch_after_compute): m's chunks are movable again, so
   // the prefetch may evict them as Belady would. A no-op during the warm-up and for kStatic.
   void after_moment(int64_t m, ChunkMover& mover);
@@ -190,9 +199,7 @@ class Scheduler {
   std::map<int64_t, ChunkInfo> chunks_;
   Trace trace_;
   bool has_trace_ = false;
-  // kOpt: per chunk, (moment, flattened position) of its accesses in the trace, ascending.
-  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> uses_;
-  int64_t accesses_per_iteration_ = 0;
+  NextUseIndex index_;  // kOpt: when each chunk is needed next
 
   std::set<int64_t> resident_;
   int64_t resident_bytes_ = 0;

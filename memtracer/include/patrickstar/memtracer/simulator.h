@@ -43,7 +43,9 @@ SimulationResult simulate(const Trace& trace, const std::map<int64_t, ChunkInfo>
                           const SimulationOptions& options);
 
 // Offline Belady (MIN) on the trace's flattened access sequence at the per-moment budgets of the
-// same options (Scheduler::budget_bytes), from an empty device, repeated until the state at the end
+// same options (Scheduler::budget_bytes), from an empty device, with the trace's host moments
+// (host_chunk_ids: chunks every schedule must send to the host there, counted as d2h when
+// resident; such a chunk counts as never used again until then), repeated until the state at the end
 // of an iteration repeats; the figures are the means per iteration over that period, rounded down.
 // With equal chunk sizes MIN needs the fewest loads on every prefix of the access sequence of any
 // schedule at these budgets, prefetching or not (a prefetching schedule can be made lazy without

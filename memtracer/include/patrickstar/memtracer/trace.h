@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace patrickstar {
@@ -24,6 +26,9 @@ struct Moment {
   int64_t non_model_bytes = 0;
   // Chunks accessed at this moment, in access order, each once.
   std::vector<int64_t> chunk_ids;
+  // Chunks that must be on the host at this moment (a host-side optimizer reads their gradients
+  // and writes new weights there), each once, none of them in chunk_ids.
+  std::vector<int64_t> host_chunk_ids = {};
 };
 
 // One iteration's moments. tail_non_model_bytes is the peak from the last moment to the end of the
@@ -39,6 +44,29 @@ struct Trace {
   // True when kinds, labels and accessed chunks match moment by moment (non-model bytes may
   // differ).
   bool same_moments(const Trace& other) const;
+};
+
+// When each chunk is needed next, from a trace that repeats every iteration: the accesses
+// flattened into one sequence (moment by moment, within a moment in recorded order). A chunk sent
+// to the host (host_chunk_ids) before its next access gains nothing by staying on the device until
+// then, so it counts as never used again. Shared by the scheduler's OPT policy and the OPT bound.
+class NextUseIndex {
+ public:
+  static constexpr int64_t kNever = INT64_MAX;
+  NextUseIndex() = default;
+  explicit NextUseIndex(const Trace& trace);
+  // The flattened position of `chunk_id`'s first access after moment m, in this iteration's frame
+  // (positions >= accesses_per_iteration() are in the next iteration), or kNever.
+  int64_t next_use(int64_t chunk_id, int64_t m) const;
+  int64_t accesses_per_iteration() const { return accesses_per_iteration_; }
+  // Chunks accessed somewhere in the trace.
+  std::vector<int64_t> accessed_chunks() const;
+
+ private:
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> uses_;  // (moment, position)
+  std::map<int64_t, std::vector<int64_t>> host_moments_;
+  int64_t accesses_per_iteration_ = 0;
+  int64_t moments_ = 0;
 };
 
 // Usage (the engine):
@@ -60,6 +88,8 @@ class TraceRecorder {
   int64_t tick(MomentKind kind, const std::string& label);
   // Records that `chunk_id` is accessed at the current moment (duplicates are ignored).
   void record_access(int64_t chunk_id);
+  // Records that `chunk_id` must be on the host at the current moment (duplicates are ignored).
+  void record_host(int64_t chunk_id);
   // Closes the iteration; from iteration 1 on, throws when it had fewer moments than the warm-up.
   void end_iteration();
 
