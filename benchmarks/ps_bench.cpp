@@ -443,6 +443,8 @@ int run() {
   out["device_capacity_bytes"] = config.device.capacity_bytes;
   out["device_peak_bytes"] = device_peak;
   out["host_peak_bytes"] = engine.host_tier().peak_bytes();
+  out["init_host_peak_bytes"] = reg.host_peak_bytes_during_init;
+  out["init_goal_bytes"] = reg.init_goal_bytes;  // model data + the largest module's fp32 weights
   out["h2d_bytes_per_iter"] = h2d;
   out["d2h_bytes_per_iter"] = d2h;
   out["adam_host_d2h_bytes_per_iter"] = forced;

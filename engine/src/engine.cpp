@@ -73,15 +73,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
               "patrickstar::Engine: device type \"cuda\" is not supported by the engine yet; this "
               "build trains on the emulated device (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
-  // Accepted by the config for compatibility with PatrickStar's files, not carried out yet: say so
-  // rather than train differently from what the file asks.
+  // Accepted for compatibility with PatrickStar's files, not carried out yet: say so rather than
+  // train differently from what the file asks. (release_after_init frees the chunks other ranks
+  // own; with one process every chunk is this rank's, so it changes nothing and is accepted.)
   TORCH_CHECK(!config_.use_cpu_embedding,
               "patrickstar::Engine: \"use_cpu_embedding\": true is not supported yet; embeddings "
               "train in chunks like every other parameter (remove the key or set it to false)");
-  TORCH_CHECK(!config_.release_after_init,
-              "patrickstar::Engine: \"release_after_init\": true is not supported yet (the "
-              "parameters' original storage is always freed at registration; remove the key or set "
-              "it to false)");
   mixed_ = config_.precision() != Precision::kFp32;
   grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
@@ -89,7 +86,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
   counter.reset_peak();
   probe_ = std::make_unique<CpuMemoryProbe>(counter);
   register_parameters();
-  registration_.host_peak_bytes_during_init = counter.peak_bytes() + host_->peak_bytes();
+}
+
+void Engine::note_model_construction_peak(int64_t bytes) {
+  registration_.model_construction_peak_bytes = bytes;
+  registration_.host_peak_bytes_during_init =
+      std::max(registration_.host_peak_bytes_during_init, bytes);
 }
 
 Engine::~Engine() {
@@ -116,6 +118,10 @@ void Engine::register_parameters() {
   TORCH_CHECK(!unique.empty(), "patrickstar::Engine: the model has no parameters to train");
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
     module_names_[item.value().get()] = item.key().empty() ? "<root>" : item.key();
+    int64_t own = 0;
+    for (const at::Tensor& t : item.value()->parameters(/*recurse=*/false)) own += t.numel();
+    registration_.largest_module_param_bytes =
+        std::max(registration_.largest_module_param_bytes, 4 * own);
   }
 
   Layout layout;
@@ -147,33 +153,72 @@ void Engine::register_parameters() {
                                     : MemoryTier::kUnlimited;
   host_ = std::make_unique<HostTier>(host_capacity);
   device_ = std::make_unique<EmulatedDeviceTier>(config_.device.capacity_bytes);
-  const Layout* placed = nullptr;
-  try {
-    store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
-    placed = &store_->layout();
-    for (ChunkId id = 0; id < store_->chunk_count(); ++id) store_->allocate(id, Tier::kHost);
-  } catch (...) {
+  store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
+  const Layout* placed = &store_->layout();
+  // The whole model data must fit the host before anything moves: a model is either untouched or
+  // fully registered.
+  if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
+      host_->used_bytes() + store_->total_chunk_bytes() > host_->capacity_bytes()) {
+    const int64_t need = store_->total_chunk_bytes();
+    const int64_t have = host_->capacity_bytes() - host_->used_bytes();
     store_.reset();
     param_of_impl_.clear();
-    throw;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "patrickstar::Engine: the model data needs ", need,
+                     " bytes of host memory but the host budget has ", have,
+                     " bytes left (config key client.device.host_capacity_bytes); nothing was "
+                     "registered");
   }
 
-  // 3. Values into chunks; the parameters give up their storage. Nothing below throws for valid
-  //    input, so the model is either untouched (above) or fully registered.
+  // 3. Values into chunks, one chunk index at a time: its weight payloads are allocated, its
+  //    tensors copied in and their original storage freed, and only then its optimizer payloads
+  //    are allocated. So the host holds at most the model data plus one chunk of fp32 weights
+  //    still waiting (RegistrationReport::host_peak_bytes_during_init measures it).
   torch::NoGradGuard no_grad;
-  params_.reserve(unique.size());
-  for (size_t i = 0; i < unique.size(); ++i) {
-    const auto& [name, t] = unique[i];
-    Param p;
-    p.name = name;
-    p.tensor = t;
-    p.id = static_cast<TensorId>(i);
-    p.trainable = t.requires_grad();
-    store_->view(p.id, ChunkKind::kParam).copy_(t);
-    if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
-    t.set_data(storage_without_memory(t.sizes(), half));
-    point_at_nothing(p);
-    params_.push_back(std::move(p));
+  CountingCpuAllocator& counter = *CountingCpuAllocator::installed();
+  int64_t model_bytes_at_start = 0;
+  for (const auto& item : unique) model_bytes_at_start += item.second.nbytes();
+  const int64_t live_at_start = counter.live_bytes();
+  counter.reset_peak();
+  int64_t& init_peak = registration_.host_peak_bytes_during_init;
+  auto sample = [&] {
+    // What the process holds beyond what it held before registration began, plus the model's
+    // own fp32 weights (there at the start).
+    init_peak = std::max(init_peak, counter.peak_bytes() - live_at_start + model_bytes_at_start +
+                                        host_->used_bytes());
+    counter.reset_peak();
+  };
+  sample();
+  params_.resize(unique.size());
+  try {
+    for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
+      store_->allocate(store_->chunk_id(ChunkKind::kParam, index), Tier::kHost);
+      if (mixed_) store_->allocate(store_->chunk_id(ChunkKind::kParamFp32, index), Tier::kHost);
+      sample();
+      for (TensorId id : placed->tensors_in_chunk(index)) {
+        const auto& [name, t] = unique[static_cast<size_t>(id)];
+        Param& p = params_[static_cast<size_t>(id)];
+        p.name = name;
+        p.tensor = t;
+        p.id = id;
+        p.trainable = t.requires_grad();
+        store_->view(p.id, ChunkKind::kParam).copy_(t);
+        if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
+        t.set_data(storage_without_memory(t.sizes(), half));
+        point_at_nothing(p);
+      }
+      sample();
+      for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
+        if (store_->has_kind(kind)) store_->allocate(store_->chunk_id(kind, index), Tier::kHost);
+      }
+      sample();
+    }
+  } catch (...) {
+    // Only a failing system allocation gets here (the budget was checked): the model is partly
+    // moved and cannot be restored.
+    store_.reset();
+    param_of_impl_.clear();
+    params_.clear();
+    throw;
   }
   for (const Param& p : params_) {
     if (!p.trainable) continue;
@@ -231,6 +276,7 @@ void Engine::register_parameters() {
   for (ChunkId id = 0; id < store_->chunk_count(); ++id) r.model_data_bytes += store_->chunk_bytes(id);
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
+  r.init_goal_bytes = r.model_data_bytes + r.largest_module_param_bytes;
 }
 
 Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {

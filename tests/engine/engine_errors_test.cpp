@@ -87,12 +87,41 @@ TEST(EngineErrors, ParametersHaveNoDataOutsideADoor) {
 TEST(EngineErrors, OptionsNotCarriedOutYetAreRefused) {
   torch::manual_seed(1);
   models::Gpt model(models::gpt_spec("gpt_tiny"));
-  for (const char* key : {"use_cpu_embedding", "release_after_init"}) {
-    const std::string m = message_of([&] {
-      Engine engine(model.ptr(), Config::from_json({{key, true}, {"default_chunk_size", 40000}}));
-    });
-    EXPECT_NE(m.find(std::string(key) + "\": true is not supported yet"), std::string::npos) << m;
+  const std::string m = message_of([&] {
+    Engine engine(model.ptr(),
+                  Config::from_json({{"use_cpu_embedding", true}, {"default_chunk_size", 40000}}));
+  });
+  EXPECT_NE(m.find("\"use_cpu_embedding\": true is not supported yet"), std::string::npos) << m;
+  EXPECT_GT(model->wte->weight.numel(), 0) << "a refused config must leave the model untouched";
+  // release_after_init frees chunks other ranks own: with one process it changes nothing.
+  Engine engine(model.ptr(),
+                Config::from_json({{"release_after_init", true}, {"default_chunk_size", 40000}}));
+  EXPECT_EQ(engine.registration().tensors, static_cast<int64_t>(model->parameters().size()));
+}
+
+// A host budget smaller than the model data: a clear out-of-memory error before anything moves.
+TEST(EngineErrors, HostBudgetTooSmallLeavesTheModelUntouched) {
+  torch::manual_seed(1);
+  models::Gpt model(models::gpt_spec("gpt_tiny"));
+  const at::Tensor before = model->wte->weight.clone();
+  bool out_of_memory = false;
+  std::string m;
+  try {
+    Engine engine(model.ptr(),
+                  Config::from_json({{"default_chunk_size", 40000},
+                                     {"client", {{"device", {{"host_capacity_bytes", 1000000}}}}}}));
+  } catch (const c10::OutOfMemoryError& e) {
+    out_of_memory = true;
+    m = e.what_without_backtrace();
   }
+  EXPECT_TRUE(out_of_memory);
+  EXPECT_NE(m.find("bytes of host memory but the host budget has 1000000 bytes left"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("nothing was registered"), std::string::npos) << m;
+  EXPECT_TRUE(torch::equal(model->wte->weight, before));
+  // The same model registers afterwards with enough room.
+  Engine engine(model.ptr(), Config::from_json({{"default_chunk_size", 40000}}));
+  EXPECT_EQ(engine.registration().params, models::gpt_spec("gpt_tiny").parameter_count());
 }
 
 TEST(EngineErrors, ModelWithoutParameters) {

@@ -23,6 +23,7 @@
 
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
+#include "patrickstar/memtracer/counting_allocator.h"
 
 namespace patrickstar {
 
@@ -96,9 +97,15 @@ auto initialize_engine(Factory&& factory, int local_rank, const Config& config) 
   TORCH_CHECK(local_rank == 0, "patrickstar::initialize_engine: local_rank ", local_rank,
               " but this build trains in one process (local_rank 0); multi-GPU training comes "
               "with the collectives");
+  // Count the model's construction: the initialization peak includes the factory's allocations.
+  CountingCpuAllocator& counter = CountingCpuAllocator::install();
+  const int64_t live_before = counter.live_bytes();
+  counter.reset_peak();
   auto module = detail::module_shared_ptr(factory());
+  const int64_t construction_peak = counter.peak_bytes() - live_before;
   using ModuleType = typename decltype(module)::element_type;
   auto engine = std::make_shared<Engine>(module, config);
+  engine->note_model_construction_peak(construction_peak);
   return std::make_pair(EngineModel<ModuleType>(engine, module), EngineOptimizer(engine));
 }
 

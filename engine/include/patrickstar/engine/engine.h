@@ -72,7 +72,14 @@ struct RegistrationReport {
   double chunk_waste_fraction = 0;
   int64_t model_data_bytes = 0;   // every payload of every kind
   double model_data_bytes_per_param = 0;
-  int64_t host_peak_bytes_during_init = 0;  // LibTorch CPU allocations + host tier, peak
+  // Host memory during initialization: the peak of LibTorch's CPU allocations (through the
+  // counting allocator) plus the host tier, over building the model (when initialize_engine built
+  // it) and registering it. Registration streams chunk by chunk, so the goal is
+  // init_goal_bytes: the model data plus the largest module's own parameters in fp32.
+  int64_t host_peak_bytes_during_init = 0;
+  int64_t model_construction_peak_bytes = 0;  // the factory's part (0 when not measured)
+  int64_t largest_module_param_bytes = 0;     // fp32 bytes of one module's own parameters, largest
+  int64_t init_goal_bytes = 0;
 };
 
 class Engine final : public ModuleHookHandler {
@@ -117,6 +124,8 @@ class Engine final : public ModuleHookHandler {
   void load_checkpoint(const std::string& path);
 
   const RegistrationReport& registration() const { return registration_; }
+  // initialize_engine measures the factory's peak host allocation and folds it in here.
+  void note_model_construction_peak(int64_t bytes);
   const std::vector<IterationReport>& history() const { return history_; }
   int64_t iteration() const { return iteration_; }
   double loss_scale() const { return adam_->loss_scale(); }
