@@ -63,9 +63,10 @@ Layout::Layout(int64_t world_size) : world_size_(world_size) {
   size_offsets_.push_back(0);
 }
 
-TensorId Layout::add_tensor(std::string_view name, c10::IntArrayRef sizes) {
+TensorId Layout::add_tensor(std::string_view name, c10::IntArrayRef sizes, int group) {
   TORCH_CHECK(!finalized(), "Layout: cannot add tensor '", name,
               "' after finalize(); register every tensor first");
+  TORCH_CHECK(group >= 0, "Layout: tensor '", name, "' has a negative group ", group);
   int64_t numel = 1;
   for (int64_t s : sizes) {
     TORCH_CHECK(s >= 0, "Layout: tensor '", name, "' has a negative size in ", sizes);
@@ -76,6 +77,7 @@ TensorId Layout::add_tensor(std::string_view name, c10::IntArrayRef sizes) {
   const TensorId id = tensor_count();
   names_.emplace_back(name);
   numels_.push_back(numel);
+  groups_.push_back(group);
   sizes_.insert(sizes_.end(), sizes.begin(), sizes.end());
   size_offsets_.push_back(static_cast<int64_t>(sizes_.size()));
   total_numel_ += numel;
@@ -168,15 +170,24 @@ void Layout::finalize_search(int64_t min_elems, int64_t max_elems, int64_t step_
 
 void Layout::place(int64_t chunk_elems) {
   const int64_t n = tensor_count();
-  FirstFitTree tree(std::max<int64_t>(1, n), chunk_elems);
   placements_.resize(static_cast<size_t>(n));
-  for (TensorId id = 0; id < n; ++id) {
-    const int64_t numel = numels_[static_cast<size_t>(id)];
-    const auto [chunk, offset] = tree.place(numel);
-    placements_[static_cast<size_t>(id)] = TensorPlacement{chunk, offset, numel};
+  chunk_groups_.clear();
+  const int last_group = n == 0 ? 0 : *std::max_element(groups_.begin(), groups_.end());
+  int64_t first_chunk = 0;  // of the group being packed
+  for (int group = 0; group <= last_group; ++group) {
+    FirstFitTree tree(std::max<int64_t>(1, n), chunk_elems);
+    for (TensorId id = 0; id < n; ++id) {
+      if (groups_[static_cast<size_t>(id)] != group) continue;
+      const int64_t numel = numels_[static_cast<size_t>(id)];
+      const auto [chunk, offset] = tree.place(numel);
+      placements_[static_cast<size_t>(id)] = TensorPlacement{first_chunk + chunk, offset, numel};
+    }
+    first_chunk += tree.chunk_count();
+    chunk_groups_.resize(static_cast<size_t>(first_chunk), group);
   }
   chunk_elems_ = chunk_elems;
-  chunk_count_ = round_up_to(tree.chunk_count(), world_size_);
+  chunk_count_ = round_up_to(first_chunk, world_size_);
+  chunk_groups_.resize(static_cast<size_t>(chunk_count_), 0);
 
   // Per-chunk tensor lists (CSR). Within a chunk, registration order is offset order.
   chunk_used_elems_.assign(static_cast<size_t>(chunk_count_), 0);
@@ -195,6 +206,11 @@ void Layout::place(int64_t chunk_elems) {
     const int64_t c = placements_[static_cast<size_t>(id)].chunk_index;
     chunk_tensors_[static_cast<size_t>(next[static_cast<size_t>(c)]++)] = id;
   }
+}
+
+int Layout::chunk_group(int64_t chunk_index) const {
+  check_chunk(chunk_index);
+  return chunk_groups_[static_cast<size_t>(chunk_index)];
 }
 
 void Layout::check_tensor(TensorId id) const {

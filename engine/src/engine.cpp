@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <unordered_set>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/isfinite.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -73,12 +75,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
               "patrickstar::Engine: device type \"cuda\" is not supported by the engine yet; this "
               "build trains on the emulated device (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
-  // Accepted for compatibility with PatrickStar's files, not carried out yet: say so rather than
-  // train differently from what the file asks. (release_after_init frees the chunks other ranks
-  // own; with one process every chunk is this rank's, so it changes nothing and is accepted.)
-  TORCH_CHECK(!config_.use_cpu_embedding,
-              "patrickstar::Engine: \"use_cpu_embedding\": true is not supported yet; embeddings "
-              "train in chunks like every other parameter (remove the key or set it to false)");
+  // release_after_init frees the chunks other ranks own after initialization (PatrickStar's
+  // "release remote chunks"); with one process every chunk is this rank's, so it changes nothing.
   mixed_ = config_.precision() != Precision::kFp32;
   grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
@@ -124,8 +122,25 @@ void Engine::register_parameters() {
         std::max(registration_.largest_module_param_bytes, 4 * own);
   }
 
+  // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
+  // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
+  std::unordered_set<const c10::TensorImpl*> embedding_params;
+  if (config_.use_cpu_embedding) {
+    for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+      const torch::nn::Module* m = item.value().get();
+      if (dynamic_cast<const torch::nn::EmbeddingImpl*>(m) == nullptr &&
+          dynamic_cast<const torch::nn::EmbeddingBagImpl*>(m) == nullptr) {
+        continue;
+      }
+      for (const at::Tensor& t : item.value()->parameters(/*recurse=*/false)) {
+        embedding_params.insert(t.unsafeGetTensorImpl());
+      }
+    }
+  }
   Layout layout;
-  for (const auto& [name, t] : unique) layout.add_tensor(name, t.sizes());
+  for (const auto& [name, t] : unique) {
+    layout.add_tensor(name, t.sizes(), embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0);
+  }
   try {
     if (config_.chunk_size_auto) {
       const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
@@ -155,6 +170,8 @@ void Engine::register_parameters() {
   device_ = std::make_unique<EmulatedDeviceTier>(config_.device.capacity_bytes);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
   const Layout* placed = &store_->layout();
+  host_only_.assign(static_cast<size_t>(placed->chunk_count()), false);
+  for (int64_t i = 0; i < placed->chunk_count(); ++i) host_only_[i] = placed->chunk_group(i) == 1;
   // The whole model data must fit the host before anything moves: a model is either untouched or
   // fully registered.
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
@@ -229,7 +246,8 @@ void Engine::register_parameters() {
   // 4. Scheduler, tracer, optimizer.
   std::map<int64_t, ChunkInfo> chunk_table;
   for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
-    chunk_table[id] = ChunkInfo{store_->chunk_bytes(id), store_->kind_of(id) == ChunkKind::kParam};
+    chunk_table[id] = ChunkInfo{store_->chunk_bytes(id), store_->kind_of(id) == ChunkKind::kParam &&
+                                                              !host_only_[store_->index_of(id)]};
   }
   SchedulerOptions options;
   options.capacity_bytes = config_.device.capacity_bytes;
@@ -327,6 +345,7 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
                                      bool with_grad_chunks) {
   std::vector<int64_t> chunk_ids;
   auto add_chunk = [&](ChunkId c) {
+    if (host_only_[store_->index_of(c)]) return;  // a CPU embedding's: read on the host
     if (std::find(chunk_ids.begin(), chunk_ids.end(), c) == chunk_ids.end()) chunk_ids.push_back(c);
   };
   for (TensorId id : module.params) {
@@ -568,6 +587,7 @@ void Engine::decide_adam_placement() {
     state_bytes[i] = store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
                      store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
                      (mixed_ ? store_->chunk_bytes(store_->chunk_id(ChunkKind::kParamFp32, i)) : 0);
+    if (host_only_[i]) continue;
     resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
     if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
   }
@@ -586,8 +606,18 @@ void Engine::decide_adam_placement() {
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
-  const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
-  adam_on_device_ = plan.on_device;
+  // CPU embeddings update on the host: the plan covers the other chunks.
+  std::vector<int64_t> candidates;
+  std::vector<int64_t> candidate_bytes;
+  for (int64_t i = 0; i < n; ++i) {
+    if (host_only_[i]) continue;
+    candidates.push_back(i);
+    candidate_bytes.push_back(state_bytes[i]);
+  }
+  const PlacementPlan plan =
+      hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
+  adam_on_device_.assign(static_cast<size_t>(n), false);
+  for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
   placement_decided_ = true;
 }
 

@@ -210,3 +210,33 @@ TEST(Layout, WorldSizePadsChunkCountAndAssignsOwners) {
 
 }  // namespace
 }  // namespace patrickstar
+
+namespace patrickstar {
+namespace {
+
+// Groups never share a chunk: first-fit would put the small group-1 tensor into chunk 0's hole, but
+// group 1 is packed on its own, after group 0.
+TEST(LayoutGroups, TensorsOfDifferentGroupsNeverShareAChunk) {
+  Layout layout;
+  const TensorId a = layout.add_tensor("a", {60});
+  const TensorId e = layout.add_tensor("emb", {70}, /*group=*/1);
+  const TensorId b = layout.add_tensor("b", {30});
+  const TensorId f = layout.add_tensor("emb2", {20}, /*group=*/1);
+  layout.finalize(100);
+  EXPECT_EQ(layout.chunk_count(), 2);
+  EXPECT_EQ(layout.placement(a).chunk_index, 0);
+  EXPECT_EQ(layout.placement(b).chunk_index, 0);
+  EXPECT_EQ(layout.placement(b).offset_elems, 60);
+  EXPECT_EQ(layout.placement(e).chunk_index, 1);
+  EXPECT_EQ(layout.placement(f).chunk_index, 1);
+  EXPECT_EQ(layout.placement(f).offset_elems, 70);
+  EXPECT_EQ(layout.chunk_group(0), 0);
+  EXPECT_EQ(layout.chunk_group(1), 1);
+  EXPECT_EQ(layout.waste_elems(), 2 * 100 - 180);
+  EXPECT_THROW(layout.chunk_group(2), c10::Error);
+  Layout bad;
+  EXPECT_THROW(bad.add_tensor("x", {1}, -1), c10::Error);
+}
+
+}  // namespace
+}  // namespace patrickstar

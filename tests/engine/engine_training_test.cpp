@@ -207,6 +207,43 @@ TEST(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
   }
 }
 
+// use_cpu_embedding: wte and wpe get chunks of their own that stay on the host (the embedding and
+// the tied LM head read them there; their Adam runs on the host). Training is unchanged.
+TEST(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
+  const std::vector<double> plain = train_plain(kSteps);
+  const Config config = tight_config(R"({"use_cpu_embedding": true})");
+  Gpt model = make_model(1);
+  Engine engine(model.ptr(), config);
+  const ChunkStore& store = engine.chunks();
+  int64_t host_only = 0;
+  for (int64_t i = 0; i < store.chunks_per_kind(); ++i) {
+    if (!engine.host_only(i)) continue;
+    ++host_only;
+    for (TensorId t : store.layout().tensors_in_chunk(i)) {
+      const std::string& name = store.layout().name(t);
+      EXPECT_TRUE(name == "wte.weight" || name == "wpe.weight") << name << " in a host chunk";
+    }
+  }
+  EXPECT_EQ(host_only, 1) << "wte and wpe (34816 elements) share one chunk of 40000";
+  const EngineRun run = train_engine(config, kSteps, 0, &engine);
+  EXPECT_LE(max_relative_difference(run.losses, plain), 1e-5);
+  expect_evictions_after_warmup(run);
+  for (const Moment& m : engine.tracer().warmup_trace().moments) {
+    for (int64_t c : m.chunk_ids) {
+      EXPECT_FALSE(engine.host_only(store.index_of(c))) << "moment " << m.label << " loads " << c;
+    }
+  }
+  for (const MoveEvent& move : engine.scheduler().moves()) {
+    EXPECT_FALSE(engine.host_only(store.index_of(move.chunk_id))) << "chunk " << move.chunk_id;
+  }
+  for (int64_t i = 0; i < store.chunks_per_kind(); ++i) {
+    if (engine.host_only(i)) {
+      EXPECT_FALSE(engine.adam_on_device()[i]);
+    }
+  }
+  EXPECT_GE(run.reports.back().adam.chunks_host, 1);
+}
+
 TEST(EngineTraining, GradientAccumulationOfFourMicroBatchesEqualsOneBatchOfFour) {
   const std::vector<double> plain = train_plain(8);
   const EngineRun run = train_engine(tight_config(R"({"gradient_accumulation_steps": 4})"), 8);

@@ -60,8 +60,13 @@ class Layout {
   explicit Layout(int64_t world_size = 1);
 
   // Registers a tensor of this shape; returns its id (0, 1, 2, ... in registration order).
-  // Throws c10::Error after finalize() or for a negative size.
-  TensorId add_tensor(std::string_view name, c10::IntArrayRef sizes);
+  // Tensors of different `group`s never share a chunk: each group is packed on its own (first-fit
+  // in registration order), groups in increasing order, so a group's chunks are consecutive (the
+  // engine keeps group 1, CPU embeddings, on the host). The chunk-size search packs all tensors
+  // together. Throws c10::Error after finalize() or for a negative size or group.
+  TensorId add_tensor(std::string_view name, c10::IntArrayRef sizes, int group = 0);
+  // The group of the tensors in chunk `chunk_index` (0 for an empty chunk).
+  int chunk_group(int64_t chunk_index) const;
 
   // Places every tensor in chunks of `chunk_elems` elements. Throws c10::Error naming the tensor,
   // its size and the smallest chunk size that would work when a tensor does not fit.
@@ -120,6 +125,8 @@ class Layout {
   int64_t world_size_;
   std::vector<std::string> names_;
   std::vector<int64_t> numels_;
+  std::vector<int> groups_;
+  std::vector<int> chunk_groups_;
   std::vector<int64_t> size_offsets_;  // sizes of tensor i: sizes_[size_offsets_[i], [i+1])
   std::vector<int64_t> sizes_;
   int64_t total_numel_ = 0;

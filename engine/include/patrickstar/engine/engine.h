@@ -136,6 +136,8 @@ class Engine final : public ModuleHookHandler {
   MemoryTier& host_tier() const { return *host_; }
   // Adam for chunk index i runs on the device (fixed after the warm-up from the margin it measured).
   const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
+  // Chunk index i belongs to CPU embeddings (use_cpu_embedding): it never moves to the device.
+  bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
 
   // ModuleHookHandler (called by the doors).
   int64_t pre_forward(torch::nn::Module& module) override;
@@ -213,6 +215,7 @@ class Engine final : public ModuleHookHandler {
   std::vector<OpenScope> scopes_;
   int64_t open_moment_ = -1;  // the last moment, until close_moment()
   std::vector<bool> adam_on_device_;
+  std::vector<bool> host_only_;  // per chunk index: a CPU embedding's chunk, never on the device
   bool placement_decided_ = false;
   MoveCounters counters_at_iteration_start_;
   RegistrationReport registration_;
