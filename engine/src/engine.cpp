@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "patrickstar/chunk/memory_tier.h"
+#include "patrickstar/engine/checkpoint.h"
 #include "patrickstar/memtracer/counting_allocator.h"
 #include "patrickstar/optimizer/placement.h"
 
@@ -400,7 +401,13 @@ std::string Engine::describe_pinned() const {
 
 int64_t Engine::pre_forward(torch::nn::Module& module) {
   ModuleInfo& info = module_info(module);
-  if (!at::GradMode::is_enabled()) {
+  // A checkpointed forward runs without gradients but is part of the training step: it is a moment
+  // like any other (the trace must not depend on where activations are dropped), and its recompute
+  // in backward comes through here again as a training forward.
+  const ForwardKind kind = at::GradMode::is_enabled() ? ForwardKind::kTraining
+                           : in_checkpointed_forward() ? ForwardKind::kCheckpointed
+                                                       : ForwardKind::kEvaluation;
+  if (kind == ForwardKind::kEvaluation) {
     // Evaluation: no moments, no moves; parameters are read wherever their chunks are.
     TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: a forward without gradients (evaluation) ",
                 "between backward and step; call step() first");
@@ -410,7 +417,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
       store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
       point_at_chunk(p);
     }
-    scopes_.push_back(OpenScope{&info, info.params});
+    scopes_.push_back(OpenScope{&info, info.params, kind});
     return static_cast<int64_t>(scopes_.size()) - 1;
   }
   if (phase_ == Phase::kBackwardDone) {
@@ -421,7 +428,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
   }
   begin_iteration_if_needed();
   phase_ = Phase::kForward;
-  scopes_.push_back(OpenScope{&info, {}});
+  scopes_.push_back(OpenScope{&info, {}, kind});
   const int64_t token = static_cast<int64_t>(scopes_.size()) - 1;
   if (!info.params.empty()) scopes_[token].acquired = access(info, MomentKind::kPreForward, false);
   return token;
@@ -439,7 +446,8 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
   OpenScope& scope = scopes_[static_cast<size_t>(token)];
-  const bool training = at::GradMode::is_enabled();
+  // Only a training forward leaves a graph that will use the parameters again in backward.
+  const bool training = scope.kind == ForwardKind::kTraining;
   for (TensorId id : scope.acquired) {
     release(id, training ? TensorState::kHoldAfterFwd : TensorState::kHold);
   }
@@ -456,9 +464,9 @@ void Engine::pre_backward(ModuleInfo& module) {
 std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
-  const ModuleInfo& info = *scopes_[static_cast<size_t>(token)].module;
-  if (!at::GradMode::is_enabled() || info.params.empty()) return inputs;
-  return with_pre_backward(inputs, hooks_, info.post_hook_id);
+  const OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  if (scope.kind != ForwardKind::kTraining || scope.module->params.empty()) return inputs;
+  return with_pre_backward(inputs, hooks_, scope.module->post_hook_id);
 }
 
 void Engine::post_backward(ModuleInfo& module) {

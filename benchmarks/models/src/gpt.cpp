@@ -12,6 +12,7 @@
 #include <torch/nn/init.h>
 
 #include "absl/strings/str_join.h"
+#include "patrickstar/engine/checkpoint.h"
 #include "patrickstar/engine/module_hooks.h"
 
 namespace patrickstar::models {
@@ -114,7 +115,14 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
               " exceeds the model's ", spec_.max_seq, " positions");
   at::Tensor positions = at::arange(seq, tokens.options());
   at::Tensor x = call(wte, tokens) + call(wpe, positions);
-  for (auto& block : *blocks) x = block->as<GptBlockImpl>()->forward(x);
+  for (auto& block : *blocks) {
+    GptBlockImpl* b = block->as<GptBlockImpl>();
+    if (spec_.checkpoint_activations) {
+      x = checkpoint([b](const at::Tensor& h) { return b->forward(h); }, x);
+    } else {
+      x = b->forward(x);
+    }
+  }
   x = call(ln_f, x);
   // The LM head shares the token embedding's weight: the embedding module's door covers it.
   ModuleScope head(*wte);

@@ -2,9 +2,11 @@
 //   Config            engine/config.h      the DeepSpeed-style JSON config
 //   initialize_engine initialize.h         model and optimizer handles over an Engine
 //   call, ModuleScope engine/module_hooks.h the doors a model's forward goes through
+//   checkpoint        engine/checkpoint.h  activation checkpointing (recompute in backward)
 //   Engine            engine/engine.h      the runtime itself
 #pragma once
 
+#include "patrickstar/engine/checkpoint.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
 #include "patrickstar/engine/module_hooks.h"

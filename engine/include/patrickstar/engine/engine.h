@@ -14,6 +14,8 @@
 // during that module's backward); outside, the parameter has no memory and zero elements (sizes
 // [0]), so a module called without a door fails on shapes. Mixed precision turns parameters into bf16/fp16; the fp32 master lives
 // in the `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name.
+// Activation checkpointing (patrickstar::checkpoint) works under the engine: the dropped forward is
+// traced like any training forward, and its recompute in backward goes through the doors again.
 //
 // Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
@@ -159,9 +161,16 @@ class Engine final : public ModuleHookHandler {
     int64_t hook_id = -1;       // pre-backward (on its outputs)
     int64_t post_hook_id = -1;  // post-backward (on its inputs)
   };
+  // What a door's forward is part of, decided at its pre_forward.
+  enum class ForwardKind {
+    kTraining,      // grad mode on: a moment; outputs and inputs get the backward hooks
+    kCheckpointed,  // inside patrickstar::checkpoint, no grad: a moment, no hooks (recomputed later)
+    kEvaluation,    // no grad: no moment, parameters read where they are
+  };
   struct OpenScope {
     ModuleInfo* module = nullptr;
     std::vector<TensorId> acquired;
+    ForwardKind kind = ForwardKind::kTraining;
   };
   enum class Phase { kIdle, kForward, kBackwardDone };
   class Mover;

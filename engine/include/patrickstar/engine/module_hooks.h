@@ -26,6 +26,8 @@ class ModuleHookHandler {
  public:
   virtual ~ModuleHookHandler() = default;
   // Makes the parameters of `module` (and its descendants) usable; returns a token for post_forward.
+  // Grad mode is off in evaluation and also inside patrickstar::checkpoint's forward, which belongs
+  // to a training step: in_checkpointed_forward() (checkpoint.h) tells them apart.
   virtual int64_t pre_forward(torch::nn::Module& module) = 0;
   // Passes the module's `inputs` through the post-backward hook: it runs once the module's
   // backward has produced their gradients, so the module's parameters may go.

@@ -3,6 +3,7 @@
 // and small ones that train in seconds on two CPU cores.
 //
 //   auto spec = patrickstar::models::gpt_spec("gpt_tiny");
+//   spec.checkpoint_activations = true;                // optional: recompute blocks in backward
 //   patrickstar::models::Gpt model(spec);
 //   at::Tensor loss = model->loss(tokens, targets);   // tokens, targets: [batch, seq] int64
 //
@@ -29,13 +30,17 @@ struct GptSpec {
   int64_t heads = 0;
   int64_t vocab = 50257;
   int64_t max_seq = 1024;  // positions the model has; a batch may use fewer
+  // Run each block through patrickstar::checkpoint: a block keeps only its input for backward and
+  // computes its forward again there. Less activation memory for one more forward of the blocks.
+  bool checkpoint_activations = false;
 
   // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h.
   int64_t parameter_count() const;
 };
 
-// A named size: PatrickStar's (GPT2small ... GPT_175B) or a small one (gpt_tiny, gpt_mini, gpt_small_cpu).
-// Throws c10::Error listing the known names when `name` is none of them.
+// A named size: PatrickStar's (GPT2small ... GPT_175B) or a small one (gpt_tiny, gpt_mini,
+// gpt_small_cpu), without activation checkpointing. Throws c10::Error listing the known names when
+// `name` is none of them.
 GptSpec gpt_spec(const std::string& name);
 std::vector<std::string> gpt_spec_names();
 

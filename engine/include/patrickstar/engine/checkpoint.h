@@ -1,0 +1,37 @@
+// Activation checkpointing: run part of a forward without keeping its activations, and run it again
+// during backward to get them back. Memory for compute: only the part's input is kept.
+//
+//   x = patrickstar::checkpoint([&](const at::Tensor& h) { return block->forward(h); }, x);
+//
+// Works with plain LibTorch and under an Engine. Under an engine, the dropped forward still goes
+// through the doors as a training forward (its chunks are made resident, its moments recorded), and
+// the recompute in backward goes through them again, so the trace is the same every iteration.
+// Random state is not replayed: `fn` must compute the same result when run twice (no dropout).
+// Thread-safety: checkpoint() may run on several threads at once (its state is per call and per
+// thread); the engine itself is driven by one thread.
+#pragma once
+
+#include <functional>
+
+#include <ATen/core/Tensor.h>
+
+namespace patrickstar {
+
+using CheckpointFunction = std::function<at::Tensor(const at::Tensor&)>;
+
+// Returns fn(input). When grad mode is on and `input` requires grad, fn runs without gradients and
+// its activations are dropped; in backward, fn runs again with gradients on a detached copy of
+// `input` and the incoming gradient goes through that recomputed graph: parameters used by fn
+// receive their gradients as usual (accumulated into .grad, or into chunks under an engine).
+// Otherwise (evaluation, or an input that needs no gradient) it is simply fn(input).
+// The autograd graph owns a copy of `fn` until backward has run (or the graph is freed): what fn
+// refers to (modules, tensors) must live that long, and the module hook handler active now (the
+// engine) must still be alive then. Modifying `input` in place before backward is an error then.
+at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input);
+
+// True on this thread while checkpoint() runs the forward whose activations it drops. Grad mode is
+// off then, yet the forward belongs to a training step: a ModuleHookHandler (the engine) treats its
+// doors as training moments, not as evaluation.
+bool in_checkpointed_forward();
+
+}  // namespace patrickstar

@@ -1,0 +1,98 @@
+#include "patrickstar/engine/checkpoint.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include "patrickstar/engine/module_hooks.h"
+
+namespace patrickstar {
+namespace {
+
+thread_local int g_checkpointed_forward_depth = 0;
+
+class CheckpointedForwardGuard {
+ public:
+  CheckpointedForwardGuard() { ++g_checkpointed_forward_depth; }
+  ~CheckpointedForwardGuard() { --g_checkpointed_forward_depth; }
+  CheckpointedForwardGuard(const CheckpointedForwardGuard&) = delete;
+  CheckpointedForwardGuard& operator=(const CheckpointedForwardGuard&) = delete;
+};
+
+// The backward of one checkpointed call. A Node of our own rather than a torch::autograd::Function:
+// the node must own `fn`, which an AutogradContext (IValues only) cannot hold.
+class CheckpointBackward final : public torch::autograd::Node {
+ public:
+  CheckpointBackward(CheckpointFunction fn, ModuleHookHandler* handler, const at::Tensor& input)
+      : fn_(std::move(fn)), handler_(handler), input_(input, /*is_output=*/false) {}
+
+  std::string name() const override { return "patrickstar::CheckpointBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};  // the output did not reach the loss
+    // unpack() fails with autograd's own message after a second backward or an in-place change.
+    at::Tensor input = input_.unpack().detach().requires_grad_(true);
+    at::Tensor output;
+    {
+      // Autograd runs backward with grad mode off; the recompute must build a graph, and it goes
+      // through the doors of the handler (engine) that saw the forward.
+      at::AutoGradMode grad_mode(true);
+      ActiveHandlerGuard active(handler_);
+      output = fn_(input);
+    }
+    TORCH_CHECK(output.defined() && output.sizes() == grads[0].sizes(),
+                "patrickstar::checkpoint: the recomputed output has shape ",
+                output.defined() ? output.sizes() : c10::IntArrayRef{}, " but the forward's had ",
+                grads[0].sizes(), "; the function must compute the same thing when run again");
+    if (!output.requires_grad()) return {at::Tensor()};
+    torch::autograd::backward({output}, {grads[0]});
+    return {input.grad()};
+  }
+
+  void release_variables() override {
+    input_.reset_data();
+    fn_ = nullptr;  // what fn captured may go now
+  }
+
+ private:
+  CheckpointFunction fn_;
+  ModuleHookHandler* handler_;
+  torch::autograd::SavedVariable input_;
+};
+
+}  // namespace
+
+bool in_checkpointed_forward() {
+  return g_checkpointed_forward_depth > 0;
+}
+
+at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {
+  TORCH_CHECK(fn, "patrickstar::checkpoint: the function is empty");
+  if (!at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return fn(input);
+  at::Tensor output;
+  {
+    at::NoGradGuard no_grad;
+    CheckpointedForwardGuard checkpointed;
+    output = fn(input);
+  }
+  TORCH_CHECK(output.defined() && torch::autograd::isDifferentiableType(output.scalar_type()),
+              "patrickstar::checkpoint: the function must return a floating-point tensor, got ",
+              output.defined() ? c10::toString(output.scalar_type()) : "an undefined tensor");
+  // A fresh handle (fn may return its input or a view), which the checkpoint's node produces.
+  output = output.detach();
+  std::shared_ptr<CheckpointBackward> node(
+      new CheckpointBackward(std::move(fn), active_module_hook_handler(), input),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  torch::autograd::set_history(output, node);
+  return output;
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,251 @@
+// patrickstar::checkpoint and GptSpec::checkpoint_activations: the same numbers as without it, in
+// plain LibTorch and through the engine (with evictions every iteration), and less non-model
+// memory.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace {
+
+using models::Gpt;
+using models::GptSpec;
+
+constexpr int kSteps = 20;
+constexpr int64_t kBatch = 4;
+constexpr int64_t kSeq = 16;
+
+GptSpec tiny(bool checkpointed) {
+  GptSpec spec = models::gpt_spec("gpt_tiny");
+  spec.checkpoint_activations = checkpointed;
+  return spec;
+}
+
+// The same initial weights whether checkpointed or not (the flag adds no parameter).
+Gpt make_model(bool checkpointed) {
+  torch::manual_seed(1);
+  return Gpt(tiny(checkpointed));
+}
+
+models::TokenBatch batch_of_step(int step) {
+  return models::random_tokens(tiny(false), kBatch, kSeq, 100 + step % 3);
+}
+
+// As in engine_training_test.cpp: several chunks, a device that holds only part of the model data.
+Config tight_config(const std::string& extra = "{}") {
+  nlohmann::json j = {
+      {"optimizer",
+       {{"type", "AdamW"},
+        {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
+      {"default_chunk_size", 40000},
+      {"client",
+       {{"device", {{"capacity_bytes", 1843200}}},
+        {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", 0.7}, {"overall_gpu_mem_ratio", 1.0}}}}}};
+  j.merge_patch(nlohmann::json::parse(extra));
+  return Config::from_json(j);
+}
+
+// The reference: plain LibTorch, AdamW, no checkpointing.
+std::vector<double> train_plain(int steps) {
+  Gpt model = make_model(false);
+  torch::optim::AdamW adamw(
+      model->parameters(),
+      torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    auto batch = batch_of_step(s);
+    adamw.zero_grad();
+    at::Tensor loss = model->loss(batch.tokens, batch.targets);
+    loss.backward();
+    adamw.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
+struct EngineRun {
+  std::vector<double> losses;
+  std::vector<IterationReport> reports;
+  int64_t moments_per_iteration = 0;
+  int64_t moments_checked = 0;  // moments after the warm-up, with the trace's non-model bytes
+  int64_t moments_over = 0;     // of those, moments whose chunk + non-model bytes exceed the device
+};
+
+EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
+  Gpt model = make_model(checkpointed);
+  Engine engine(model.ptr(), config);
+  EngineRun run;
+  for (int s = 0; s < steps; ++s) {
+    auto batch = batch_of_step(s);
+    engine.zero_grad();
+    at::Tensor loss;
+    {
+      auto active = engine.activate();
+      loss = model->loss(batch.tokens, batch.targets);
+    }
+    engine.backward(loss);
+    run.reports.push_back(engine.step());
+    run.losses.push_back(loss.item<double>());
+  }
+  for (const MomentRecord& m : engine.scheduler().moment_records()) {
+    if (m.non_model_bytes < 0) continue;
+    ++run.moments_checked;
+    if (m.chunk_bytes + m.non_model_bytes > config.device.capacity_bytes) ++run.moments_over;
+  }
+  run.moments_per_iteration = engine.tracer().warmup_trace().size();
+  return run;
+}
+
+double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
+  }
+  return worst;
+}
+
+TEST(ActivationCheckpoint, RunsTheFunctionAgainInBackwardOnly) {
+  torch::manual_seed(0);
+  at::Tensor w = torch::randn({3, 3}, torch::requires_grad());
+  at::Tensor x = torch::randn({2, 3}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const at::Tensor& h) {
+    ++calls;
+    return torch::tanh(torch::matmul(h, w)).sum(1);
+  };
+  at::Tensor y = checkpoint(fn, x);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(y.grad_fn()->name(), "patrickstar::CheckpointBackward");
+  y.sum().backward();
+  EXPECT_EQ(calls, 2);
+  const at::Tensor x_grad = x.grad().clone(), w_grad = w.grad().clone();
+  x.mutable_grad().reset();
+  w.mutable_grad().reset();
+  fn(x).sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), x_grad, 1e-6, 0));
+  EXPECT_TRUE(torch::allclose(w.grad(), w_grad, 1e-6, 0));
+
+  // Evaluation, or an input that needs no gradient: a plain call.
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_FALSE(checkpoint(fn, x).requires_grad());
+  }
+  EXPECT_EQ(checkpoint(fn, x.detach()).grad_fn()->name(), fn(x.detach()).grad_fn()->name());
+  EXPECT_EQ(calls, 6);
+}
+
+TEST(ActivationCheckpoint, PlainLibTorchGptGivesTheSameLossAndGradients) {
+  // Tolerance: 1e-6 relative. The recompute repeats the same kernels on the same values; only the
+  // order in which a block input's two gradients (residual and LayerNorm path) are summed may
+  // differ, which is fp32 rounding.
+  Gpt plain = make_model(false);
+  Gpt checkpointed = make_model(true);
+  EXPECT_EQ(checkpointed->parameters().size(), plain->parameters().size());
+  EXPECT_EQ(tiny(true).parameter_count(), tiny(false).parameter_count());
+  auto batch = batch_of_step(0);
+  at::Tensor loss_plain = plain->loss(batch.tokens, batch.targets);
+  at::Tensor loss_checkpointed = checkpointed->loss(batch.tokens, batch.targets);
+  loss_plain.backward();
+  loss_checkpointed.backward();
+  const double a = loss_checkpointed.item<double>(), b = loss_plain.item<double>();
+  EXPECT_LE(std::abs(a - b) / std::abs(b), 1e-6);
+
+  const auto expected = plain->named_parameters();
+  double worst = 0;
+  for (const auto& item : checkpointed->named_parameters()) {
+    const at::Tensor& reference = expected[item.key()].grad();
+    ASSERT_TRUE(item.value().grad().defined()) << item.key() << " got no gradient";
+    const double scale = std::max(1e-12, reference.abs().max().item<double>());
+    const double diff = (item.value().grad() - reference).abs().max().item<double>() / scale;
+    EXPECT_LE(diff, 1e-6) << item.key();
+    worst = std::max(worst, diff);
+  }
+  std::cout << "plain LibTorch: loss " << a << " vs " << b << ", max relative gradient difference "
+            << worst << "\n";
+}
+
+TEST(ActivationCheckpoint, EngineFp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
+  // Checkpointing frees activation memory for chunks: the device is smaller than EngineTraining's
+  // so that chunks are still evicted every iteration.
+  const std::vector<double> plain = train_plain(kSteps);
+  const EngineRun run = train_engine(
+      /*checkpointed=*/true, tight_config(R"({"client": {"device": {"capacity_bytes": 1500000}}})"),
+      kSteps);
+  const double diff = max_relative_difference(run.losses, plain);
+  EXPECT_LE(diff, 1e-5);
+  EXPECT_LT(plain.back(), plain.front()) << "the reference must actually train";
+  for (size_t i = 1; i < run.reports.size(); ++i) {
+    EXPECT_GT(run.reports[i].evictions, 0) << "iteration " << i << " evicted nothing";
+  }
+  EXPECT_GT(run.moments_checked, (kSteps - 1) * run.moments_per_iteration / 2);
+  EXPECT_EQ(run.moments_over, 0) << "resident chunks + measured non-model bytes fit the device";
+  std::cout << "fp32 checkpointed through the engine: max relative loss difference " << diff
+            << " over " << kSteps << " steps; evictions in the last iteration "
+            << run.reports.back().evictions << "\n";
+}
+
+TEST(ActivationCheckpoint, LowersTheNonModelPeakTheEngineMeasures) {
+  constexpr int kShortSteps = 3;  // the warm-up and two scheduled iterations
+  const EngineRun full = train_engine(/*checkpointed=*/false, tight_config(), kShortSteps);
+  const EngineRun dropped = train_engine(/*checkpointed=*/true, tight_config(), kShortSteps);
+  const int64_t without = full.reports.back().non_model_peak_bytes;
+  const int64_t with = dropped.reports.back().non_model_peak_bytes;
+  std::cout << "non-model peak bytes, gpt_tiny batch " << kBatch << "x" << kSeq << ": without "
+            << "checkpointing " << without << ", with " << with << " ("
+            << static_cast<double>(with) / static_cast<double>(without) << "x); moments per "
+            << "iteration " << full.moments_per_iteration << " -> " << dropped.moments_per_iteration
+            << "\n";
+  EXPECT_GT(without, 0);
+  EXPECT_LT(with, without);
+  // Each block's six doors come again in backward, as forward moments of the recompute.
+  EXPECT_EQ(dropped.moments_per_iteration, full.moments_per_iteration + 6 * tiny(false).layers);
+}
+
+TEST(ActivationCheckpoint, Bf16TrainsThroughTheEngine) {
+  // The bound of EngineTraining.Bf16TracksFp32WithinTwoPercent: bf16 rounding, not checkpointing.
+  const std::vector<double> plain = train_plain(kSteps);
+  const EngineRun run = train_engine(
+      /*checkpointed=*/true,
+      tight_config(
+          R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 900000}}})"),
+      kSteps);
+  for (double loss : run.losses) EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_LT(run.losses.back(), run.losses.front());
+  const double diff = max_relative_difference(run.losses, plain);
+  EXPECT_LE(diff, 2e-2);
+  std::cout << "bf16 checkpointed through the engine: max relative loss difference to fp32 " << diff
+            << " over " << kSteps << " steps\n";
+}
+
+TEST(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
+  Gpt model = make_model(true);
+  Engine engine(model.ptr(), tight_config());
+  auto batch = batch_of_step(0);
+  at::Tensor loss;
+  {
+    auto active = engine.activate();
+    loss = model->loss(batch.tokens, batch.targets);
+  }
+  engine.backward(loss);
+  engine.step();
+  const MoveCounters before = engine.chunks().move_counters();
+  const int64_t moments = engine.tracer().current_trace().size();
+  {
+    torch::NoGradGuard no_grad;
+    auto active = engine.activate();
+    loss = model->loss(batch.tokens, batch.targets);
+  }
+  EXPECT_FALSE(loss.requires_grad());
+  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  EXPECT_EQ(engine.chunks().move_counters().h2d_bytes, before.h2d_bytes) << "no chunk moved";
+  EXPECT_EQ(engine.tracer().current_trace().size(), moments) << "no moment recorded";
+}
+
+}  // namespace
+}  // namespace patrickstar
