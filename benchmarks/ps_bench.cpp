@@ -42,6 +42,8 @@ ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
 ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
 ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
 ABSL_FLAG(uint64_t, seed, 1234, "seed of the weights and the data");
+ABSL_FLAG(bool, checkpoint_activations, false,
+          "recompute each GPT block in backward (activation checkpointing)");
 ABSL_FLAG(bool, find_max_model, false,
           "search, for each of --search-policies, the most layers (at --hidden) that complete "
           "--search-steps training steps within --device and --host-memory");
@@ -210,11 +212,12 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
     ps::parse_eviction_policy(p);  // a clear error for a typo, before any trial
     policies.push_back(p);
   }
-  std::printf("find-max-model: GPT hidden %lld, heads %lld, vocab %lld, %s, batch %lld, seq %lld, "
-              "device %s, host %s, %lld steps per trial\n",
+  std::printf("find-max-model: GPT hidden %lld, heads %lld, vocab %lld, %s%s, batch %lld, seq "
+              "%lld, device %s, host %s, %lld steps per trial\n",
               static_cast<long long>(shape.hidden), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.vocab),
               std::string(ps::to_string(base_config.precision())).c_str(),
+              shape.checkpoint_activations ? ", activation checkpointing" : "",
               static_cast<long long>(batch), static_cast<long long>(seq),
               mib(static_cast<double>(base_config.device.capacity_bytes)).c_str(),
               mib(static_cast<double>(base_config.device.host_capacity_bytes)).c_str(),
@@ -291,6 +294,7 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
   }
   nlohmann::json out;
   out["hidden"] = shape.hidden;
+  out["checkpoint_activations"] = shape.checkpoint_activations;
   out["heads"] = shape.heads;
   out["vocab"] = shape.vocab;
   out["dtype"] = std::string(ps::to_string(base_config.precision()));
@@ -331,7 +335,8 @@ int run() {
   }
   const ps::Config config = build_config();
   for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
-  const auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
+  auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
+  spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
   const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;
   const int64_t steps = absl::GetFlag(FLAGS_steps);
@@ -434,6 +439,7 @@ int run() {
   out["model"] = spec.name;
   out["params"] = reg.params;
   out["dtype"] = std::string(ps::to_string(config.precision()));
+  out["checkpoint_activations"] = spec.checkpoint_activations;
   out["batch"] = batch;
   out["seq"] = seq;
   out["steps"] = steps;
