@@ -23,9 +23,9 @@ ps_build() { # ps_build <build-dir> <targets...>
   fi
   echo "== built in $((SECONDS - start)) s"
 }
-ps_unit_test_targets() { # the test executables of unit-labelled folders that exist in this build
+ps_sanitized_test_targets() { # the test executables run under ASan + UBSan that exist in this build
   local t out=()
-  for t in chunk_tests optimizer_tests memtracer_tests; do
+  for t in chunk_tests optimizer_tests memtracer_tests engine_tests; do
     if grep -q "^build $t:\|^build ${t}:" "$1/build.ninja" 2>/dev/null || grep -q "/$t:" "$1/build.ninja" 2>/dev/null; then
       out+=("$t")
     fi
