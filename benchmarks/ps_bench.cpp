@@ -145,6 +145,16 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
   return r;
 }
 
+// The model built from `seed` (the baseline builds the same weights) and registered per `config`.
+auto build_engine(const ps::models::GptSpec& spec, const ps::Config& config, uint64_t seed) {
+  return ps::initialize_engine(
+      [&] {
+        torch::manual_seed(seed);
+        return ps::models::Gpt(spec);
+      },
+      0, config);
+}
+
 // --find-max-model: for each policy, the most layers of a GPT at a fixed hidden size that complete
 // a few training steps within the device and host budgets. Layers grow by doubling until a trial
 // fails, then bisect (a model that fails is assumed to fail with more layers too).
@@ -163,12 +173,7 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
   Trial trial;
   const auto start = Clock::now();
   try {
-    auto [model, optimizer] = ps::initialize_engine(
-        [&] {
-          torch::manual_seed(seed);
-          return ps::models::Gpt(spec);
-        },
-        0, config);
+    auto [model, optimizer] = build_engine(spec, config, seed);
     ps::Engine& engine = model.engine();
     for (int64_t s = 0; s < steps; ++s) {
       auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
@@ -357,12 +362,7 @@ int run() {
               ps::eviction_policy_name(config.scheduler.policy));
   std::fflush(stdout);
 
-  auto [model, optimizer] = ps::initialize_engine(
-      [&] {
-        torch::manual_seed(seed);
-        return ps::models::Gpt(spec);
-      },
-      0, config);
+  auto [model, optimizer] = build_engine(spec, config, seed);
   ps::Engine& engine = model.engine();
   const auto& reg = engine.registration();
   std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 
 #include "patrickstar/optimizer/adam_rule.h"
 
@@ -33,6 +35,31 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 // Largest number of float lanes of this target: the size of the padded tail buffers.
 constexpr size_t kMaxFloatLanes = HWY_MAX_BYTES / sizeof(float);
+
+// The last `tail` (< one vector) elements of arrays of any element type, through zero-padded
+// copies one full vector long, so the vector code never touches memory past the end: copies in,
+// `vectors(copies...)` over one vector, and copies back into the arrays that are not const.
+template <typename T>
+struct PaddedLanes {
+  HWY_ALIGN std::remove_const_t<T> data[kMaxFloatLanes] = {};
+};
+template <typename T>
+void CopyBack(T* dst, const T* src, size_t n) {
+  std::memcpy(dst, src, n * sizeof(T));
+}
+template <typename T>
+void CopyBack(const T* /*dst*/, const T* /*src*/, size_t /*n*/) {}
+template <typename Fn, typename... T>
+HWY_INLINE void PaddedTail(size_t body, size_t tail, Fn&& vectors, T*... arrays) {
+  std::tuple<PaddedLanes<T>...> pads;
+  std::apply(
+      [&](auto&... pad) {
+        (std::memcpy(pad.data, arrays + body, tail * sizeof(T)), ...);
+        vectors(pad.data...);
+        (CopyBack(arrays + body, pad.data, tail), ...);
+      },
+      pads);
+}
 
 // a * b + c rounded once, as fmaf. Highway's MulAdd is two roundings on targets without FMA
 // (SSSE3, SSE4, the scalar baseline); there each lane goes through std::fma instead: slow, but
@@ -145,23 +172,16 @@ void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRI
   }
   const size_t tail = n - body;
   if (tail == 0) return;
-  HWY_ALIGN float tp[kMaxFloatLanes] = {};
-  HWY_ALIGN float tm[kMaxFloatLanes] = {};
-  HWY_ALIGN float tv[kMaxFloatLanes] = {};
-  HWY_ALIGN uint16_t th[kMaxFloatLanes] = {};
-  std::memcpy(tp, p + body, tail * sizeof(float));
-  std::memcpy(tm, m + body, tail * sizeof(float));
-  std::memcpy(tv, v + body, tail * sizeof(float));
-  std::memcpy(th, half + body, tail * sizeof(uint16_t));
-  if (bf16) {
-    MixedVectors<true>(df, th, tp, tm, tv, lanes, c);
-  } else {
-    MixedVectors<false>(df, th, tp, tm, tv, lanes, c);
-  }
-  std::memcpy(p + body, tp, tail * sizeof(float));
-  std::memcpy(m + body, tm, tail * sizeof(float));
-  std::memcpy(v + body, tv, tail * sizeof(float));
-  std::memcpy(half + body, th, tail * sizeof(uint16_t));
+  PaddedTail(
+      body, tail,
+      [&](uint16_t* th, float* tp, float* tm, float* tv) {
+        if (bf16) {
+          MixedVectors<true>(df, th, tp, tm, tv, lanes, c);
+        } else {
+          MixedVectors<false>(df, th, tp, tm, tv, lanes, c);
+        }
+      },
+      half, p, m, v);
 }
 
 HWY_INLINE void Fp32Vectors(DF df, float* HWY_RESTRICT p, const float* HWY_RESTRICT g,
@@ -188,18 +208,10 @@ void AdamFp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, float* HW
   Fp32Vectors(df, p, g, m, v, body, c);
   const size_t tail = n - body;
   if (tail == 0) return;
-  HWY_ALIGN float tp[kMaxFloatLanes] = {};
-  HWY_ALIGN float tg[kMaxFloatLanes] = {};
-  HWY_ALIGN float tm[kMaxFloatLanes] = {};
-  HWY_ALIGN float tv[kMaxFloatLanes] = {};
-  std::memcpy(tp, p + body, tail * sizeof(float));
-  std::memcpy(tg, g + body, tail * sizeof(float));
-  std::memcpy(tm, m + body, tail * sizeof(float));
-  std::memcpy(tv, v + body, tail * sizeof(float));
-  Fp32Vectors(df, tp, tg, tm, tv, lanes, c);
-  std::memcpy(p + body, tp, tail * sizeof(float));
-  std::memcpy(m + body, tm, tail * sizeof(float));
-  std::memcpy(v + body, tv, tail * sizeof(float));
+  PaddedTail(
+      body, tail,
+      [&](float* tp, float* tg, float* tm, float* tv) { Fp32Vectors(df, tp, tg, tm, tv, lanes, c); },
+      p, g, m, v);
 }
 
 // ---- squared norm in double: Lanes(dd) elements per step, two accumulators ----

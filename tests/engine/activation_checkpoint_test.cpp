@@ -8,6 +8,7 @@
 #include <cmath>
 #include <iostream>
 
+#include "gpt_training.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -17,57 +18,9 @@ namespace {
 using models::Gpt;
 using models::GptSpec;
 
+using namespace test;  // NOLINT: the shared helpers of gpt_training.h
+
 constexpr int kSteps = 20;
-constexpr int64_t kBatch = 4;
-constexpr int64_t kSeq = 16;
-
-GptSpec tiny(bool checkpointed) {
-  GptSpec spec = models::gpt_spec("gpt_tiny");
-  spec.checkpoint_activations = checkpointed;
-  return spec;
-}
-
-// The same initial weights whether checkpointed or not (the flag adds no parameter).
-Gpt make_model(bool checkpointed) {
-  torch::manual_seed(1);
-  return Gpt(tiny(checkpointed));
-}
-
-models::TokenBatch batch_of_step(int step) {
-  return models::random_tokens(tiny(false), kBatch, kSeq, 100 + step % 3);
-}
-
-// As in engine_training_test.cpp: several chunks, a device that holds only part of the model data.
-Config tight_config(const std::string& extra = "{}") {
-  nlohmann::json j = {
-      {"optimizer",
-       {{"type", "AdamW"},
-        {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
-      {"default_chunk_size", 40000},
-      {"client",
-       {{"device", {{"capacity_bytes", 1843200}}},
-        {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", 0.7}, {"overall_gpu_mem_ratio", 1.0}}}}}};
-  j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
-}
-
-// The reference: plain LibTorch, AdamW, no checkpointing.
-std::vector<double> train_plain(int steps) {
-  Gpt model = make_model(false);
-  torch::optim::AdamW adamw(
-      model->parameters(),
-      torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
-  std::vector<double> losses;
-  for (int s = 0; s < steps; ++s) {
-    auto batch = batch_of_step(s);
-    adamw.zero_grad();
-    at::Tensor loss = model->loss(batch.tokens, batch.targets);
-    loss.backward();
-    adamw.step();
-    losses.push_back(loss.item<double>());
-  }
-  return losses;
-}
 
 struct EngineRun {
   std::vector<double> losses;
@@ -78,7 +31,7 @@ struct EngineRun {
 };
 
 EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
-  Gpt model = make_model(checkpointed);
+  Gpt model = make_model(1, checkpointed);
   Engine engine(model.ptr(), config);
   EngineRun run;
   for (int s = 0; s < steps; ++s) {
@@ -100,14 +53,6 @@ EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
   }
   run.moments_per_iteration = engine.tracer().warmup_trace().size();
   return run;
-}
-
-double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
-  }
-  return worst;
 }
 
 TEST(ActivationCheckpoint, RunsTheFunctionAgainInBackwardOnly) {
@@ -144,8 +89,8 @@ TEST(ActivationCheckpoint, PlainLibTorchGptGivesTheSameLossAndGradients) {
   // Tolerance: 1e-6 relative. The recompute repeats the same kernels on the same values; only the
   // order in which a block input's two gradients (residual and LayerNorm path) are summed may
   // differ, which is fp32 rounding.
-  Gpt plain = make_model(false);
-  Gpt checkpointed = make_model(true);
+  Gpt plain = make_model(1, false);
+  Gpt checkpointed = make_model(1, true);
   EXPECT_EQ(checkpointed->parameters().size(), plain->parameters().size());
   EXPECT_EQ(tiny(true).parameter_count(), tiny(false).parameter_count());
   auto batch = batch_of_step(0);
@@ -224,7 +169,7 @@ TEST(ActivationCheckpoint, Bf16TrainsThroughTheEngine) {
 }
 
 TEST(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
-  Gpt model = make_model(true);
+  Gpt model = make_model(1, true);
   Engine engine(model.ptr(), tight_config());
   auto batch = batch_of_step(0);
   at::Tensor loss;

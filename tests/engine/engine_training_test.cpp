@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "patrickstar/memtracer/simulator.h"
+#include "gpt_training.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -17,48 +18,9 @@ namespace {
 using models::Gpt;
 using models::GptSpec;
 
+using namespace test;  // NOLINT: the shared helpers of gpt_training.h
+
 constexpr int kSteps = 20;
-constexpr int64_t kBatch = 4;
-constexpr int64_t kSeq = 16;
-
-GptSpec tiny() { return models::gpt_spec("gpt_tiny"); }
-
-Gpt make_model(uint64_t seed) {
-  torch::manual_seed(seed);
-  return Gpt(tiny());
-}
-
-// Small chunks (so there are several) and a device that holds only part of the model data.
-Config tight_config(const std::string& extra = "{}") {
-  nlohmann::json j = {
-      {"optimizer",
-       {{"type", "AdamW"},
-        {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"eps", 1e-8}, {"weight_decay", 0.01}}}}},
-      {"default_chunk_size", 40000},
-      {"client",
-       {{"device", {{"capacity_bytes", 1843200}}},
-        {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", 0.7}, {"overall_gpu_mem_ratio", 1.0}}}}}};
-  j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
-}
-
-std::vector<double> train_plain(int steps) {
-  Gpt model = make_model(1);
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(3e-3)
-                                                     .betas({0.9, 0.95})
-                                                     .eps(1e-8)
-                                                     .weight_decay(0.01));
-  std::vector<double> losses;
-  for (int s = 0; s < steps; ++s) {
-    auto batch = models::random_tokens(tiny(), kBatch, kSeq, 100 + s % 3);
-    adamw.zero_grad();
-    at::Tensor loss = model->loss(batch.tokens, batch.targets);
-    loss.backward();
-    adamw.step();
-    losses.push_back(loss.item<double>());
-  }
-  return losses;
-}
 
 struct EngineRun {
   std::vector<double> losses;
@@ -82,7 +44,7 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
   EngineRun run;
   const int micro = config.gradient_accumulation_steps;
   for (int s = first_step; s < first_step + steps; ++s) {
-    auto batch = models::random_tokens(tiny(), kBatch, kSeq, 100 + s % 3);
+    auto batch = batch_of_step(s);
     engine->zero_grad();
     double loss_sum = 0;
     for (int k = 0; k < micro; ++k) {
@@ -106,14 +68,6 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
     if (!save_at_10.empty() && s + 1 == 10) engine->save_checkpoint(save_at_10);
   }
   return run;
-}
-
-double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
-  }
-  return worst;
 }
 
 void expect_evictions_after_warmup(const EngineRun& run) {
