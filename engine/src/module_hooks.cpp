@@ -45,4 +45,15 @@ std::vector<at::Tensor> ModuleScope::done(std::vector<at::Tensor> outputs) {
   return handler_->post_forward(token_, std::move(outputs));
 }
 
+at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, const at::Tensor& input) {
+  if (active_module_hook_handler() == nullptr) return sequential.forward(input);
+  TORCH_CHECK(!sequential.is_empty(), "patrickstar::call: the Sequential is empty");
+  at::Tensor x = input;
+  for (torch::nn::AnyModule& entry : sequential) {
+    ModuleScope scope(*entry.ptr());
+    x = scope.done(entry.forward<at::Tensor>(scope.input(x)));
+  }
+  return x;
+}
+
 }  // namespace patrickstar

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -27,19 +28,41 @@
 
 namespace patrickstar {
 
+// What `model->` reaches when the model is a torch::nn::Sequential: its forward runs every entry
+// behind its own door (patrickstar::call), so a Sequential needs no change at all.
+class SequentialWithDoors {
+ public:
+  explicit SequentialWithDoors(torch::nn::SequentialImpl* sequential) : sequential_(sequential) {}
+  at::Tensor forward(const at::Tensor& input) const { return call_sequential(*sequential_, input); }
+  torch::nn::SequentialImpl& module() const { return *sequential_; }
+
+ private:
+  torch::nn::SequentialImpl* sequential_;
+};
+
 // The model side: typed access to the user's module, and backward.
 template <typename ModuleType>
 class EngineModel {
+  static constexpr bool kSequential = std::is_same_v<ModuleType, torch::nn::SequentialImpl>;
+
  public:
   // Keeps the engine active on this thread while the expression `model->...` runs.
   class Access {
    public:
     Access(Engine& engine, ModuleType* module) : guard_(&engine), module_(module) {}
-    ModuleType* operator->() const { return module_; }
+    auto operator->() const {
+      if constexpr (kSequential) {
+        doors_.emplace(module_);
+        return &*doors_;
+      } else {
+        return module_;
+      }
+    }
 
    private:
     ActiveHandlerGuard guard_;
     ModuleType* module_;
+    mutable std::optional<SequentialWithDoors> doors_;
   };
 
   EngineModel(std::shared_ptr<Engine> engine, std::shared_ptr<ModuleType> module)

@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 
 namespace patrickstar {
 
@@ -95,23 +96,33 @@ torch::nn::Module& module_of(M& module) {
 }
 }  // namespace detail
 
+// torch::nn::Sequential gets its doors automatically: each entry runs behind its own door (tensor in,
+// tensor out, as Sequential chains them). call(seq, x) comes here, and so does `model->forward(x)`
+// on an initialize_engine model that is a Sequential.
+at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, const at::Tensor& input);
+
 // The one-line door: runs `module(args...)` between the engine's pre- and post-forward; tensor
 // arguments go through ModuleScope::input. The module's forward must return a tensor or a vector
-// of tensors.
+// of tensors. A torch::nn::Sequential runs each entry behind its own door instead.
 template <typename M, typename... Args>
 auto call(M& module, Args&&... args) {
-  if (active_module_hook_handler() == nullptr) {
+  if constexpr (std::is_same_v<std::remove_const_t<M>, torch::nn::Sequential>) {
+    return call_sequential(*module, std::forward<Args>(args)...);
+  } else if constexpr (std::is_same_v<std::remove_const_t<M>, torch::nn::SequentialImpl>) {
+    return call_sequential(module, std::forward<Args>(args)...);
+  } else if (active_module_hook_handler() == nullptr) {
     if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
       return module.forward(std::forward<Args>(args)...);
     } else {
       return module(std::forward<Args>(args)...);
     }
-  }
-  ModuleScope scope(detail::module_of(module));
-  if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
-    return scope.done(module.forward(detail::scoped_input(scope, std::forward<Args>(args))...));
   } else {
-    return scope.done(module(detail::scoped_input(scope, std::forward<Args>(args))...));
+    ModuleScope scope(detail::module_of(module));
+    if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+      return scope.done(module.forward(detail::scoped_input(scope, std::forward<Args>(args))...));
+    } else {
+      return scope.done(module(detail::scoped_input(scope, std::forward<Args>(args))...));
+    }
   }
 }
 
