@@ -115,28 +115,22 @@ void Engine::register_parameters() {
   }
   if (unique.empty()) param_of_impl_.clear();
   TORCH_CHECK(!unique.empty(), "patrickstar::Engine: the model has no parameters to train");
-  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
-    module_names_[item.value().get()] = item.key().empty() ? "<root>" : item.key();
-    int64_t own = 0;
-    for (const at::Tensor& t : item.value()->parameters(/*recurse=*/false)) own += t.numel();
-    registration_.largest_module_param_bytes =
-        std::max(registration_.largest_module_param_bytes, 4 * own);
-  }
-
   // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
   // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
   std::unordered_set<const c10::TensorImpl*> embedding_params;
-  if (config_.use_cpu_embedding) {
-    for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
-      const torch::nn::Module* m = item.value().get();
-      if (dynamic_cast<const torch::nn::EmbeddingImpl*>(m) == nullptr &&
-          dynamic_cast<const torch::nn::EmbeddingBagImpl*>(m) == nullptr) {
-        continue;
-      }
-      for (const at::Tensor& t : item.value()->parameters(/*recurse=*/false)) {
-        embedding_params.insert(t.unsafeGetTensorImpl());
-      }
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module* module = item.value().get();
+    module_names_[module] = item.key().empty() ? "<root>" : item.key();
+    const bool cpu_embedding = config_.use_cpu_embedding &&
+                               (dynamic_cast<const torch::nn::EmbeddingImpl*>(module) != nullptr ||
+                                dynamic_cast<const torch::nn::EmbeddingBagImpl*>(module) != nullptr);
+    int64_t own = 0;
+    for (const at::Tensor& t : module->parameters(/*recurse=*/false)) {
+      own += t.numel();
+      if (cpu_embedding) embedding_params.insert(t.unsafeGetTensorImpl());
     }
+    registration_.largest_module_param_bytes =
+        std::max(registration_.largest_module_param_bytes, 4 * own);
   }
   Layout layout;
   for (const auto& [name, t] : unique) {
@@ -589,13 +583,17 @@ void Engine::zero_grad() {
 
 void Engine::decide_adam_placement() {
   const int64_t n = store_->chunks_per_kind();
-  std::vector<int64_t> state_bytes(static_cast<size_t>(n));
+  // CPU embeddings update on the host: the plan covers the other chunk indices.
+  std::vector<int64_t> candidates;
+  std::vector<int64_t> state_bytes;  // per candidate
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
-    state_bytes[i] = store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
-                     store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
-                     (mixed_ ? store_->chunk_bytes(store_->chunk_id(ChunkKind::kParamFp32, i)) : 0);
     if (host_only_[i]) continue;
+    candidates.push_back(i);
+    state_bytes.push_back(store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
+                          store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
+                          (mixed_ ? store_->chunk_bytes(store_->chunk_id(ChunkKind::kParamFp32, i))
+                                  : 0));
     resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
     if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
   }
@@ -614,16 +612,7 @@ void Engine::decide_adam_placement() {
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
-  // CPU embeddings update on the host: the plan covers the other chunks.
-  std::vector<int64_t> candidates;
-  std::vector<int64_t> candidate_bytes;
-  for (int64_t i = 0; i < n; ++i) {
-    if (host_only_[i]) continue;
-    candidates.push_back(i);
-    candidate_bytes.push_back(state_bytes[i]);
-  }
-  const PlacementPlan plan =
-      hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
+  const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
   adam_on_device_.assign(static_cast<size_t>(n), false);
   for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
   placement_decided_ = true;

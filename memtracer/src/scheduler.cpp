@@ -11,7 +11,7 @@
 namespace patrickstar {
 namespace {
 
-constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+constexpr int64_t kNever = NextUseIndex::kNever;  // what next_use() says of a chunk not needed again
 
 int64_t scaled_bytes(int64_t bytes, double ratio) {
   return static_cast<int64_t>(std::floor(static_cast<double>(bytes) * ratio));

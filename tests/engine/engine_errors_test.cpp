@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "error_message.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -16,14 +17,7 @@ Config small_config() {
       "client": {"device": {"capacity_bytes": 67108864}}})");
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
-}
+using test::error_of;
 
 struct Fixture {
   Fixture() {
@@ -44,16 +38,16 @@ struct Fixture {
 
 TEST(EngineErrors, BackwardWithoutForward) {
   Fixture f;
-  const std::string m = message_of([&] { f.engine->backward(torch::ones({}, torch::requires_grad())); });
+  const std::string m = error_of([&] { f.engine->backward(torch::ones({}, torch::requires_grad())); });
   EXPECT_NE(m.find("backward() without a forward"), std::string::npos) << m;
 }
 
 TEST(EngineErrors, StepWithoutBackwardThenTheIterationStillWorks) {
   Fixture f;
-  std::string m = message_of([&] { f.engine->step(); });
+  std::string m = error_of([&] { f.engine->step(); });
   EXPECT_NE(m.find("step() without a backward"), std::string::npos) << m;
   at::Tensor loss = f.forward();
-  m = message_of([&] { f.engine->step(); });
+  m = error_of([&] { f.engine->step(); });
   EXPECT_NE(m.find("step() without a backward"), std::string::npos) << m;
   f.engine->backward(loss);
   EXPECT_NO_THROW(f.engine->step());
@@ -63,7 +57,7 @@ TEST(EngineErrors, NonFiniteLossInFp32IsRejectedAndNothingChanges) {
   Fixture f;
   const auto before = f.engine->fp32_state_dict();
   at::Tensor loss = f.forward();
-  const std::string m = message_of(
+  const std::string m = error_of(
       [&] { f.engine->backward(loss * std::numeric_limits<float>::infinity()); });
   EXPECT_NE(m.find("the loss is inf in fp32"), std::string::npos) << m;
   const auto after = f.engine->fp32_state_dict();
@@ -122,7 +116,7 @@ TEST(EngineErrors, HostBudgetTooSmallLeavesTheModelUntouched) {
 
 TEST(EngineErrors, ModelWithoutParameters) {
   auto empty = std::make_shared<torch::nn::Module>();
-  const std::string m = message_of([&] { Engine engine(empty, small_config()); });
+  const std::string m = error_of([&] { Engine engine(empty, small_config()); });
   EXPECT_NE(m.find("has no parameters"), std::string::npos) << m;
 }
 
@@ -130,7 +124,7 @@ TEST(EngineErrors, TensorLargerThanTheChunkNamesItAndLeavesTheModelUntouched) {
   torch::manual_seed(1);
   models::Gpt model(models::gpt_spec("gpt_tiny"));
   const at::Tensor before = model->wte->weight.detach().clone();
-  const std::string m = message_of([&] {
+  const std::string m = error_of([&] {
     Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1000})"));
   });
   EXPECT_NE(m.find("wte.weight"), std::string::npos) << m;
@@ -150,14 +144,14 @@ TEST(EngineErrors, CheckpointOfAnotherModelIsRejectedAndChangesNothing) {
   }
   Fixture f;
   const auto before = f.engine->fp32_state_dict();
-  const std::string m = message_of([&] { f.engine->load_checkpoint(path); });
+  const std::string m = error_of([&] { f.engine->load_checkpoint(path); });
   EXPECT_NE(m.find("is from another model"), std::string::npos) << m;
   const auto after = f.engine->fp32_state_dict();
   for (size_t i = 0; i < before.size(); ++i) {
     EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
   }
   std::remove(path.c_str());
-  const std::string missing = message_of([&] { f.engine->load_checkpoint(path); });
+  const std::string missing = error_of([&] { f.engine->load_checkpoint(path); });
   EXPECT_NE(missing.find("cannot read checkpoint"), std::string::npos) << missing;
 }
 

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "error_message.h"
 #include "patrickstar/memtracer/scheduler.h"
 #include "patrickstar/memtracer/simulator.h"
 
@@ -41,14 +42,7 @@ SimulationOptions sim_options(int64_t capacity, EvictionPolicy policy, int64_t p
   return options;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 // Three chunks of 100 bytes used in a loop 0 1 2 0 1 2 with room for two.
 // OPT (hand run of Belady, the iteration wrapping into the next): resident {a, b}, c misses and

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "error_message.h"
 #include "patrickstar/memtracer/counting_allocator.h"
 #include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/trace.h"
@@ -33,14 +34,7 @@ class ScriptedProbe final : public MemoryProbe {
   int64_t peak_ = 0;
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(TraceRecorder, NonModelBytesArePeaksBetweenMoments) {
   ScriptedProbe probe;
