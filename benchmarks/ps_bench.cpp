@@ -109,7 +109,9 @@ ps::Config build_config() {
       j["default_chunk_size"] = ps::parse_byte_size(chunk, "--chunk-size");
     }
   }
-  return ps::Config::from_json(j);
+  ps::Config merged = ps::Config::from_json(j);
+  merged.warnings = base.warnings;  // the document's unknown keys (to_json() drops them)
+  return merged;
 }
 
 struct BaselineResult {
@@ -240,7 +242,8 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
     nlohmann::json j = base_config.to_json();
     j["client"]["scheduler"]["policy"] = policy;
     j["client"]["mem_tracer"]["with_static_partition"] = policy == "static";
-    const ps::Config config = ps::Config::from_json(j);
+    ps::Config config = ps::Config::from_json(j);
+    config.warnings.clear();  // reported once by main, not by every trial's engine
     auto attempt = [&](int64_t layers) {
       ps::models::GptSpec spec = shape;
       spec.layers = layers;
@@ -339,7 +342,6 @@ int run() {
     return 0;
   }
   const ps::Config config = build_config();
-  for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
   auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
   spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
@@ -351,6 +353,10 @@ int run() {
   TORCH_CHECK(seq <= spec.max_seq, "--seq ", seq, " exceeds the ", spec.max_seq, " positions of ",
               spec.name);
 
+  // The engine reports the config's unknown keys when it is built; the search builds many.
+  if (absl::GetFlag(FLAGS_find_max_model)) {
+    for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
+  }
   if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
 
   std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "

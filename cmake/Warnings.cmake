@@ -47,6 +47,8 @@ function(ps_add_library name)
   endif()
   add_library(ps_${name} STATIC ${sources} ${ARGN})
   add_library(patrickstar::${name} ALIAS ps_${name})
+  # Consumers get the standard the public headers need (std::span), even from a C++17 project.
+  target_compile_features(ps_${name} PUBLIC cxx_std_20)
   target_include_directories(ps_${name} PUBLIC
     $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:include>)
   ps_link_torch(ps_${name})

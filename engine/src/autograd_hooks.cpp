@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
 namespace patrickstar {
@@ -13,17 +14,39 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Counts a node as pending from its creation until its backward runs or it is freed unused.
+struct PendingNode final : torch::CustomClassHolder {
+  explicit PendingNode(std::shared_ptr<std::atomic<int64_t>> counter) : counter_(std::move(counter)) {
+    counter_->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~PendingNode() override { settle(); }
+  PendingNode(const PendingNode&) = delete;
+  PendingNode& operator=(const PendingNode&) = delete;
+  void settle() {
+    if (!settled_) counter_->fetch_sub(1, std::memory_order_relaxed);
+    settled_ = true;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int64_t>> counter_;
+  bool settled_ = false;
+};
+
 // Identity forward; backward calls the table entry first, then passes gradients through unchanged.
 struct PreBackwardFunction : torch::autograd::Function<PreBackwardFunction> {
   // `inputs` is a TensorList, the one list type autograd unpacks into separate inputs.
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, int64_t table_address,
                                int64_t id) {
+    const auto* table = reinterpret_cast<const HookTable*>(table_address);
     ctx->saved_data["table"] = table_address;
     ctx->saved_data["id"] = id;
+    ctx->saved_data["pending"] =
+        c10::IValue::make_capsule(c10::make_intrusive<PendingNode>(table->pending_counter()));
     return variable_list(inputs.begin(), inputs.end());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto* table = reinterpret_cast<const HookTable*>(ctx->saved_data["table"].toInt());
+    static_cast<PendingNode*>(ctx->saved_data["pending"].toCapsule().get())->settle();
     table->call(ctx->saved_data["id"].toInt());
     grad_outputs.emplace_back();  // no gradient for table_address
     grad_outputs.emplace_back();  // nor for id

@@ -271,11 +271,14 @@ Config Config::from_json(const json& document) {
   if (const json* size = root.find("default_chunk_size")) {
     if (size->is_string() && absl::AsciiStrToLower(size->get<std::string>()) == "auto") {
       c.chunk_size_auto = true;
-    } else if (size->is_number_integer() && size->get<int64_t>() > 0) {
+    } else if (size->is_number_integer() && size->get<int64_t>() > 0 &&
+               size->get<int64_t>() <= Config::kMaxChunkElems) {
       c.default_chunk_size = size->get<int64_t>();
       c.chunk_size_auto = false;
     } else {
-      root.error("$.default_chunk_size", *size, "a positive number of elements or \"auto\"");
+      root.error("$.default_chunk_size", *size,
+                 absl::StrCat("a number of elements from 1 to ", Config::kMaxChunkElems,
+                              " (2^40), or \"auto\""));
     }
   }
   root.boolean("release_after_init", c.release_after_init);

@@ -23,7 +23,7 @@ ModuleScope::~ModuleScope() {
   // A forward that threw: release what was acquired, passing no outputs on.
   if (handler_ != nullptr && !finished_) {
     try {
-      handler_->post_forward(token_, {});
+      handler_->forward_failed(token_);
     } catch (...) {
     }
   }

@@ -1,5 +1,7 @@
 #include "patrickstar/memtracer/memory_probe.h"
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 #include "patrickstar/memtracer/counting_allocator.h"
@@ -7,10 +9,14 @@
 namespace patrickstar {
 
 int64_t CpuMemoryProbe::live_bytes() const {
-  return counter_.live_bytes();
+  return std::max<int64_t>(0, counter_.live_bytes() - floor_bytes_);
 }
 int64_t CpuMemoryProbe::peak_bytes() const {
-  return counter_.peak_bytes();
+  return std::max<int64_t>(0, counter_.peak_bytes() - floor_bytes_);
+}
+void CpuMemoryProbe::set_floor_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "CpuMemoryProbe::set_floor_bytes: ", bytes, " is negative");
+  floor_bytes_ = bytes;
 }
 void CpuMemoryProbe::reset_peak() {
   counter_.reset_peak();

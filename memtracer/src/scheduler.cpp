@@ -121,11 +121,24 @@ int64_t Scheduler::budget_bytes(int64_t m) const {
 }
 
 void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
-  TORCH_CHECK(trace.size() > 0, "Scheduler::set_trace: the trace has no moment");
   TORCH_CHECK(mover == nullptr || in_iteration_,
               "Scheduler::set_trace with a mover moves chunks: call it before the warm-up's "
               "end_iteration() so the moves count in that iteration");
   // Validate before changing anything: a rejected trace leaves the scheduler as it was.
+  check_trace(trace);
+  install_trace(trace, mover);
+}
+
+void Scheduler::drop_trace() {
+  trace_ = Trace{};
+  has_trace_ = false;
+  index_ = NextUseIndex();
+  prefetched_.clear();
+  if (in_iteration_) stats_.warmup = true;
+}
+
+void Scheduler::check_trace(const Trace& trace) const {
+  TORCH_CHECK(trace.size() > 0, "Scheduler::set_trace: the trace has no moment");
   const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
   // Non-model bytes alone: name the moment whose interval measured them.
   auto check_non_model = [&](int64_t non_model, const std::string& where) {
@@ -165,6 +178,9 @@ void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
                 options_.reserve_bytes,
                 "): use a smaller chunk size, a smaller batch or activation checkpointing");
   }
+}
+
+void Scheduler::install_trace(const Trace& trace, ChunkMover* mover) {
   trace_ = trace;
   has_trace_ = true;
   index_ = NextUseIndex(trace_);
@@ -187,6 +203,29 @@ void Scheduler::set_trace(const Trace& trace, ChunkMover* mover) {
       }
     }
   }
+}
+
+std::string Scheduler::warmup_advice(int64_t chunk_bytes) const {
+  // The warm-up budget is min(max(share, the moment's chunks), usable - live non-model): say which
+  // setting would make room for `chunk_bytes`.
+  const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
+  std::ostringstream out;
+  out << "; warm-up: client.mem_tracer.warmup_gpu_chunk_mem_ratio " << options_.warmup_ratio
+      << " gives chunks " << scaled_bytes(usable, options_.warmup_ratio) << " of " << usable
+      << " usable bytes, and non-model data holds " << warmup_non_model_bytes_ << " now";
+  const int64_t room = usable - warmup_non_model_bytes_ - options_.reserve_bytes;
+  if (chunk_bytes <= room && usable > 0) {
+    // The smallest ratio (rounded up to a hundredth) that gives the chunks this much.
+    const double ratio = std::min(
+        1.0, std::ceil(100.0 * static_cast<double>(chunk_bytes + options_.reserve_bytes) /
+                       static_cast<double>(usable)) /
+                 100.0);
+    out << "; set client.mem_tracer.warmup_gpu_chunk_mem_ratio to " << ratio << " or more";
+  } else {
+    out << "; the device is too small for these chunks next to the non-model data (raise "
+           "client.device.capacity_bytes or client.mem_tracer.overall_gpu_mem_ratio)";
+  }
+  return out.str();
 }
 
 void Scheduler::begin_iteration() {
@@ -365,13 +404,14 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
     TORCH_CHECK(needed <= budget, describe_moment(m), " accesses ", pinned.size(), " chunks of ",
                 needed, " bytes in all but the chunk budget is ", budget, " bytes (capacity ",
                 options_.capacity_bytes, ", reserve ", options_.reserve_bytes,
-                has_trace_ ? "" : ", warm-up ratio applies",
+                has_trace_ ? "" : warmup_advice(needed),
                 "): use a smaller chunk size, a smaller batch or activation checkpointing");
     TORCH_CHECK(evict_to_fit(missing, budget, m, pinned, -1, mover), describe_moment(m), " needs ",
                 missing, " more chunk bytes on the device with ", resident_bytes_,
                 " resident and a budget of ", budget,
                 " bytes, but not enough resident chunks may move (in COMPUTE, or kept on the "
-                "device by the static policy)");
+                "device by the static policy)",
+                has_trace_ ? std::string() : warmup_advice(resident_bytes_ + missing));
     for (int64_t id : accessed) {
       if (resident_.count(id) == 0) load(id, m, /*prefetch=*/false, mover);
     }

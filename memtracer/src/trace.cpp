@@ -1,5 +1,7 @@
 #include "patrickstar/memtracer/trace.h"
 
+#include <sstream>
+
 #include <algorithm>
 
 #include <c10/util/Exception.h>
@@ -161,6 +163,33 @@ void TraceRecorder::abort_iteration() {
   --iteration_;
   current_moment_ = -1;
   current_ = Trace{};
+}
+
+bool TraceRecorder::matches_next(MomentKind kind, const std::string& label,
+                                 std::string* why) const {
+  if (!has_warmup_) return true;
+  const int64_t m = current_moment_ + 1;
+  std::ostringstream out;
+  if (m >= warmup_.size()) {
+    out << "iteration " << iteration_ << " reached moment " << m << " (" << moment_kind_name(kind)
+        << " '" << label << "') but the recorded trace has " << warmup_.size() << " moments";
+  } else {
+    const Moment& expected = warmup_.moments[m];
+    if (expected.kind == kind && expected.label == label) return true;
+    out << "iteration " << iteration_ << ", moment " << m << ": the trace expects "
+        << moment_kind_name(expected.kind) << " '" << expected.label << "' but got "
+        << moment_kind_name(kind) << " '" << label << "'";
+  }
+  if (why != nullptr) *why = out.str();
+  return false;
+}
+
+void TraceRecorder::rewind_to(int64_t moments) {
+  TORCH_CHECK(in_iteration_ && moments >= 0 && moments <= current_moment_ + 1,
+              "TraceRecorder::rewind_to(", moments, "): the iteration in progress has ",
+              current_moment_ + 1, " moments");
+  current_.moments.resize(static_cast<size_t>(moments));
+  current_moment_ = moments - 1;
 }
 
 void TraceRecorder::rewarm() {

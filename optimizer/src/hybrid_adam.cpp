@@ -18,7 +18,7 @@ namespace patrickstar {
 namespace {
 
 const at::Tensor& grad_of(const AdamChunk& chunk) {
-  return chunk.mixed() ? chunk.half_param_grad : chunk.grad_fp32;
+  return chunk.grad_fp32.defined() ? chunk.grad_fp32 : chunk.half_param_grad;
 }
 
 void check_view(const at::Tensor& t, const char* what, size_t index, int64_t numel,
@@ -48,9 +48,8 @@ void check_chunk(const AdamChunk& chunk, size_t index, bool on_device) {
     const auto dtype = chunk.half_param_grad.scalar_type();
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "HybridAdam: chunk ", index,
                 ": half_param_grad must be bfloat16 or float16, got ", dtype);
-    TORCH_CHECK(!chunk.grad_fp32.defined(), "HybridAdam: chunk ", index,
-                " has both a half slot and an fp32 gradient; pass one");
-  } else {
+  }
+  if (!chunk.mixed() || chunk.grad_fp32.defined()) {
     check_view(chunk.grad_fp32, "grad_fp32", index, numel, device);
     TORCH_CHECK(chunk.grad_fp32.scalar_type() == at::kFloat, "HybridAdam: chunk ", index,
                 ": grad_fp32 must be float32, got ", chunk.grad_fp32.scalar_type());
@@ -99,7 +98,17 @@ void restore_half(const AdamChunk& chunk) {
 
 void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
   const bool cpu = chunk.master.device().is_cpu();
-  if (chunk.mixed()) {
+  if (chunk.mixed() && chunk.grad_fp32.defined()) {
+    // An fp32 gradient (a gradient space): the fp32 update, then the half weight from the master.
+    if (cpu) {
+      adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+    } else {
+      cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(),
+                     chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
+                     chunk.master.numel(), constants, stream_for(chunk.master));
+    }
+    restore_half(chunk);
+  } else if (chunk.mixed()) {
     if (cpu) {
       adam_step_mixed(chunk.half_param_grad, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
                       constants);
@@ -122,8 +131,10 @@ void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
 
 int64_t AdamChunk::state_bytes() const {
   const int64_t numel = master.defined() ? master.numel() : 0;
-  const int64_t grad_bytes = half_param_grad.defined() ? 2 : 4;
-  return numel * (3 * 4 + grad_bytes);
+  // The gradient read (2 or 4 bytes), plus the half weight written when the gradient is fp32.
+  const int64_t grad_bytes = grad_fp32.defined() ? 4 : 2;
+  const int64_t half_bytes = half_param_grad.defined() && grad_fp32.defined() ? 2 : 0;
+  return numel * (3 * 4 + grad_bytes + half_bytes);
 }
 
 GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,

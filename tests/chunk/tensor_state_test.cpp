@@ -20,7 +20,8 @@ using S = TensorState;
 constexpr S kAll[] = {S::kFree,         S::kCompute,      S::kHold,
                       S::kHoldAfterFwd, S::kHoldAfterBwd, S::kReadyForReduce};
 
-// The table as DESIGN.md's data flow needs it, written out independently of the library.
+// The table as the data flow of docs/design.md section 4 needs it, written out independently of
+// the library.
 const std::set<std::pair<S, S>>& expected_legal() {
   static const std::set<std::pair<S, S>> table = {
       {S::kFree, S::kHold},

@@ -1,6 +1,6 @@
-// The hook spike (DESIGN.md section 6), kept as a test: parameters whose data lives in a flat buffer
-// ("a chunk") that moves between a module's forward and its backward must train exactly like plain
-// LibTorch. Also pins down the LibTorch behaviour the engine's design rests on.
+// The hook spike (docs/design.md section 6), kept as a test: parameters whose data lives in a flat
+// buffer ("a chunk") that moves between a module's forward and its backward must train exactly like
+// plain LibTorch. Also pins down the LibTorch behaviour the engine's design rests on.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

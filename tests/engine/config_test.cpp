@@ -31,7 +31,7 @@ TEST(Config, EmptyDocumentTakesTheDocumentedDefaults) {
   EXPECT_EQ(c.fp16.initial_scale_power, 16);
   EXPECT_EQ(c.fp16.hysteresis, 2);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
-  EXPECT_EQ(c.default_chunk_size, int64_t{32} << 20);
+  EXPECT_TRUE(c.chunk_size_auto);  // without default_chunk_size the engine chooses the size
   EXPECT_EQ(c.device.type, DeviceType::kEmulated);
   EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kOpt);
   EXPECT_TRUE(c.warnings.empty());
@@ -130,8 +130,13 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
       {R"({"gradient_accumulation_steps": 0})",
        "$.gradient_accumulation_steps: expected an integer from 1"},
       {R"({"default_chunk_size": "big"})",
-       R"($.default_chunk_size: expected a positive number of elements or "auto", got "big")"},
-      {R"({"default_chunk_size": -5})", "$.default_chunk_size: expected a positive number"},
+       R"($.default_chunk_size: expected a number of elements from 1 to 1099511627776 (2^40), or "auto", got "big")"},
+      {R"({"default_chunk_size": -5})", "$.default_chunk_size: expected a number of elements from 1"},
+      // Elements x bytes must not overflow: 2^40 is the largest size.
+      {R"({"default_chunk_size": 1099511627777})",
+       "$.default_chunk_size: expected a number of elements from 1 to 1099511627776"},
+      {R"({"default_chunk_size": 9223372036854775807})",
+       "$.default_chunk_size: expected a number of elements from 1 to 1099511627776"},
       {R"({"client": {"device": {"capacity_bytes": "2 parsecs"}}})",
        R"($.client.device.capacity_bytes: expected a byte count: a non-negative integer or a string such as "2GiB", got "2 parsecs")"},
       {R"({"client": {"device": {"capacity_bytes": 0}}})",
@@ -189,6 +194,17 @@ TEST(Config, FromFileNamesTheFile) {
   }
   std::remove(path.c_str());
   EXPECT_THROW(Config::from_file(path), c10::Error);
+}
+
+TEST(Config, ChunkSizeIsTheEnginesChoiceUnlessTheDocumentSetsIt) {
+  EXPECT_TRUE(Config::from_string("{}").chunk_size_auto);
+  EXPECT_TRUE(Config::from_string(R"({"default_chunk_size": "auto"})").chunk_size_auto);
+  const Config set = Config::from_string(R"({"default_chunk_size": 1099511627776})");
+  EXPECT_FALSE(set.chunk_size_auto);
+  EXPECT_EQ(set.default_chunk_size, Config::kMaxChunkElems);
+  // The effective config round-trips either way.
+  EXPECT_TRUE(Config::from_json(Config::from_string("{}").to_json()).chunk_size_auto);
+  EXPECT_EQ(Config::from_json(set.to_json()).default_chunk_size, Config::kMaxChunkElems);
 }
 
 }  // namespace

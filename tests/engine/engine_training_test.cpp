@@ -211,7 +211,7 @@ TEST(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
   // fp32 training, which is what this test holds it to.
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_engine(
-      tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 900000}}})"),
+      tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 700000}}})"),
       kSteps);
   EXPECT_LE(max_relative_difference(run.losses, plain), 2e-2);
   std::printf("bf16: max relative loss difference to fp32 %.3g over %d steps\n",

@@ -429,5 +429,52 @@ TEST(Scheduler, GptLikeOptNearTheBound) {
   }
 }
 
+// check_trace is set_trace's validation alone; drop_trace turns the rest of an iteration into a
+// warm-up (the warm-up budget, no trace moments required), and set_trace installs the new trace.
+TEST(Scheduler, CheckTraceChangesNothingAndDropTraceSchedulesAsAWarmup) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.2;
+  Scheduler scheduler(options, equal_chunks(3, 100));
+  const Trace fits = make_trace({{0}, {1}, {2}}, {100, 100, 100});
+  const Trace too_big = make_trace({{0}, {1}, {2}}, {100, 2000, 100});
+  EXPECT_THAT(error_of([&] { scheduler.check_trace(too_big); }), HasSubstr("non-model data"));
+  EXPECT_FALSE(scheduler.has_trace());
+  EXPECT_NO_THROW(scheduler.check_trace(fits));
+  EXPECT_FALSE(scheduler.has_trace()) << "check_trace installed the trace";
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.set_trace(fits, &mover);
+  scheduler.end_iteration();
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {0}, mover);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes.back(), 900);  // the trace's budget
+  scheduler.drop_trace();
+  EXPECT_FALSE(scheduler.has_trace());
+  EXPECT_TRUE(scheduler.current_stats().warmup);
+  // Moment 7 is outside the old trace: fine now, with the warm-up budget (0.2 x 1000).
+  scheduler.at_moment(7, MomentKind::kPreForward, {1}, mover, 0);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes.back(), 200);
+  scheduler.set_trace(make_trace({{0}, {1}}), &mover);
+  scheduler.end_iteration();
+  EXPECT_TRUE(scheduler.has_trace());
+  EXPECT_EQ(scheduler.trace().size(), 2);
+}
+
+// A warm-up moment that cannot make room says which warm-up ratio would.
+TEST(Scheduler, WarmupErrorNamesTheRatioThatFits) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.1;
+  Scheduler scheduler(options, equal_chunks(3, 100));
+  PinnedMover mover;  // chunk 0 stays in COMPUTE
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {0, 1}, mover);
+  const std::string error =
+      error_of([&] { scheduler.at_moment(1, MomentKind::kPreForward, {1}, mover); });
+  // Chunks 0 (pinned) and 1 need 200 of 1000 bytes: a ratio of 0.2.
+  EXPECT_THAT(error, HasSubstr("set client.mem_tracer.warmup_gpu_chunk_mem_ratio to 0.2 or more"));
+}
+
 }  // namespace
 }  // namespace patrickstar

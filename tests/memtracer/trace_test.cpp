@@ -161,5 +161,39 @@ TEST(TraceRecorder, SameTraceFromOneIterationToTheNext) {
   }
 }
 
+// The engine's tools for a changed order of moments: matches_next says what differs, rewarm()
+// inside an iteration keeps the moments so far and makes the iteration the new trace, and
+// rewind_to forgets the moments of a forward that never reached backward.
+TEST(TraceRecorder, MatchesNextRewarmMidIterationAndRewind) {
+  TraceRecorder recorder(nullptr);
+  recorder.begin_iteration();
+  recorder.tick(MomentKind::kPreForward, "a");
+  recorder.tick(MomentKind::kPreBackward, "a");
+  recorder.tick(MomentKind::kStep, "step");
+  recorder.end_iteration();
+
+  recorder.begin_iteration();
+  std::string why;
+  EXPECT_TRUE(recorder.matches_next(MomentKind::kPreForward, "a", &why));
+  recorder.tick(MomentKind::kPreForward, "a");
+  EXPECT_FALSE(recorder.matches_next(MomentKind::kPreForward, "b", &why));
+  EXPECT_THAT(why, HasSubstr("expects pre_backward 'a' but got pre_forward 'b'"));
+  // A forward that is abandoned: back to moment 0, and the trace is followed again from there.
+  recorder.rewind_to(0);
+  EXPECT_EQ(recorder.current_moment(), -1);
+  EXPECT_TRUE(recorder.matches_next(MomentKind::kPreForward, "a", &why));
+  recorder.tick(MomentKind::kPreForward, "a");
+  recorder.rewarm();  // the control flow changed here
+  EXPECT_TRUE(recorder.matches_next(MomentKind::kPreForward, "b", &why));
+  recorder.tick(MomentKind::kPreForward, "b");
+  recorder.tick(MomentKind::kStep, "step");
+  recorder.end_iteration();
+  ASSERT_TRUE(recorder.has_warmup_trace());
+  ASSERT_EQ(recorder.warmup_trace().size(), 3);
+  EXPECT_EQ(recorder.warmup_trace().moments[0].label, "a");
+  EXPECT_EQ(recorder.warmup_trace().moments[1].label, "b");
+  EXPECT_THAT(error_of([&] { recorder.rewind_to(0); }), HasSubstr("rewind_to"));
+}
+
 }  // namespace
 }  // namespace patrickstar

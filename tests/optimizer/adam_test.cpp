@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <tuple>
 
@@ -98,14 +99,14 @@ TEST_P(AdamVsTorch, TwentyStepsMatch) {
     ref_exp_avg_sq = s.exp_avg_sq();
   }
   const auto param = torch_param.detach();
-  // Max relative difference = ||ours - torch||_inf / ||torch||_inf. Elementwise the results are
-  // identical except where torch's vectorized CPU sqrt (not correctly rounded: ~0.6% of results
-  // are 1 ulp off on AVX-512; ours is IEEE sqrt) moved a denominator by an ulp; the bit-exact
-  // comparison with torch's op sequence is TorchOpsWithExactSqrt below.
+  // Max relative difference = ||ours - torch||_inf / ||torch||_inf. What holds on every CPU: torch's
+  // vectorized CPU kernels (sqrt, division) are not correctly rounded and how often they are an
+  // ulp off depends on the kernel the CPU dispatches (AVX2, AVX-512, with or without bf16/VNNI), so
+  // only the norm-wise bound is asserted here, never a count of differing elements; the bit-exact
+  // comparison with torch's op sequence is TorchOpsWithExactSqrtBitwise below.
   EXPECT_LE(max_norm_rel_diff(master, param), 1e-6);
   EXPECT_LE(max_norm_rel_diff(exp_avg, ref_exp_avg), 1e-6);
   EXPECT_LE(max_norm_rel_diff(exp_avg_sq, ref_exp_avg_sq), 1e-6);
-  EXPECT_LE(testing::count_bit_diffs(master, param), numel / 100 + 1);
   // The parameters moved: the comparison is not of two untouched copies.
   EXPECT_GT((master - init).abs().max().item<double>(), 1e-3);
 }
@@ -157,8 +158,19 @@ TEST(CpuAdam, TorchOpsWithExactSqrtBitwise) {
 }
 
 // The SIMD kernel is the scalar rule of adam_rule.h, lane for lane: identical bits, on every SIMD
-// target this CPU supports (Highway is pointed at each in turn), including the padded tail.
+// target this build compiles and this CPU can run (Highway is pointed at each in turn), including
+// the padded tail. Targets the CPU cannot run are named in the output.
 TEST(CpuAdam, EverySimdTargetEqualsScalarRuleBitwise) {
+  std::string ran, skipped;
+  for (int shift = 0; shift < 63; ++shift) {
+    const int64_t bit = int64_t{1} << shift;
+    if ((static_cast<int64_t>(HWY_TARGETS) & bit) == 0) continue;
+    std::string& list = (hwy::SupportedTargets() & bit) != 0 ? ran : skipped;
+    list += std::string(list.empty() ? "" : ", ") + hwy::TargetName(bit);
+  }
+  std::printf("SIMD targets compiled and run: %s; compiled but not supported by this CPU: %s\n",
+              ran.c_str(), skipped.empty() ? "none" : skipped.c_str());
+  ASSERT_FALSE(hwy::SupportedAndGeneratedTargets().empty());
   const int64_t numel = 4099;  // not a multiple of any vector width
   torch::manual_seed(7);
   const auto init = torch::randn({numel});
@@ -190,6 +202,11 @@ TEST(CpuAdam, EverySimdTargetEqualsScalarRuleBitwise) {
         EXPECT_TRUE(bit_equal(km, m)) << where;
         EXPECT_TRUE(bit_equal(kv, v)) << where;
         EXPECT_TRUE(bit_equal(slot, p.to(dtype))) << where;
+        // The fp32 kernel (fp32 gradient) on the same target.
+        auto fp = init.clone(), fm = m0.clone(), fv = v0.clone();
+        adam_step_fp32(fp, g, fm, fv, c);
+        EXPECT_TRUE(bit_equal(fp, p)) << where << " fp32";
+        EXPECT_TRUE(bit_equal(fm, m)) << where << " fp32";
       }
       hwy::SetSupportedTargetsForTest(0);
     }

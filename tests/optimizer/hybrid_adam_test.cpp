@@ -213,5 +213,44 @@ TEST(HybridAdamTest, ReportsPlacementAndRejectsBadPlansUntouched) {
   EXPECT_FALSE(bit_equal(fp32.master, before));
 }
 
+// Mixed precision with a gradient space: the fp32 gradient feeds the update as it is (the fp32
+// kernel on the master), and the half slot receives the new weight, rounded once.
+TEST(HybridAdamMixedFp32Gradient, UpdatesFromTheFp32GradientNotItsHalfRounding) {
+  for (const auto half : {torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(21);
+    auto chunks = make_mixed_chunks({1000, 37}, half);
+    std::vector<AdamChunk> reference;
+    for (auto& c : chunks) {
+      c.grad_fp32 = torch::randn(c.master.sizes()).mul_(1e-3);  // values a half cannot hold
+      c.half_param_grad.copy_(c.master);
+      AdamChunk r;
+      r.master = c.master.clone();
+      r.exp_avg = c.exp_avg.clone();
+      r.exp_avg_sq = c.exp_avg_sq.clone();
+      r.grad_fp32 = c.grad_fp32.clone();
+      reference.push_back(r);
+    }
+    const AdamOptions options = AdamOptions().lr(1e-2).eps(1e-3).weight_decay(0.01);
+    HybridAdam ours(options);
+    HybridAdam fp32(options);
+    ASSERT_FALSE(ours.step(chunks).skipped);
+    ASSERT_FALSE(fp32.step(reference).skipped);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      EXPECT_TRUE(bit_equal(chunks[i].master, reference[i].master)) << i;
+      EXPECT_TRUE(bit_equal(chunks[i].exp_avg, reference[i].exp_avg)) << i;
+      EXPECT_TRUE(bit_equal(chunks[i].exp_avg_sq, reference[i].exp_avg_sq)) << i;
+      EXPECT_TRUE(bit_equal(chunks[i].half_param_grad, reference[i].master.to(half))) << i;
+    }
+    // Rounding the gradient to half first gives another update: the test can tell them apart.
+    torch::manual_seed(21);
+    auto rounded = make_mixed_chunks({1000, 37}, half);
+    for (size_t i = 0; i < rounded.size(); ++i) {
+      rounded[i].half_param_grad.copy_(reference[i].grad_fp32);  // the old way
+    }
+    HybridAdam(options).step(rounded);
+    EXPECT_FALSE(bit_equal(rounded[0].master, reference[0].master));
+  }
+}
+
 }  // namespace
 }  // namespace patrickstar

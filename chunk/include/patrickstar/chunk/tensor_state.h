@@ -1,5 +1,6 @@
-// Tensor states of the chunk store and their explicit transition table (DESIGN.md sections 2 and
-// 4). Pure functions over an enum: thread-safe. The per-tensor state itself is kept by ChunkStore.
+// Tensor states of the chunk store and their explicit transition table (docs/design.md sections 2
+// and 4). Pure functions over an enum: thread-safe. The per-tensor state itself is kept by
+// ChunkStore.
 //
 // Legal transitions (everything else, self-transitions included, is an error):
 //   FREE             -> HOLD                                  (the chunk got a payload)

@@ -1,5 +1,5 @@
 // Vocabulary types of the chunk store: chunk kinds, tiers and the ids that name tensors and chunks.
-// Plain value types and pure functions: thread-safe, nothing owned. See DESIGN.md section 2.
+// Plain value types and pure functions: thread-safe, nothing owned. See docs/design.md section 2.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -1,5 +1,5 @@
 // The three autograd hook points the engine is built on, since LibTorch's C++ modules have none
-// (DESIGN.md section 6):
+// (docs/design.md section 6):
 //   - pre-backward: an identity autograd function on a module's outputs whose backward runs a callback
 //     just before autograd runs the module's own backward;
 //   - gradient is final: a per-parameter post-accumulate-grad hook (it survives set_data, unlike hooks
@@ -9,8 +9,10 @@
 // Ownership: a HookTable owns its callbacks and must outlive every backward pass through its hooks.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -26,9 +28,15 @@ class HookTable {
   // Runs callback `id`; throws c10::Error when no such callback exists.
   void call(int64_t id) const;
   size_t size() const { return callbacks_.size(); }
+  // Pre-backward nodes inserted through this table whose backward has not run and which are still
+  // alive (part of a graph someone holds). 0 after a forward whose loss was dropped unused.
+  int64_t pending_nodes() const { return pending_->load(std::memory_order_relaxed); }
+  const std::shared_ptr<std::atomic<int64_t>>& pending_counter() const { return pending_; }
 
  private:
   std::vector<std::function<void()>> callbacks_;
+  // Shared with the nodes: a graph may outlive the table.
+  std::shared_ptr<std::atomic<int64_t>> pending_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // Returns `outputs` unchanged in value, passed through an identity autograd function whose backward

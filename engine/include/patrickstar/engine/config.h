@@ -83,8 +83,12 @@ struct Config {
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off
   int gradient_accumulation_steps = 1;
-  int64_t default_chunk_size = int64_t{32} << 20;  // elements per chunk
-  bool chunk_size_auto = false;              // "default_chunk_size": "auto": searched, least waste
+  // Elements per chunk. Without "default_chunk_size" in the document (or with "auto") the engine
+  // searches the size with the least waste (chunk_size_auto); a number sets it, at most
+  // kMaxChunkElems (so elements x 8 bytes never overflows int64_t).
+  static constexpr int64_t kMaxChunkElems = int64_t{1} << 40;
+  int64_t default_chunk_size = int64_t{32} << 20;  // used when chunk_size_auto is false
+  bool chunk_size_auto = true;
   bool release_after_init = false;
   bool use_cpu_embedding = false;
   MemTracerConfig mem_tracer;

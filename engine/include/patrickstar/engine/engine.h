@@ -1,5 +1,5 @@
 // Engine: trains a LibTorch module whose parameters, gradients and Adam states live in chunks that
-// move between the host and the (emulated or CUDA) device, moment by moment (DESIGN.md section 4).
+// move between the host and the (emulated or CUDA) device, moment by moment (docs/design.md section 4).
 //
 // Most users reach it through patrickstar::initialize_engine (patrickstar/patrickstar.h). Directly:
 //
@@ -16,6 +16,15 @@
 // in the `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name.
 // Activation checkpointing (patrickstar::checkpoint) works under the engine: the dropped forward is
 // traced like any training forward, and its recompute in backward goes through the doors again.
+//
+// Iterations (docs/design.md section 7): an iteration runs from one step() to the next. The first
+// records the trace of moments; when a later iteration's moments differ (control flow changed), the
+// engine warns, re-records the trace from there (IterationReport::retraced) and goes on. A forward
+// that throws, or whose loss is dropped unused, is forgotten: the next forward starts where it
+// started. A backward that throws, or a step whose trace the scheduler rejects, discards the
+// iteration's gradients (weights and optimizer state unchanged). zero_grad() may come anywhere.
+// The emulated device is charged for what iterations allocate: what the process held before the
+// engine's first forward (a dataset, the trainer's state) is host memory.
 //
 // Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
@@ -60,6 +69,10 @@ struct IterationReport {
   // Of d2h_bytes: chunks sent to the host for the host-side Adam (gradients in, new weights out);
   // they return at their next use. The rest of the traffic is the scheduler's choice.
   int64_t adam_host_d2h_bytes = 0;
+  // The moments differed from the trace, which was re-recorded in this iteration (a warm-up
+  // schedule from that moment on); retraces counts such iterations since the engine was built.
+  bool retraced = false;
+  int64_t retraces = 0;
   PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
 };
 
@@ -105,14 +118,19 @@ class Engine final : public ModuleHookHandler {
 
   // Backward of `loss` (a scalar; multiplied by the loss scale in fp16). Throws c10::Error when no
   // forward ran since the last backward/step, or when the loss is not finite in fp32/bf16 (then the
-  // forward is discarded and the engine is ready for a new one).
+  // forward is discarded and the engine is ready for a new one). When autograd throws during the
+  // backward (a capacity error, the user's own backward), the iteration's gradients are discarded,
+  // weights and optimizer state are unchanged, and the error is rethrown.
   // The loss is divided by gradient_accumulation_steps (as DeepSpeed does).
   void backward(const at::Tensor& loss);
   // One Adam/AdamW step over every chunk, on the device for the chunks the placement keeps there
   // and on the host for the rest. Throws c10::Error when no backward ran since the last step, or
-  // before the gradient_accumulation_steps-th backward.
+  // before the gradient_accumulation_steps-th backward; when the recorded trace does not fit the
+  // device (checked before any weight changes), the iteration's gradients are discarded.
   IterationReport step();
-  // Clears accumulated gradients (gradient accumulation and fp32 keep a gradient space).
+  // Discards the gradients accumulated since the last step, at any point of an iteration. Where
+  // gradients sit in the half weights' slots (mixed precision without a gradient space) the half
+  // weights come back from the fp32 master.
   void zero_grad();
 
   // fp32 weights by parameter name (the master copy), as new tensors.
@@ -130,6 +148,8 @@ class Engine final : public ModuleHookHandler {
   void note_model_construction_peak(int64_t bytes);
   const std::vector<IterationReport>& history() const { return history_; }
   int64_t iteration() const { return iteration_; }
+  // Iterations whose moments differed from the trace, so that it was re-recorded.
+  int64_t retrace_count() const { return retraces_; }
   double loss_scale() const { return adam_->loss_scale(); }
   const ChunkStore& chunks() const { return *store_; }
   const Scheduler& scheduler() const { return *scheduler_; }
@@ -145,6 +165,7 @@ class Engine final : public ModuleHookHandler {
   int64_t pre_forward(torch::nn::Module& module) override;
   std::vector<at::Tensor> wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) override;
   std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) override;
+  void forward_failed(int64_t token) override;
 
  private:
   struct Param {
@@ -154,6 +175,12 @@ class Engine final : public ModuleHookHandler {
     bool trainable = true;
     int compute_refs = 0;  // open doors / backward uses holding it
     bool has_grad = false;  // gradient written since the last step
+    // Forward accesses since the last backward (recomputes excluded), and how many of them in a
+    // checkpointed forward: a parameter with both > 1 and >= 1 may get several gradients in one
+    // backward (one per recompute) while a recompute still reads its weight.
+    int forward_uses = 0;
+    int checkpointed_uses = 0;
+    at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
   };
   struct ModuleInfo {
     std::string label;
@@ -176,6 +203,7 @@ class Engine final : public ModuleHookHandler {
   class Mover;
 
   void register_parameters();
+  void report_config_warnings() const;
   ModuleInfo& module_info(torch::nn::Module& module);
   // A moment: tick, record, schedule the chunks of `params` (plus gradient chunks when asked), then
   // set each parameter COMPUTE and point it at its chunk. Returns the tensors it acquired.
@@ -186,7 +214,17 @@ class Engine final : public ModuleHookHandler {
   void on_gradient(TensorId id, const at::Tensor& param);
   void begin_iteration_if_needed();
   void finish_backward();
-  void discard_iteration();
+  // The moment about to be recorded differs from the trace: warn, re-record from here.
+  void follow_trace(MomentKind kind, const std::string& label);
+  // The forward in progress will never reach backward (it threw, or its loss was dropped).
+  void abandon_forward();
+  // Drops the iteration in progress: gradients, tensor states, the trace's moments.
+  void drop_iteration();
+  // Gradients since the last step are dropped; half weights restored where gradients overwrote them.
+  void discard_gradients();
+  // True when a half slot holds a gradient instead of a weight (mixed, no gradient space).
+  bool half_slots_hold_gradients() const { return grads_in_half_slots_; }
+  void flush_pending_gradients();
   void point_at_chunk(const Param& p);
   // Releases the parameter's memory; keep_shape leaves its sizes (autograd may still accumulate
   // its gradient), otherwise it gets zero elements.
@@ -211,6 +249,8 @@ class Engine final : public ModuleHookHandler {
   std::unique_ptr<MemoryTier> device_;
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<MemoryProbe> probe_;
+  CpuMemoryProbe* cpu_probe_ = nullptr;  // probe_, on the emulated device
+  bool probe_floor_set_ = false;
   std::unique_ptr<TraceRecorder> recorder_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Mover> mover_;
@@ -219,6 +259,13 @@ class Engine final : public ModuleHookHandler {
 
   Phase phase_ = Phase::kIdle;
   bool in_iteration_ = false;
+  bool in_backward_ = false;
+  bool grads_in_half_slots_ = false;
+  int open_scopes_ = 0;
+  int64_t forward_start_moment_ = 0;  // moments of the iteration before the forward in progress
+  bool hooks_in_forward_ = false;     // the forward in progress put pre-backward nodes in a graph
+  int64_t retraces_ = 0;
+  bool retraced_this_iteration_ = false;
   int backwards_since_step_ = 0;
   int64_t iteration_ = 0;
   std::vector<OpenScope> scopes_;

@@ -1,4 +1,4 @@
-// The doors through which a model's forward tells the engine when a module runs (DESIGN.md section 6).
+// The doors through which a model's forward tells the engine when a module runs (docs/design.md section 6).
 // LibTorch's C++ modules have no hooks, so code that owns parameters says so at the call site:
 //
 //   x = patrickstar::call(fc1, x);            // a member submodule (any ModuleHolder or module)
@@ -37,6 +37,8 @@ class ModuleHookHandler {
   }
   // Releases what pre_forward acquired and passes `outputs` through the pre-backward hook.
   virtual std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) = 0;
+  // The module's forward threw: release what pre_forward acquired; no outputs follow.
+  virtual void forward_failed(int64_t token) { post_forward(token, {}); }
 };
 
 // The handler active on this thread, or nullptr.

@@ -24,16 +24,22 @@ class MemoryProbe {
   virtual void reset_peak() = 0;
 };
 
-// Emulated device: counts what the CountingCpuAllocator served (not owned; must outlive the probe).
+// Emulated device: counts what the CountingCpuAllocator served (not owned; must outlive the probe),
+// less a floor: bytes that are host memory, not device memory (what the trainer held before the
+// engine's first forward: its dataset, its own state). Readings never go below 0.
 class CpuMemoryProbe final : public MemoryProbe {
  public:
   explicit CpuMemoryProbe(CountingCpuAllocator& counter) : counter_(counter) {}
   int64_t live_bytes() const override;
   int64_t peak_bytes() const override;
   void reset_peak() override;
+  // Bytes of the counter's live total that are not charged to the device from now on.
+  void set_floor_bytes(int64_t bytes);
+  int64_t floor_bytes() const { return floor_bytes_; }
 
  private:
   CountingCpuAllocator& counter_;
+  int64_t floor_bytes_ = 0;
 };
 
 // CUDA: the caching allocator's allocated_bytes (aggregate pool) of `device`. Chunk payloads

@@ -147,6 +147,11 @@ class Scheduler {
   // mover, brings back chunks in order of first use while they fit every moment's budget (counted
   // in the current iteration); call it before the warm-up's end_iteration().
   void set_trace(const Trace& trace, ChunkMover* mover = nullptr);
+  // The validation of set_trace alone: throws what set_trace would throw, changes nothing.
+  void check_trace(const Trace& trace) const;
+  // Forgets the trace, also in the middle of an iteration (the control flow changed): from now on
+  // every moment is scheduled as in the warm-up, until the next set_trace.
+  void drop_trace();
   bool has_trace() const { return has_trace_; }
   const Trace& trace() const { return trace_; }
 
@@ -194,6 +199,9 @@ class Scheduler {
   void evict(int64_t chunk_id, int64_t m, ChunkMover& mover);
   void prefetch_after(int64_t m, const std::set<int64_t>& pinned, ChunkMover& mover);
   std::string describe_moment(int64_t m) const;
+  void install_trace(const Trace& trace, ChunkMover* mover);
+  // For warm-up budget errors: the warm-up ratio that would give chunks `chunk_bytes`.
+  std::string warmup_advice(int64_t chunk_bytes) const;
 
   SchedulerOptions options_;
   std::map<int64_t, ChunkInfo> chunks_;

@@ -104,8 +104,16 @@ class TraceRecorder {
   // Forgets the iteration in progress (a forward that was discarded): the next begin_iteration
   // starts the same iteration number again. A no-op outside an iteration.
   void abort_iteration();
-  // Drops the warm-up trace: the next iteration records a new one (after a change of control flow).
+  // Drops the warm-up trace. Between iterations, the next iteration records a new one; inside an
+  // iteration, the moments recorded so far stay and the iteration in progress becomes the new
+  // warm-up trace at its end_iteration (a change of control flow, detected with matches_next).
   void rewarm();
+  // True when a moment (kind, label) at the next position is what the warm-up trace expects there
+  // (always true without a warm-up trace); otherwise false, with the difference in *why.
+  bool matches_next(MomentKind kind, const std::string& label, std::string* why) const;
+  // Forgets the moments of the iteration in progress from position `moments` on (a forward whose
+  // loss was dropped, or that threw): the next tick is moment `moments` again.
+  void rewind_to(int64_t moments);
 
  private:
   int64_t take_peak();

@@ -50,8 +50,10 @@ struct AdamOptions {
 
 // One chunk's views (contiguous, same numel; the engine passes the used part of each payload).
 // Mixed precision: half_param_grad (bf16/fp16) holds the gradient on entry and the new half weight
-// on return; grad_fp32 is undefined. fp32: half_param_grad is undefined; master is the parameter
-// and grad_fp32 its gradient.
+// on return; grad_fp32 is undefined. Mixed precision with a gradient space: grad_fp32 holds the
+// gradient (it reaches the update in fp32, never rounded to half) and half_param_grad receives the
+// new half weight. fp32: half_param_grad is undefined; master is the parameter and grad_fp32 its
+// gradient.
 struct AdamChunk {
   at::Tensor half_param_grad;
   at::Tensor master;

@@ -1,0 +1,261 @@
+#include "patrickstar/engine/engine.h"
+
+#include <algorithm>
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "patrickstar/engine/checkpoint.h"
+#include "patrickstar/memtracer/counting_allocator.h"
+#include "patrickstar/memtracer/memory_probe.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
+  auto it = modules_.find(&module);
+  if (it != modules_.end()) return *it->second;
+  auto info = std::make_unique<ModuleInfo>();
+  auto name = module_names_.find(&module);
+  info->label = name != module_names_.end() ? name->second : module.name();
+  for (const at::Tensor& t : module.parameters(/*recurse=*/true)) {
+    auto id = param_of_impl_.find(t.unsafeGetTensorImpl());
+    TORCH_CHECK(id != param_of_impl_.end(), "patrickstar: module ", info->label,
+                " has a parameter the engine did not register (was it added after "
+                "initialize_engine?)");
+    if (std::find(info->params.begin(), info->params.end(), id->second) == info->params.end()) {
+      info->params.push_back(id->second);
+    }
+  }
+  ModuleInfo* raw = info.get();
+  info->hook_id = hooks_.add([this, raw] { pre_backward(*raw); });
+  info->post_hook_id = hooks_.add([this, raw] { post_backward(*raw); });
+  return *modules_.emplace(&module, std::move(info)).first->second;
+}
+
+void Engine::point_at_chunk(const Param& p) {
+  p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous(store_->layout().sizes(p.id));
+  repoint(p.tensor, store_->view(p.id, ChunkKind::kParam).data_ptr());
+}
+
+// A released parameter has no memory and no elements: a module called outside a door fails on its
+// shapes instead of reading freed memory. Views autograd saved keep their own sizes.
+void Engine::point_at_nothing(const Param& p, bool keep_shape) {
+  repoint(p.tensor, nullptr);
+  if (!keep_shape) p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+}
+
+void Engine::begin_iteration_if_needed() {
+  if (in_iteration_) return;
+  if (!probe_floor_set_ && cpu_probe_ != nullptr) {
+    // What the process holds before the first forward (the trainer's dataset, its own state) is
+    // host memory: the emulated device is charged for what iterations allocate.
+    cpu_probe_->set_floor_bytes(CountingCpuAllocator::installed()->live_bytes());
+    probe_floor_set_ = true;
+  }
+  in_iteration_ = true;
+  retraced_this_iteration_ = false;
+  open_moment_ = -1;
+  counters_at_iteration_start_ = store_->move_counters();
+  device_->reset_peak();
+  recorder_->begin_iteration();
+  scheduler_->begin_iteration();
+}
+
+std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
+                                     bool with_grad_chunks) {
+  std::vector<int64_t> chunk_ids;
+  auto add_chunk = [&](ChunkId c) {
+    if (host_only_[store_->index_of(c)]) return;  // a CPU embedding's: read on the host
+    if (std::find(chunk_ids.begin(), chunk_ids.end(), c) == chunk_ids.end()) chunk_ids.push_back(c);
+  };
+  for (TensorId id : module.params) {
+    add_chunk(store_->chunk_of(id, ChunkKind::kParam));
+    if (with_grad_chunks && grad_space_ && params_[id].trainable) {
+      add_chunk(store_->chunk_of(id, ChunkKind::kGrad));
+    }
+  }
+  close_moment();
+  follow_trace(kind, module.label);
+  const int64_t m = recorder_->tick(kind, module.label);
+  for (int64_t c : chunk_ids) recorder_->record_access(c);
+  try {
+    scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
+    open_moment_ = m;
+  } catch (c10::Error& e) {
+    e.add_context(absl::StrCat("while making the chunks of module ", module.label,
+                               " resident; chunks pinned by tensors in use: ", describe_pinned()));
+    throw;
+  }
+  for (TensorId id : module.params) {
+    Param& p = params_[id];
+    if (p.compute_refs++ > 0) continue;
+    store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
+    if (with_grad_chunks && grad_space_ && p.trainable) {
+      store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+    }
+    point_at_chunk(p);
+  }
+  return module.params;
+}
+
+void Engine::follow_trace(MomentKind kind, const std::string& label) {
+  std::string why;
+  if (recorder_->matches_next(kind, label, &why)) return;
+  // DeepSpeed's ZeRO-3 does the same with its trace: invalidate it and record again. This
+  // iteration schedules as a warm-up from here; its moments become the trace at step().
+  ++retraces_;
+  retraced_this_iteration_ = true;
+  TORCH_WARN("patrickstar: ", why,
+             ": the order of moments changed (the control flow, or a new loop shape); the trace is "
+             "re-recorded from here (retrace ", retraces_, ")");
+  recorder_->rewarm();
+  scheduler_->drop_trace();
+  placement_decided_ = false;
+}
+
+void Engine::abandon_forward() {
+  // Nothing of this forward reaches backward: its moments are forgotten (the next forward starts
+  // where it started) and its parameters wait for nothing.
+  for (Param& p : params_) {
+    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    }
+    p.forward_uses = 0;
+    p.checkpointed_uses = 0;
+  }
+  open_moment_ = -1;
+  recorder_->rewind_to(forward_start_moment_);
+  hooks_in_forward_ = false;
+  phase_ = backwards_since_step_ > 0 ? Phase::kBackwardDone : Phase::kIdle;
+}
+
+void Engine::close_moment() {
+  // The previous moment's compute is over: the scheduler may prefetch for the next ones now.
+  if (open_moment_ >= 0) scheduler_->after_moment(open_moment_, *mover_);
+  open_moment_ = -1;
+}
+
+std::string Engine::describe_pinned() const {
+  std::string out;
+  for (ChunkId c = 0; c < store_->chunk_count(); ++c) {
+    if (store_->tier(c) != Tier::kDevice || store_->is_movable(c)) continue;
+    std::string users;
+    for (TensorId t : store_->layout().tensors_in_chunk(store_->index_of(c))) {
+      if (store_->state(t, store_->kind_of(c)) == TensorState::kCompute) {
+        absl::StrAppend(&users, users.empty() ? "" : ", ", params_[t].name);
+      }
+    }
+    absl::StrAppend(&out, out.empty() ? "" : "; ", store_->describe(c), " (", users, ")");
+  }
+  return out.empty() ? "none" : out;
+}
+
+int64_t Engine::pre_forward(torch::nn::Module& module) {
+  ModuleInfo& info = module_info(module);
+  // A checkpointed forward runs without gradients but is part of the training step: it is a moment
+  // like any other (the trace must not depend on where activations are dropped), and its recompute
+  // in backward comes through here again as a training forward.
+  const ForwardKind kind = at::GradMode::is_enabled() ? ForwardKind::kTraining
+                           : in_checkpointed_forward() ? ForwardKind::kCheckpointed
+                                                       : ForwardKind::kEvaluation;
+  if (kind == ForwardKind::kEvaluation) {
+    // Evaluation: no moments, no moves; parameters are read wherever their chunks are.
+    TORCH_CHECK(!half_slots_hold_gradients(),
+                "patrickstar: a forward without gradients (evaluation) after backward and before "
+                "step(): in ", to_string(config_.precision()),
+                " without a gradient space the gradients sit where the half weights were; call "
+                "step() or zero_grad() first");
+    for (TensorId id : info.params) {
+      Param& p = params_[id];
+      if (p.compute_refs++ > 0) continue;
+      store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
+      point_at_chunk(p);
+    }
+    scopes_.push_back(OpenScope{&info, info.params, kind});
+    ++open_scopes_;
+    return static_cast<int64_t>(scopes_.size()) - 1;
+  }
+  if (phase_ == Phase::kBackwardDone) {
+    TORCH_CHECK(!half_slots_hold_gradients(),
+                "patrickstar: forward after backward without step(): in ",
+                to_string(config_.precision()), " the gradients sit where the half weights were "
+                "(gradient_accumulation_steps is ", config_.gradient_accumulation_steps,
+                "; above 1 the engine keeps a gradient space); call step() or zero_grad() first");
+  }
+  // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
+  // alive and none has run): that forward's loss was dropped unused.
+  if (phase_ == Phase::kForward && open_scopes_ == 0 && !in_backward_ && hooks_in_forward_ &&
+      hooks_.pending_nodes() == 0) {
+    abandon_forward();
+  }
+  begin_iteration_if_needed();
+  if (phase_ != Phase::kForward) {
+    forward_start_moment_ = recorder_->current_trace().size();
+    hooks_in_forward_ = false;
+  }
+  phase_ = Phase::kForward;
+  scopes_.push_back(OpenScope{&info, {}, kind});
+  ++open_scopes_;
+  const int64_t token = static_cast<int64_t>(scopes_.size()) - 1;
+  if (info.params.empty()) return token;
+  try {
+    scopes_[token].acquired = access(info, MomentKind::kPreForward, false);
+  } catch (...) {
+    scopes_.pop_back();
+    if (--open_scopes_ == 0 && !in_backward_) abandon_forward();
+    throw;
+  }
+  if (!in_backward_) {  // a recompute in backward is not a use of its own
+    for (TensorId id : info.params) {
+      ++params_[id].forward_uses;
+      if (kind == ForwardKind::kCheckpointed) ++params_[id].checkpointed_uses;
+    }
+  }
+  return token;
+}
+
+void Engine::release(TensorId id, TensorState to) {
+  Param& p = params_[id];
+  TORCH_CHECK(p.compute_refs > 0, "patrickstar: internal: release of ", p.name, " not in use");
+  if (--p.compute_refs > 0) return;
+  store_->set_state(id, ChunkKind::kParam, to);
+  point_at_nothing(p);
+}
+
+std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
+  TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
+              "patrickstar: internal: unknown door token ", token);
+  OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  // Only a training forward leaves a graph that will use the parameters again in backward.
+  const bool training = scope.kind == ForwardKind::kTraining;
+  for (TensorId id : scope.acquired) {
+    release(id, training ? TensorState::kHoldAfterFwd : TensorState::kHold);
+  }
+  scope.acquired.clear();
+  const ModuleInfo* module = scope.module;
+  if (--open_scopes_ == 0) scopes_.clear();  // tokens are not used again
+  if (!training || outputs.empty() || module->params.empty()) return outputs;
+  std::vector<at::Tensor> hooked = with_pre_backward(outputs, hooks_, module->hook_id);
+  if (!in_backward_) hooks_in_forward_ = true;
+  return hooked;
+}
+
+void Engine::forward_failed(int64_t token) {
+  post_forward(token, {});
+  // The outermost door of a forward that threw: the next forward starts where this one started.
+  if (open_scopes_ == 0 && !in_backward_ && phase_ == Phase::kForward) abandon_forward();
+}
+
+std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
+              "patrickstar: internal: unknown door token ", token);
+  const OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  if (scope.kind != ForwardKind::kTraining || scope.module->params.empty()) return inputs;
+  return with_pre_backward(inputs, hooks_, scope.module->post_hook_id);
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,219 @@
+#include "patrickstar/engine/engine.h"
+
+#include <ATen/ops/isfinite.h>
+#include <c10/util/Exception.h>
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+void Engine::pre_backward(ModuleInfo& module) {
+  if (module.params.empty()) return;
+  in_backward_ = true;
+  access(module, MomentKind::kPreBackward, /*with_grad_chunks=*/true);
+}
+
+void Engine::post_backward(ModuleInfo& module) {
+  // The module's backward is over. Parameters whose gradient is still to come (a tied weight used
+  // again earlier in the model) wait without memory; their gradient lands in the slot later.
+  for (TensorId id : module.params) {
+    Param& p = params_[id];
+    if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
+    store_->set_state(id, ChunkKind::kParam,
+                      p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
+    if (grad_space_ && p.trainable &&
+        store_->state(id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store_->set_state(id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    point_at_nothing(p, /*keep_shape=*/true);
+  }
+}
+
+void Engine::on_gradient(TensorId id, const at::Tensor& param) {
+  Param& p = params_[id];
+  at::Tensor grad = param.grad();
+  if (!grad.defined()) return;
+  torch::NoGradGuard no_grad;
+  if (!grad_space_ && p.checkpointed_uses > 0 && p.forward_uses > 1) {
+    // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
+    // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
+    // the weight until the end of backward; the gradients add up in fp32 meanwhile.
+    if (p.pending_grad.defined()) {
+      p.pending_grad.add_(grad);
+    } else {
+      p.pending_grad = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+    param.mutable_grad().reset();
+    return;
+  }
+  if (p.compute_refs == 0) {  // a gradient without its module's pre-backward: take the slot now
+    store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
+    if (grad_space_) store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+    p.compute_refs = 1;
+  }
+  if (grad_space_) {
+    at::Tensor slot = store_->view(id, ChunkKind::kGrad);
+    slot.add_(grad);  // zeroed by zero_grad(): the first micro-batch adds to zeros
+    store_->set_state(id, ChunkKind::kGrad, TensorState::kHoldAfterBwd);
+  } else {
+    // The weight's last use is behind us and the fp32 master keeps its value: the half slot
+    // takes the gradient (docs/design.md section 4).
+    store_->view(id, ChunkKind::kParam).copy_(grad);
+  }
+  param.mutable_grad().reset();
+  p.has_grad = true;
+  grads_in_half_slots_ = !grad_space_;
+  p.compute_refs = 0;
+  store_->set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
+  point_at_nothing(p);
+}
+
+void Engine::flush_pending_gradients() {
+  torch::NoGradGuard no_grad;
+  for (Param& p : params_) {
+    if (!p.pending_grad.defined()) continue;
+    if (store_->state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
+    }
+    store_->view(p.id, ChunkKind::kParam).copy_(p.pending_grad);
+    store_->set_state(p.id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
+    p.pending_grad.reset();
+    p.has_grad = true;
+    grads_in_half_slots_ = true;
+    p.compute_refs = 0;
+    point_at_nothing(p);
+  }
+}
+
+void Engine::backward(const at::Tensor& loss) {
+  TORCH_CHECK(phase_ == Phase::kForward, "patrickstar: backward() without a forward since the last ",
+              phase_ == Phase::kIdle ? "step" : "backward");
+  TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(),
+              "patrickstar: backward() takes the scalar loss of a training forward (one element "
+              "that requires grad)");
+  if (config_.precision() != Precision::kFp16) {
+    const bool finite = at::isfinite(loss).item<bool>();
+    if (!finite) {
+      const double value = loss.item<double>();
+      abandon_forward();
+      TORCH_CHECK(false, "patrickstar: the loss is ", value, " in ",
+                  to_string(config_.precision()),
+                  "; the forward was discarded and no gradient was computed (weights unchanged). "
+                  "Lower the learning rate or check the data.");
+    }
+  }
+  const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
+  in_backward_ = true;
+  const char* what = "patrickstar: the backward failed; the iteration was discarded (its gradients "
+                     "are dropped, weights and optimizer state are unchanged) and the next forward "
+                     "starts a new one";
+  try {
+    if (factor != 1.0) {
+      (loss * factor).backward();
+    } else {
+      loss.backward();
+    }
+  } catch (c10::Error& e) {
+    drop_iteration();
+    e.add_context(what);
+    throw;
+  } catch (...) {
+    drop_iteration();
+    throw;
+  }
+  finish_backward();
+}
+
+void Engine::finish_backward() {
+  flush_pending_gradients();
+  // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
+  for (Param& p : params_) {
+    const TensorState state = store_->state(p.id, ChunkKind::kParam);
+    if (p.compute_refs > 0 || state == TensorState::kCompute) {
+      p.compute_refs = 0;
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+      point_at_nothing(p);
+    } else if (state == TensorState::kHoldAfterFwd) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    }
+    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    p.forward_uses = 0;
+    p.checkpointed_uses = 0;
+  }
+  in_backward_ = false;
+  hooks_in_forward_ = false;
+  ++backwards_since_step_;
+  phase_ = Phase::kBackwardDone;
+}
+
+
+void Engine::discard_gradients() {
+  torch::NoGradGuard no_grad;
+  const bool restore = mixed_ && !grad_space_;
+  for (Param& p : params_) {
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
+    // The half slot holds the gradient: the weight comes back from the fp32 master, rounded as
+    // the step rounds it.
+    if (restore && p.has_grad) {
+      store_->view(p.id, ChunkKind::kParam).copy_(store_->view(p.id, ChunkKind::kParamFp32));
+    }
+    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    }
+    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    p.has_grad = false;
+    p.pending_grad.reset();
+  }
+  if (grad_space_) {
+    for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) {
+      store_->chunk_view(store_->chunk_id(ChunkKind::kGrad, i)).zero_();
+    }
+  }
+  backwards_since_step_ = 0;
+  grads_in_half_slots_ = false;
+}
+
+void Engine::drop_iteration() {
+  // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
+  for (Param& p : params_) {
+    const TensorState state = store_->state(p.id, ChunkKind::kParam);
+    if (state == TensorState::kCompute || state == TensorState::kHoldAfterFwd) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    }
+    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    p.compute_refs = 0;
+    p.forward_uses = 0;
+    p.checkpointed_uses = 0;
+    point_at_nothing(p);
+  }
+  discard_gradients();
+  open_moment_ = -1;
+  open_scopes_ = 0;
+  scopes_.clear();
+  if (in_iteration_) {
+    recorder_->abort_iteration();
+    scheduler_->abort_iteration();
+    in_iteration_ = false;
+  }
+  in_backward_ = false;
+  hooks_in_forward_ = false;
+  forward_start_moment_ = 0;
+  phase_ = Phase::kIdle;
+}
+
+void Engine::zero_grad() {
+  TORCH_CHECK(!in_backward_, "patrickstar: zero_grad() during backward");
+  discard_gradients();
+  // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
+  // backward); after a backward, the next forward may come.
+  if (phase_ == Phase::kBackwardDone) phase_ = Phase::kIdle;
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,66 @@
+// Private to engine/src: what the engine's translation units share (how a parameter's storage is
+// pointed at a chunk, and the mover that carries out the scheduler's decisions).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
+#include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/engine.h"
+#include "patrickstar/memtracer/scheduler.h"
+
+namespace patrickstar {
+namespace engine_detail {
+
+constexpr int64_t kCheckpointFormat = 1;
+
+// A tensor of `sizes` and `dtype` with a storage object of the right size but no memory: the
+// engine points the storage at a chunk slot while the parameter is in use. Views that autograd
+// saves share this storage object, so they follow every re-pointing.
+inline at::Tensor storage_without_memory(c10::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
+                       c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return t;
+}
+
+inline void repoint(const at::Tensor& param, void* data) {
+  param.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(
+      c10::DataPtr(data, c10::Device(c10::kCPU)));
+}
+
+inline at::ScalarType param_dtype(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return at::kFloat;
+    case Precision::kBf16: return at::kBFloat16;
+    case Precision::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+
+}  // namespace engine_detail
+
+// Carries out the scheduler's decisions on the chunk store.
+class Engine::Mover final : public ChunkMover {
+ public:
+  explicit Mover(ChunkStore& store) : store_(store) {}
+  bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }
+  bool movable(int64_t id) override { return store_.is_movable(id); }
+  void to_device(int64_t id) override { store_.move(id, Tier::kDevice); }
+  void to_host(int64_t id) override { store_.move(id, Tier::kHost); }
+
+ private:
+  ChunkStore& store_;
+};
+
+}  // namespace patrickstar

@@ -1,0 +1,167 @@
+#include "patrickstar/engine/engine.h"
+
+#include <map>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  for (const Param& p : params_) out.emplace_back(p.name, store_->view(p.id, master).clone());
+  return out;
+}
+
+namespace {
+// Writes `module`'s parameters (from `values` by full name) and buffers into `archive`, with one
+// nested archive per child, the layout torch::nn::Module::save uses: torch::load reads it back.
+void write_module(const torch::nn::Module& module, const std::string& prefix,
+                  const std::map<std::string, at::Tensor>& values,
+                  const std::unordered_map<const c10::TensorImpl*, std::string>& name_of,
+                  torch::serialize::OutputArchive& archive) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    const auto canonical = name_of.at(item.value().unsafeGetTensorImpl());
+    archive.write(item.key(), values.at(canonical));
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    archive.write(item.key(), item.value(), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    torch::serialize::OutputArchive child_archive;
+    write_module(*child.value(), prefix + child.key() + ".", values, name_of, child_archive);
+    archive.write(child.key(), child_archive);
+  }
+}
+}  // namespace
+
+void Engine::save_weights(const std::string& path) const {
+  std::map<std::string, at::Tensor> values;
+  for (auto& [name, t] : fp32_state_dict()) values.emplace(name, t);
+  std::unordered_map<const c10::TensorImpl*, std::string> name_of;
+  for (const Param& p : params_) name_of[p.tensor.unsafeGetTensorImpl()] = p.name;
+  torch::serialize::OutputArchive archive;
+  write_module(*model_, "", values, name_of, archive);
+  archive.save_to(path);
+}
+
+namespace {
+at::Tensor text_tensor(const std::string& text) {
+  return at::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, at::kChar)
+      .clone();
+}
+std::string tensor_text(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+}  // namespace
+
+// Archive keys are plain identifiers (LibTorch archives reject dots), so tensors are stored by
+// registration index and the parameter names once, newline-separated, to check on load.
+void Engine::save_checkpoint(const std::string& path) const {
+  TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: save_checkpoint() in the middle of an "
+              "iteration; call it after step()");
+  torch::serialize::OutputArchive archive;
+  archive.write("format", at::tensor(kCheckpointFormat));
+  archive.write("config_json", text_tensor(config_.to_json().dump()));
+  std::string names;
+  for (const Param& p : params_) names += p.name + "\n";
+  archive.write("names", text_tensor(names));
+  archive.write("adam_step", at::tensor(adam_->step_count()));
+  archive.write("iteration", at::tensor(iteration_));
+  const LossScalerState scaler = adam_->loss_scaler().state();
+  archive.write("scaler", at::tensor({scaler.scale, static_cast<double>(scaler.step),
+                                      static_cast<double>(scaler.last_overflow_step),
+                                      static_cast<double>(scaler.hysteresis_left)},
+                                     at::kDouble));
+  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  for (const Param& p : params_) {
+    const std::string i = std::to_string(p.id);
+    archive.write("master_" + i, store_->view(p.id, master).clone());
+    archive.write("exp_avg_" + i, store_->view(p.id, ChunkKind::kMomentum).clone());
+    archive.write("exp_avg_sq_" + i, store_->view(p.id, ChunkKind::kVariance).clone());
+  }
+  archive.save_to(path);
+}
+
+void Engine::load_checkpoint(const std::string& path) {
+  TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: load_checkpoint() in the middle of an "
+              "iteration; call it before a forward or after step()");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "patrickstar: cannot read checkpoint \"", path, "\": ",
+                e.what_without_backtrace());
+  }
+  at::Tensor format, names_tensor;
+  TORCH_CHECK(archive.try_read("format", format) && format.numel() == 1 &&
+                  format.item<int64_t>() == kCheckpointFormat &&
+                  archive.try_read("names", names_tensor),
+              "patrickstar: \"", path, "\" is not a patrickstar checkpoint (format ",
+              kCheckpointFormat, ")");
+  // Read and check everything first: a checkpoint of another model changes nothing.
+  std::vector<std::string> names;
+  {
+    const std::string text = tensor_text(names_tensor);
+    size_t from = 0;
+    for (size_t at = text.find('\n'); at != std::string::npos; at = text.find('\n', from)) {
+      names.push_back(text.substr(from, at - from));
+      from = at + 1;
+    }
+  }
+  TORCH_CHECK(names.size() == params_.size(), "patrickstar: checkpoint \"", path,
+              "\" is from another model: it has ", names.size(), " parameters, this model ",
+              params_.size());
+  struct Entry {
+    at::Tensor master, exp_avg, exp_avg_sq;
+  };
+  std::vector<Entry> entries(params_.size());
+  for (const Param& p : params_) {
+    TORCH_CHECK(names[static_cast<size_t>(p.id)] == p.name, "patrickstar: checkpoint \"", path,
+                "\" is from another model: parameter ", p.id, " is ", names[static_cast<size_t>(p.id)],
+                " there but ", p.name, " here");
+    const std::string i = std::to_string(p.id);
+    Entry& e = entries[static_cast<size_t>(p.id)];
+    archive.read("master_" + i, e.master);
+    archive.read("exp_avg_" + i, e.exp_avg);
+    archive.read("exp_avg_sq_" + i, e.exp_avg_sq);
+    for (const at::Tensor* t : {&e.master, &e.exp_avg, &e.exp_avg_sq}) {
+      TORCH_CHECK(t->sizes() == store_->layout().sizes(p.id) && t->scalar_type() == at::kFloat,
+                  "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
+                  p.name, " has shape ", t->sizes(), " there but ", store_->layout().sizes(p.id),
+                  " here");
+    }
+  }
+  at::Tensor adam_step, iteration, scaler;
+  archive.read("adam_step", adam_step);
+  archive.read("iteration", iteration);
+  archive.read("scaler", scaler);
+  torch::NoGradGuard no_grad;
+  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  for (const Param& p : params_) {
+    const Entry& e = entries[static_cast<size_t>(p.id)];
+    store_->view(p.id, master).copy_(e.master);
+    if (mixed_) store_->view(p.id, ChunkKind::kParam).copy_(e.master);
+    store_->view(p.id, ChunkKind::kMomentum).copy_(e.exp_avg);
+    store_->view(p.id, ChunkKind::kVariance).copy_(e.exp_avg_sq);
+  }
+  adam_->set_step_count(adam_step.item<int64_t>());
+  auto s = scaler.accessor<double, 1>();
+  LossScalerState state;
+  state.scale = s[0];
+  state.step = static_cast<int64_t>(s[1]);
+  state.last_overflow_step = static_cast<int64_t>(s[2]);
+  state.hysteresis_left = static_cast<int>(s[3]);
+  adam_->loss_scaler().load_state(state);
+  if (grad_space_) zero_grad();
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,236 @@
+#include "patrickstar/engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <c10/util/Exception.h>
+
+#include "patrickstar/optimizer/placement.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+void Engine::decide_adam_placement() {
+  const int64_t n = store_->chunks_per_kind();
+  // CPU embeddings update on the host: the plan covers the other chunk indices.
+  std::vector<int64_t> candidates;
+  std::vector<int64_t> state_bytes;  // per candidate
+  int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
+  for (int64_t i = 0; i < n; ++i) {
+    if (host_only_[i]) continue;
+    candidates.push_back(i);
+    state_bytes.push_back(store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
+                          store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
+                          (mixed_ ? store_->chunk_bytes(store_->chunk_id(ChunkKind::kParamFp32, i))
+                                  : 0));
+    resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
+    if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
+  }
+  int64_t peak_non_model = probe_->peak_bytes();
+  for (const Moment& m : recorder_->current_trace().moments) {
+    peak_non_model = std::max(peak_non_model, m.non_model_bytes);
+  }
+  // The margin: what the device keeps free even at the peak of activations with every parameter
+  // chunk resident. Optimizer states placed there never need to move.
+  const int64_t planning = static_cast<int64_t>(std::floor(
+                               static_cast<double>(config_.device.capacity_bytes) *
+                               config_.mem_tracer.overall_gpu_mem_ratio)) -
+                           config_.scheduler.reserve_bytes;
+  const int64_t margin = static_cast<int64_t>(
+      static_cast<double>(planning - peak_non_model - resident_model_bytes) *
+      config_.mem_tracer.margin_use_ratio);
+  const bool hybrid = config_.optimizer.use_hybrid_adam &&
+                      config_.scheduler.policy != EvictionPolicy::kStatic;
+  const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
+  adam_on_device_.assign(static_cast<size_t>(n), false);
+  for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
+  placement_decided_ = true;
+}
+
+IterationReport Engine::run_adam() {
+  torch::NoGradGuard no_grad;
+  const int64_t n = store_->chunks_per_kind();
+  auto id_of = [&](ChunkKind kind, int64_t i) { return store_->chunk_id(kind, i); };
+
+  // The step moment: chunks whose Adam runs on the device are accessed there. The warm-up runs
+  // every update on the host (its chunk budget is the conservative one) but records the steady
+  // state's accesses, so that from the next iteration on the schedule knows when the optimizer
+  // states are used.
+  const bool warmup = !scheduler_->has_trace();
+  std::vector<bool> on_device = adam_on_device_;
+  if (warmup) on_device.assign(on_device.size(), false);
+  std::vector<int64_t> device_chunks;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!adam_on_device_[i]) continue;
+    device_chunks.push_back(id_of(ChunkKind::kParam, i));
+    if (mixed_) device_chunks.push_back(id_of(ChunkKind::kParamFp32, i));
+    device_chunks.push_back(id_of(ChunkKind::kMomentum, i));
+    device_chunks.push_back(id_of(ChunkKind::kVariance, i));
+    if (grad_space_) device_chunks.push_back(id_of(ChunkKind::kGrad, i));
+  }
+  // The rest update on the host: their gradients and weights go there (the states live there
+  // already). The trace records the steady state's host chunks, so the schedule and the OPT bound
+  // know these chunks leave the device at the step.
+  auto host_chunks = [&](const std::vector<bool>& device_side) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < n; ++i) {
+      if (device_side[i]) continue;
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+        if (store_->has_kind(kind)) ids.push_back(id_of(kind, i));
+      }
+    }
+    return ids;
+  };
+  const std::vector<int64_t> to_host = host_chunks(on_device);
+  int64_t adam_host_d2h_bytes = 0;
+  for (int64_t c : to_host) {
+    if (store_->tier(c) == Tier::kDevice) adam_host_d2h_bytes += store_->chunk_bytes(c);
+  }
+  close_moment();
+  follow_trace(MomentKind::kStep, "step");
+  const int64_t m = recorder_->tick(MomentKind::kStep, "step");
+  for (int64_t c : device_chunks) recorder_->record_access(c);
+  for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
+  scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
+                        *mover_, probe_->live_bytes(), to_host);
+
+  // Views: one AdamChunk per run of consecutive tensors that received a gradient.
+  std::vector<AdamChunk> runs;
+  PlacementPlan plan;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto tensors = store_->layout().tensors_in_chunk(i);
+    size_t k = 0;
+    while (k < tensors.size()) {
+      if (!params_[tensors[k]].has_grad) {
+        ++k;
+        continue;
+      }
+      const int64_t begin = store_->layout().placement(tensors[k]).offset_elems;
+      int64_t end = begin;
+      while (k < tensors.size() && params_[tensors[k]].has_grad &&
+             store_->layout().placement(tensors[k]).offset_elems == end) {
+        end += store_->layout().numel(tensors[k]);
+        ++k;
+      }
+      auto slice = [&](ChunkKind kind) {
+        return store_->chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
+      };
+      AdamChunk run;
+      run.exp_avg = slice(ChunkKind::kMomentum);
+      run.exp_avg_sq = slice(ChunkKind::kVariance);
+      if (mixed_) {
+        run.half_param_grad = slice(ChunkKind::kParam);
+        run.master = slice(ChunkKind::kParamFp32);
+        // With a gradient space the accumulated fp32 gradient feeds Adam as it is; the half slot
+        // keeps the weight and receives the new one.
+        if (grad_space_) run.grad_fp32 = slice(ChunkKind::kGrad);
+      } else {
+        run.master = slice(ChunkKind::kParam);
+        run.grad_fp32 = slice(ChunkKind::kGrad);
+      }
+      runs.push_back(run);
+      plan.on_device.push_back(on_device[i]);
+    }
+  }
+  if (warmup) {
+    // The trace this iteration recorded must fit the device before any weight changes: the tail
+    // so far stands for the step's own temporaries (set_trace checks the measured one after).
+    Trace planned = recorder_->current_trace();
+    planned.tail_non_model_bytes = probe_->peak_bytes();
+    scheduler_->check_trace(planned);
+  }
+  IterationReport report;
+  report.adam_host_d2h_bytes = adam_host_d2h_bytes;
+  StepReport step = adam_->step(runs, plan);
+  report.skipped = step.skipped;
+  report.loss_scale = step.loss_scale;
+  report.grad_norm = step.grad_norm;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t bytes = store_->chunk_bytes(id_of(ChunkKind::kMomentum, i)) * (mixed_ ? 3 : 2);
+    if (on_device[i]) {
+      ++report.adam.chunks_device;
+      report.adam.bytes_device += bytes;
+    } else {
+      ++report.adam.chunks_host;
+      report.adam.bytes_host += bytes;
+    }
+  }
+  return report;
+}
+
+IterationReport Engine::step() {
+  TORCH_CHECK(!in_backward_, "patrickstar: step() during backward");
+  TORCH_CHECK(backwards_since_step_ > 0,
+              "patrickstar: step() without a backward since the last step or zero_grad()",
+              phase_ == Phase::kForward ? " (call backward(loss) first)" : "");
+  TORCH_CHECK(backwards_since_step_ == config_.gradient_accumulation_steps,
+              "patrickstar: step() after ", backwards_since_step_, " backward pass",
+              backwards_since_step_ == 1 ? "" : "es", " but gradient_accumulation_steps is ",
+              config_.gradient_accumulation_steps);
+  IterationReport report;
+  try {
+    if (!placement_decided_) decide_adam_placement();
+    report = run_adam();
+  } catch (c10::Error& e) {
+    // Nothing was updated (a trace that does not fit is rejected before Adam runs).
+    drop_iteration();
+    e.add_context("patrickstar: the step was not taken; the iteration's gradients were discarded "
+                  "(weights and optimizer state unchanged) and the next forward starts a new one");
+    throw;
+  }
+
+  for (Param& p : params_) {
+    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
+      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    }
+    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    }
+    p.has_grad = false;
+  }
+  grads_in_half_slots_ = false;
+  recorder_->end_iteration();
+  const bool warmup = iteration_ == 0 || !scheduler_->has_trace();
+  if (warmup) {
+    try {
+      scheduler_->set_trace(recorder_->warmup_trace(), mover_.get());
+    } catch (const c10::Error& e) {
+      // Only the step's own temporaries (measured after the check above) can get here. The step
+      // is done; the next iteration records again.
+      TORCH_WARN("patrickstar: the trace of iteration ", iteration_,
+                 " does not fit the device, so the next iteration records a new one: ",
+                 e.what_without_backtrace());
+      recorder_->rewarm();
+    }
+  }
+  const IterationStats& stats = scheduler_->current_stats();
+  report.evictions = stats.evictions;
+  report.prefetches = stats.prefetches;
+  scheduler_->end_iteration();
+
+  const MoveCounters now = store_->move_counters();
+  report.iteration = iteration_;
+  report.warmup = warmup;
+  report.retraced = retraced_this_iteration_;
+  report.retraces = retraces_;
+  report.h2d_bytes = now.h2d_bytes - counters_at_iteration_start_.h2d_bytes;
+  report.d2h_bytes = now.d2h_bytes - counters_at_iteration_start_.d2h_bytes;
+  report.device_chunk_peak_bytes = device_->peak_bytes();
+  for (const Moment& m : recorder_->current_trace().moments) {
+    report.non_model_peak_bytes = std::max(report.non_model_peak_bytes, m.non_model_bytes);
+  }
+  report.non_model_peak_bytes =
+      std::max(report.non_model_peak_bytes, recorder_->current_trace().tail_non_model_bytes);
+  history_.push_back(report);
+
+  ++iteration_;
+  in_iteration_ = false;
+  backwards_since_step_ = 0;
+  hooks_in_forward_ = false;
+  phase_ = Phase::kIdle;
+  return report;
+}
+
+}  // namespace patrickstar

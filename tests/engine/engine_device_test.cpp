@@ -1,0 +1,166 @@
+// What the emulated device charges, what budget errors tell the user, and what the engine reports
+// about its config when it is built.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "error_message.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace {
+
+using test::error_of;
+
+torch::nn::Sequential small_mlp() {
+  torch::manual_seed(5);
+  return torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                               torch::nn::Linear(64, 8));
+}
+
+TEST(EmulatedDevice, TensorsHeldBeforeTheFirstForwardAreHostMemory) {
+  // The trainer's in-memory dataset (8 MB) is alive for the whole run, on a 256 KiB device: it is
+  // host memory, and the device is charged for what the iterations allocate.
+  CountingCpuAllocator::install();  // so that the dataset is counted, as in a real trainer
+  const at::Tensor dataset = torch::randn({2'000'000});
+  const at::Tensor targets = torch::randn({2'000'000});
+  auto batch = [&](int s) { return dataset.narrow(0, s * 128, 128).view({4, 32}); };
+  auto target = [&](int s) { return targets.narrow(0, s * 32, 32).view({4, 8}); };
+
+  torch::nn::Sequential plain = small_mlp();
+  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::nn::Sequential model = small_mlp();
+  Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 2112,
+      "optimizer": {"params": {"lr": 0.01}},
+      "client": {"device": {"capacity_bytes": "256KiB"}}})"));
+  for (int s = 0; s < 5; ++s) {
+    engine.zero_grad();
+    at::Tensor loss;
+    {
+      auto active = engine.activate();
+      loss = torch::mse_loss(patrickstar::call(model, batch(s)), target(s));
+    }
+    engine.backward(loss);
+    const IterationReport report = engine.step();
+    EXPECT_LT(report.non_model_peak_bytes, 256 * 1024) << "step " << s;
+    adam.zero_grad();
+    at::Tensor reference = torch::mse_loss(plain->forward(batch(s)), target(s));
+    reference.backward();
+    adam.step();
+    EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
+  }
+}
+
+struct NestedImpl : torch::nn::Module {
+  NestedImpl() {
+    torch::manual_seed(9);
+    a = register_module("a", torch::nn::Linear(64, 64));
+    b = register_module("b", torch::nn::Linear(64, 64));
+  }
+  // An outer door over the whole module keeps both layers' chunks in use while the inner doors run.
+  at::Tensor forward(const at::Tensor& x) {
+    ModuleScope scope(*this);
+    return scope.done(patrickstar::call(b, torch::relu(patrickstar::call(a, x))));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+Config nested_config(double warmup_ratio) {
+  nlohmann::json j = {{"default_chunk_size", 4160},
+                      {"client",
+                       {{"device", {{"capacity_bytes", 1 << 20}}},
+                        {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", warmup_ratio}}}}}};
+  return Config::from_json(j);
+}
+
+TEST(BudgetErrors, WarmupThatRunsOutOfRoomNamesTheRatioThatFits) {
+  // Each failing warm-up names a warmup_gpu_chunk_mem_ratio; set to that, the moment that failed
+  // fits (the backward, which also pins the gradient chunks, may then name a larger one).
+  const at::Tensor x = torch::randn({2, 64});
+  const std::string key = "set client.mem_tracer.warmup_gpu_chunk_mem_ratio to ";
+  double ratio = 0.01;
+  int failures = 0;
+  bool trained = false;
+  for (int round = 0; round < 4 && !trained; ++round) {
+    auto model = std::make_shared<NestedImpl>();
+    Engine engine(model, nested_config(ratio));
+    const std::string error = error_of([&] {
+      at::Tensor loss;
+      {
+        auto active = engine.activate();
+        loss = model->forward(x).pow(2).mean();
+      }
+      engine.backward(loss);
+      engine.step();
+    });
+    if (error == "<no error>") {
+      trained = true;
+      break;
+    }
+    ++failures;
+    const size_t at = error.find(key);
+    ASSERT_NE(at, std::string::npos) << error;
+    const double next = std::strtod(error.c_str() + at + key.size(), nullptr);
+    std::printf("warm-up ratio %.2f: the error names %.2f\n", ratio, next);
+    EXPECT_GT(next, ratio) << error;
+    EXPECT_LE(next, 1.0);
+    ratio = next;
+  }
+  EXPECT_GE(failures, 1) << "the first ratio must be too small for the test to mean anything";
+  EXPECT_TRUE(trained) << "the named ratios never fit";
+}
+
+// Collects LibTorch warnings (TORCH_WARN) on this thread while it lives.
+class WarningCollector : public c10::WarningHandler {
+ public:
+  WarningCollector() : guard_(this) {}
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  int64_t count(const std::string& text) const {
+    int64_t n = 0;
+    for (const std::string& m : messages) n += m.find(text) != std::string::npos ? 1 : 0;
+    return n;
+  }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+
+TEST(EngineWarnings, UnknownConfigKeysAreReportedOnceWhenTheEngineIsBuilt) {
+  const Config config = Config::from_string(
+      R"({"optimizer": {"params": {"lr": 0.01, "weight_decy": 0.1}}, "default_chunk_size": 2112})");
+  ASSERT_EQ(config.warnings.size(), 1u);
+  WarningCollector warnings;
+  torch::nn::Sequential model = small_mlp();
+  Engine engine(model.ptr(), config);
+  EXPECT_EQ(warnings.count("weight_decy"), 1) << ::testing::PrintToString(warnings.messages);
+  EXPECT_EQ(warnings.count("unknown key"), 1);
+}
+
+TEST(EngineWarnings, AChunkSizeThatWastesMoreThanHalfIsReported) {
+  {
+    WarningCollector warnings;
+    torch::nn::Sequential model = small_mlp();
+    Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1048576})"));
+    EXPECT_EQ(warnings.count("default_chunk_size 1048576 leaves"), 1)
+        << ::testing::PrintToString(warnings.messages);
+    EXPECT_GT(engine.registration().chunk_waste_fraction, 0.5);
+  }
+  {
+    // Without the key the engine chooses the size: little waste, no warning.
+    WarningCollector warnings;
+    torch::nn::Sequential model = small_mlp();
+    Engine engine(model.ptr(), Config::from_string("{}"));
+    EXPECT_EQ(warnings.count("default_chunk_size"), 0) << ::testing::PrintToString(warnings.messages);
+    EXPECT_LT(engine.registration().chunk_waste_fraction, 0.5);
+  }
+}
+
+}  // namespace
+}  // namespace patrickstar
