@@ -17,10 +17,13 @@ namespace patrickstar {
 namespace {
 
 thread_local int g_checkpointed_forward_depth = 0;
+thread_local int64_t g_checkpointed_forward_serial = 0;
 
 class CheckpointedForwardGuard {
  public:
-  CheckpointedForwardGuard() { ++g_checkpointed_forward_depth; }
+  CheckpointedForwardGuard() {
+    if (g_checkpointed_forward_depth++ == 0) ++g_checkpointed_forward_serial;
+  }
   ~CheckpointedForwardGuard() { --g_checkpointed_forward_depth; }
   CheckpointedForwardGuard(const CheckpointedForwardGuard&) = delete;
   CheckpointedForwardGuard& operator=(const CheckpointedForwardGuard&) = delete;
@@ -71,6 +74,10 @@ class CheckpointBackward final : public torch::autograd::Node {
 
 bool in_checkpointed_forward() {
   return g_checkpointed_forward_depth > 0;
+}
+
+int64_t checkpointed_forward_serial() {
+  return g_checkpointed_forward_depth > 0 ? g_checkpointed_forward_serial : 0;
 }
 
 at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {

@@ -107,14 +107,14 @@ void Engine::follow_trace(MomentKind kind, const std::string& label) {
   if (recorder_->matches_next(kind, label, &why)) return;
   // DeepSpeed's ZeRO-3 does the same with its trace: invalidate it and record again. This
   // iteration schedules as a warm-up from here; its moments become the trace at step().
+  recorder_->rewarm();
+  scheduler_->drop_trace();
+  placement_decided_ = false;
   ++retraces_;
   retraced_this_iteration_ = true;
   TORCH_WARN("patrickstar: ", why,
              ": the order of moments changed (the control flow, or a new loop shape); the trace is "
              "re-recorded from here (retrace ", retraces_, ")");
-  recorder_->rewarm();
-  scheduler_->drop_trace();
-  placement_decided_ = false;
 }
 
 void Engine::abandon_forward() {
@@ -124,8 +124,8 @@ void Engine::abandon_forward() {
     if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    p.forward_uses = 0;
-    p.checkpointed_uses = 0;
+    p.segments = 0;
+    p.last_segment = -1;
   }
   open_moment_ = -1;
   recorder_->rewind_to(forward_start_moment_);
@@ -209,10 +209,13 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
     if (--open_scopes_ == 0 && !in_backward_) abandon_forward();
     throw;
   }
-  if (!in_backward_) {  // a recompute in backward is not a use of its own
+  if (!in_backward_) {  // a recompute in backward is not a pass of its own
+    const int64_t segment = kind == ForwardKind::kCheckpointed ? checkpointed_forward_serial() : 0;
     for (TensorId id : info.params) {
-      ++params_[id].forward_uses;
-      if (kind == ForwardKind::kCheckpointed) ++params_[id].checkpointed_uses;
+      Param& p = params_[id];
+      if (p.last_segment == segment) continue;
+      p.last_segment = segment;
+      ++p.segments;
     }
   }
   return token;
@@ -245,9 +248,14 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
 }
 
 void Engine::forward_failed(int64_t token) {
+  const bool evaluation = token >= 0 && token < static_cast<int64_t>(scopes_.size()) &&
+                          scopes_[static_cast<size_t>(token)].kind == ForwardKind::kEvaluation;
   post_forward(token, {});
-  // The outermost door of a forward that threw: the next forward starts where this one started.
-  if (open_scopes_ == 0 && !in_backward_ && phase_ == Phase::kForward) abandon_forward();
+  // The outermost door of a training forward that threw: the next forward starts where this one
+  // started. (A failed evaluation leaves a training forward in progress alone.)
+  if (!evaluation && open_scopes_ == 0 && !in_backward_ && phase_ == Phase::kForward) {
+    abandon_forward();
+  }
 }
 
 std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {

@@ -35,7 +35,7 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
   torch::NoGradGuard no_grad;
-  if (!grad_space_ && p.checkpointed_uses > 0 && p.forward_uses > 1) {
+  if (!grad_space_ && p.segments > 1) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
     // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
     // the weight until the end of backward; the gradients add up in fp32 meanwhile.
@@ -140,8 +140,8 @@ void Engine::finish_backward() {
     if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    p.forward_uses = 0;
-    p.checkpointed_uses = 0;
+    p.segments = 0;
+    p.last_segment = -1;
   }
   in_backward_ = false;
   hooks_in_forward_ = false;
@@ -189,8 +189,8 @@ void Engine::drop_iteration() {
       store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.compute_refs = 0;
-    p.forward_uses = 0;
-    p.checkpointed_uses = 0;
+    p.segments = 0;
+    p.last_segment = -1;
     point_at_nothing(p);
   }
   discard_gradients();
@@ -212,8 +212,14 @@ void Engine::zero_grad() {
   TORCH_CHECK(!in_backward_, "patrickstar: zero_grad() during backward");
   discard_gradients();
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
-  // backward); after a backward, the next forward may come.
-  if (phase_ == Phase::kBackwardDone) phase_ = Phase::kIdle;
+  // backward). After a backward, nothing of the iteration so far reaches a step: its moments are
+  // forgotten too, so a loop that discards a backward (a GAN's discriminator after the generator's
+  // step) keeps the trace it had.
+  if (phase_ == Phase::kBackwardDone) {
+    if (in_iteration_) recorder_->rewind_to(0);
+    open_moment_ = -1;
+    phase_ = Phase::kIdle;
+  }
 }
 
 }  // namespace patrickstar

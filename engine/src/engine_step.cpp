@@ -58,6 +58,10 @@ IterationReport Engine::run_adam() {
   // every update on the host (its chunk budget is the conservative one) but records the steady
   // state's accesses, so that from the next iteration on the schedule knows when the optimizer
   // states are used.
+  // The step moment first: when it is the first moment that differs from the trace, the rest of
+  // the step (budget, placement, the trace check) is the warm-up's.
+  close_moment();
+  follow_trace(MomentKind::kStep, "step");
   const bool warmup = !scheduler_->has_trace();
   std::vector<bool> on_device = adam_on_device_;
   if (warmup) on_device.assign(on_device.size(), false);
@@ -88,8 +92,6 @@ IterationReport Engine::run_adam() {
   for (int64_t c : to_host) {
     if (store_->tier(c) == Tier::kDevice) adam_host_d2h_bytes += store_->chunk_bytes(c);
   }
-  close_moment();
-  follow_trace(MomentKind::kStep, "step");
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
   for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
@@ -169,6 +171,9 @@ IterationReport Engine::step() {
               "patrickstar: step() after ", backwards_since_step_, " backward pass",
               backwards_since_step_ == 1 ? "" : "es", " but gradient_accumulation_steps is ",
               config_.gradient_accumulation_steps);
+  // A forward in progress whose backward never came (a validation forward left in grad mode) is
+  // not part of the step.
+  if (phase_ == Phase::kForward && open_scopes_ == 0) abandon_forward();
   IterationReport report;
   try {
     if (!placement_decided_) decide_adam_placement();
@@ -178,6 +183,9 @@ IterationReport Engine::step() {
     drop_iteration();
     e.add_context("patrickstar: the step was not taken; the iteration's gradients were discarded "
                   "(weights and optimizer state unchanged) and the next forward starts a new one");
+    throw;
+  } catch (...) {
+    drop_iteration();
     throw;
   }
 

@@ -33,5 +33,8 @@ at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input);
 // off then, yet the forward belongs to a training step: a ModuleHookHandler (the engine) treats its
 // doors as training moments, not as evaluation.
 bool in_checkpointed_forward();
+// Inside a checkpointed forward: a number that differs for every outermost checkpoint call on this
+// thread (never 0); outside, 0.
+int64_t checkpointed_forward_serial();
 
 }  // namespace patrickstar

@@ -175,11 +175,13 @@ class Engine final : public ModuleHookHandler {
     bool trainable = true;
     int compute_refs = 0;  // open doors / backward uses holding it
     bool has_grad = false;  // gradient written since the last step
-    // Forward accesses since the last backward (recomputes excluded), and how many of them in a
-    // checkpointed forward: a parameter with both > 1 and >= 1 may get several gradients in one
-    // backward (one per recompute) while a recompute still reads its weight.
-    int forward_uses = 0;
-    int checkpointed_uses = 0;
+    // The autograd passes that will bring this parameter a gradient in the next backward: the
+    // plain forward is one, each checkpointed call that uses it another (its recompute has a
+    // backward of its own). With two or more, a recompute may still read the weight after a
+    // gradient arrived, so gradients wait in pending_grad (mixed precision without a gradient
+    // space). last_segment: the pass of the latest use (0 plain, else the checkpoint's serial).
+    int segments = 0;
+    int64_t last_segment = -1;
     at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
   };
   struct ModuleInfo {
