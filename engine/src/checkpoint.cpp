@@ -1,5 +1,8 @@
 #include "patrickstar/engine/checkpoint.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <memory>
 #include <string>
 #include <utility>
@@ -18,6 +21,9 @@ namespace {
 
 thread_local int g_checkpointed_forward_depth = 0;
 thread_local int64_t g_checkpointed_forward_serial = 0;
+thread_local int g_recompute_depth = 0;
+// The handlers whose doors opened in the outermost checkpointed forward in progress.
+thread_local std::vector<ModuleHookHandler*>* g_checkpointed_handlers = nullptr;
 
 class CheckpointedForwardGuard {
  public:
@@ -33,8 +39,12 @@ class CheckpointedForwardGuard {
 // the node must own `fn`, which an AutogradContext (IValues only) cannot hold.
 class CheckpointBackward final : public torch::autograd::Node {
  public:
-  CheckpointBackward(CheckpointFunction fn, ModuleHookHandler* handler, const at::Tensor& input)
-      : fn_(std::move(fn)), handler_(handler), input_(input, /*is_output=*/false) {}
+  CheckpointBackward(CheckpointFunction fn, ModuleHookHandler* handler,
+                     std::vector<ModuleHookHandler*> handlers, const at::Tensor& input)
+      : fn_(std::move(fn)),
+        handler_(handler),
+        handlers_(std::move(handlers)),
+        input_(input, /*is_output=*/false) {}
 
   std::string name() const override { return "patrickstar::CheckpointBackward"; }
 
@@ -42,6 +52,13 @@ class CheckpointBackward final : public torch::autograd::Node {
     if (!grads[0].defined()) return {at::Tensor()};  // the output did not reach the loss
     // unpack() fails with autograd's own message after a second backward or an in-place change.
     at::Tensor input = input_.unpack().detach().requires_grad_(true);
+    // This runs in the outer backward pass: the engines whose modules fn uses begin their backward
+    // here (their end-of-backward work belongs to this pass, not to the recompute's nested one).
+    for (ModuleHookHandler* h : handlers_) h->backward_started();
+    struct RecomputeGuard {
+      RecomputeGuard() { ++g_recompute_depth; }
+      ~RecomputeGuard() { --g_recompute_depth; }
+    } recomputing;
     at::Tensor output;
     {
       // Autograd runs backward with grad mode off; the recompute must build a graph, and it goes
@@ -67,6 +84,7 @@ class CheckpointBackward final : public torch::autograd::Node {
  private:
   CheckpointFunction fn_;
   ModuleHookHandler* handler_;
+  std::vector<ModuleHookHandler*> handlers_;
   torch::autograd::SavedVariable input_;
 };
 
@@ -80,14 +98,35 @@ int64_t checkpointed_forward_serial() {
   return g_checkpointed_forward_depth > 0 ? g_checkpointed_forward_serial : 0;
 }
 
+bool in_checkpoint_recompute() {
+  return g_recompute_depth > 0;
+}
+
+namespace detail {
+void note_checkpointed_handler(ModuleHookHandler* handler) {
+  if (g_checkpointed_handlers == nullptr) return;
+  auto& seen = *g_checkpointed_handlers;
+  if (std::find(seen.begin(), seen.end(), handler) == seen.end()) seen.push_back(handler);
+}
+}  // namespace detail
+
 at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {
   TORCH_CHECK(fn, "patrickstar::checkpoint: the function is empty");
   if (!at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return fn(input);
   at::Tensor output;
+  std::vector<ModuleHookHandler*> handlers;
   {
     at::NoGradGuard no_grad;
     CheckpointedForwardGuard checkpointed;
-    output = fn(input);
+    std::vector<ModuleHookHandler*>* outer = g_checkpointed_handlers;
+    if (outer == nullptr) g_checkpointed_handlers = &handlers;  // the outermost call collects
+    try {
+      output = fn(input);
+    } catch (...) {
+      g_checkpointed_handlers = outer;
+      throw;
+    }
+    g_checkpointed_handlers = outer;
   }
   TORCH_CHECK(output.defined() && torch::autograd::isDifferentiableType(output.scalar_type()),
               "patrickstar::checkpoint: the function must return a floating-point tensor, got ",
@@ -95,7 +134,7 @@ at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {
   // A fresh handle (fn may return its input or a view), which the checkpoint's node produces.
   output = output.detach();
   std::shared_ptr<CheckpointBackward> node(
-      new CheckpointBackward(std::move(fn), active_module_hook_handler(), input),
+      new CheckpointBackward(std::move(fn), active_module_hook_handler(), std::move(handlers), input),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input));
   torch::autograd::set_history(output, node);

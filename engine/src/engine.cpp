@@ -35,7 +35,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
   cpu_probe_ = probe.get();
   probe_ = std::move(probe);
   report_config_warnings();
+  // A module belongs to one engine: refuse before anything moves.
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    ModuleHookHandler* owner = handler_for(*item.value());
+    TORCH_CHECK(owner == nullptr || owner == active_module_hook_handler(), "patrickstar::Engine: module ",
+                item.key().empty() ? "<root>" : item.key(),
+                " already belongs to another engine; a module can be trained by one engine only");
+  }
   register_parameters();
+  // From now on the doors of the model's modules find this engine.
+  for (const auto& [module, name] : module_names_) register_module_handler(*module, this);
 }
 
 void Engine::report_config_warnings() const {
@@ -55,10 +64,18 @@ void Engine::note_model_construction_peak(int64_t bytes) {
 }
 
 Engine::~Engine() {
-  // Parameters must not keep pointing into payloads the store is about to free.
+  for (const auto& [module, name] : module_names_) unregister_module_handler(*module, this);
+  if (store_ == nullptr) return;
+  // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
+  // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
+  torch::NoGradGuard no_grad;
+  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   for (const Param& p : params_) {
-    if (p.trainable) clear_post_accumulate_grad_hook(p.tensor);
+    if (!p.tensor.defined()) continue;
+    if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
+    at::Tensor value = store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     point_at_nothing(p);
+    p.tensor.set_data(value);
   }
 }
 

@@ -56,6 +56,7 @@ void Engine::begin_iteration_if_needed() {
     cpu_probe_->set_floor_bytes(CountingCpuAllocator::installed()->live_bytes());
     probe_floor_set_ = true;
   }
+  sync_trainable();
   in_iteration_ = true;
   retraced_this_iteration_ = false;
   open_moment_ = -1;
@@ -179,6 +180,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
     ++open_scopes_;
     return static_cast<int64_t>(scopes_.size()) - 1;
   }
+  if (!in_checkpoint_recompute()) recover_from_a_dead_backward("a forward");
   if (phase_ == Phase::kBackwardDone) {
     TORCH_CHECK(!half_slots_hold_gradients(),
                 "patrickstar: forward after backward without step(): in ",
@@ -233,6 +235,18 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
   OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  // An output that shares a parameter's storage (the parameter itself, a view of it) would point at
+  // nothing once the door closes: it gets storage of its own (autograd still leads to the parameter).
+  for (at::Tensor& out : outputs) {
+    if (!out.defined() || !out.has_storage()) continue;
+    const c10::StorageImpl* storage = out.storage().unsafeGetStorageImpl();
+    for (TensorId id : scope.module->params) {
+      if (params_[id].tensor.storage().unsafeGetStorageImpl() == storage) {
+        out = out.clone();
+        break;
+      }
+    }
+  }
   // Only a training forward leaves a graph that will use the parameters again in backward.
   const bool training = scope.kind == ForwardKind::kTraining;
   for (TensorId id : scope.acquired) {
@@ -261,6 +275,16 @@ void Engine::forward_failed(int64_t token) {
 std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
+  if (mixed_) {
+    // Floating-point inputs are cast to the compute dtype (as DeepSpeed does in fp16); integer
+    // inputs (indices) are left alone.
+    const at::ScalarType half = param_dtype(config_.precision());
+    for (at::Tensor& x : inputs) {
+      if (x.defined() && at::isFloatingType(x.scalar_type()) && x.scalar_type() != half) {
+        x = x.to(half);
+      }
+    }
+  }
   const OpenScope& scope = scopes_[static_cast<size_t>(token)];
   if (scope.kind != ForwardKind::kTraining || scope.module->params.empty()) return inputs;
   return with_pre_backward(inputs, hooks_, scope.module->post_hook_id);

@@ -8,9 +8,24 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
+void Engine::backward_started() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  // Plain loss.backward(): the end of this pass finishes the engine's backward.
+  queue_end_of_backward([this] { finish_backward(); });
+}
+
+void Engine::recover_from_a_dead_backward(const char* where) {
+  if (!in_backward_) return;
+  drop_iteration();
+  TORCH_WARN("patrickstar: ", where, " came while a backward was unfinished: the backward threw "
+             "inside autograd, so its iteration was discarded (gradients dropped, weights and "
+             "optimizer state unchanged)");
+}
+
 void Engine::pre_backward(ModuleInfo& module) {
   if (module.params.empty()) return;
-  in_backward_ = true;
+  backward_started();
   access(module, MomentKind::kPreBackward, /*with_grad_chunks=*/true);
 }
 
@@ -87,6 +102,7 @@ void Engine::flush_pending_gradients() {
 }
 
 void Engine::backward(const at::Tensor& loss) {
+  recover_from_a_dead_backward("backward()");
   TORCH_CHECK(phase_ == Phase::kForward, "patrickstar: backward() without a forward since the last ",
               phase_ == Phase::kIdle ? "step" : "backward");
   TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(),
@@ -123,6 +139,21 @@ void Engine::backward(const at::Tensor& loss) {
     throw;
   }
   finish_backward();
+}
+
+void Engine::sync_trainable() {
+  for (Param& p : params_) {
+    const bool wants = p.tensor.requires_grad();
+    if (wants == p.trainable) continue;
+    p.trainable = wants;
+    const TensorId id = p.id;
+    if (wants) {
+      set_post_accumulate_grad_hook(p.tensor,
+                                    [this, id](const at::Tensor& t) { on_gradient(id, t); });
+    } else {
+      clear_post_accumulate_grad_hook(p.tensor);
+    }
+  }
 }
 
 void Engine::finish_backward() {
@@ -209,7 +240,7 @@ void Engine::drop_iteration() {
 }
 
 void Engine::zero_grad() {
-  TORCH_CHECK(!in_backward_, "patrickstar: zero_grad() during backward");
+  recover_from_a_dead_backward("zero_grad()");
   discard_gradients();
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
   // backward). After a backward, nothing of the iteration so far reaches a step: its moments are

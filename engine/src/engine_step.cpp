@@ -163,11 +163,14 @@ IterationReport Engine::run_adam() {
 }
 
 IterationReport Engine::step() {
-  TORCH_CHECK(!in_backward_, "patrickstar: step() during backward");
+  recover_from_a_dead_backward("step()");
   TORCH_CHECK(backwards_since_step_ > 0,
               "patrickstar: step() without a backward since the last step or zero_grad()",
               phase_ == Phase::kForward ? " (call backward(loss) first)" : "");
-  TORCH_CHECK(backwards_since_step_ == config_.gradient_accumulation_steps,
+  // With gradient_accumulation_steps 1, several backward passes add up before a step, as in
+  // LibTorch; above 1, the step comes after exactly that many.
+  TORCH_CHECK(config_.gradient_accumulation_steps == 1 ||
+                  backwards_since_step_ == config_.gradient_accumulation_steps,
               "patrickstar: step() after ", backwards_since_step_, " backward pass",
               backwards_since_step_ == 1 ? "" : "es", " but gradient_accumulation_steps is ",
               config_.gradient_accumulation_steps);

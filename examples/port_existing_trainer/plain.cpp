@@ -1,5 +1,6 @@
-// A plain LibTorch trainer: a small MLP classifier on synthetic data. ported.cpp is the same trainer
-// after the port to patrickstar; `diff plain.cpp ported.cpp` is the whole change.
+// A plain LibTorch trainer: a small MLP classifier on synthetic data, with helpers that take the
+// model as LibTorch trainers write them. ported.cpp is the same trainer after the port to
+// patrickstar; `diff plain.cpp ported.cpp` is the whole change.
 #include <cstdio>
 
 #include <torch/torch.h>
@@ -18,6 +19,17 @@ struct ClassifierImpl : torch::nn::Module {
 };
 TORCH_MODULE(Classifier);
 
+torch::Tensor loss_of(Classifier& model, const torch::Tensor& x, const torch::Tensor& labels) {
+  model->train();
+  return torch::cross_entropy_loss(model->forward(x), labels);
+}
+
+double accuracy(Classifier& model, const torch::Tensor& x, const torch::Tensor& labels) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  return model->forward(x).argmax(1).eq(labels).to(torch::kFloat).mean().item<double>();
+}
+
 int main(int argc, char** argv) {
   torch::manual_seed(0);
   Classifier model;
@@ -26,10 +38,13 @@ int main(int argc, char** argv) {
   const auto labels = std::get<1>(x.narrow(1, 0, 4).max(1));  // learnable: argmax of 4 features
   for (int epoch = 0; epoch < 30; ++epoch) {
     optimizer.zero_grad();
-    auto loss = torch::cross_entropy_loss(model->forward(x), labels);
+    auto loss = loss_of(model, x, labels);
     loss.backward();
     optimizer.step();
-    if (epoch % 10 == 9) std::printf("epoch %d loss %.4f\n", epoch + 1, loss.item<double>());
+    if (epoch % 10 == 9) {
+      std::printf("epoch %d loss %.4f accuracy %.3f\n", epoch + 1, loss.item<double>(),
+                  accuracy(model, x, labels));
+    }
   }
   return 0;
 }

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 #include <torch/torch.h>
+#include <ATen/Version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -18,6 +20,12 @@ namespace {
 
 using testing::bit_equal;
 using testing::max_norm_rel_diff;
+
+// ||a - b||_inf / max(||b||_inf, scale).
+double max_diff_relative_to(const torch::Tensor& a, const torch::Tensor& b, double scale) {
+  const double diff = (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+  return diff / std::max(b.abs().max().item<double>(), scale);
+}
 
 constexpr int kSteps = 20;
 constexpr double kLr = 1e-2;
@@ -66,11 +74,13 @@ TEST_P(AdamVsTorch, TwentyStepsMatch) {
   // A power-of-two loss scale in mixed modes: the rule divides it out by multiplying.
   const double loss_scale = mode == Mode::kFp32 ? 1.0 : 1024.0;
 
+  double gradient_scale = 0;  // the largest gradient element of the 20 steps
   for (int step = 1; step <= kSteps; ++step) {
     const auto raw = torch::randn({numel}) * loss_scale;
     const auto constants = make_adam_step_constants(kLr, kBeta1, kBeta2, kEps, kWeightDecay,
                                                     decoupled, step, 1.0 / loss_scale);
     torch::Tensor reference_grad;
+    const auto gradient_scale_of = [&] { return reference_grad.abs().max().item<double>(); };
     if (mode == Mode::kFp32) {
       reference_grad = raw.clone();
       adam_step_fp32(master, raw, exp_avg, exp_avg_sq, constants);
@@ -84,6 +94,7 @@ TEST_P(AdamVsTorch, TwentyStepsMatch) {
           << mode_name(mode) << " step " << step;
     }
     torch_param.mutable_grad() = reference_grad;
+    gradient_scale = std::max(gradient_scale, gradient_scale_of());
     reference->step();
   }
 
@@ -104,9 +115,11 @@ TEST_P(AdamVsTorch, TwentyStepsMatch) {
   // ulp off depends on the kernel the CPU dispatches (AVX2, AVX-512, with or without bf16/VNNI), so
   // only the norm-wise bound is asserted here, never a count of differing elements; the bit-exact
   // comparison with torch's op sequence is TorchOpsWithExactSqrtBitwise below.
+  // The moments are averages of gradients that can cancel (one element: the average may be far
+  // smaller than the gradients), so their difference is measured against the gradients' scale.
   EXPECT_LE(max_norm_rel_diff(master, param), 1e-6);
-  EXPECT_LE(max_norm_rel_diff(exp_avg, ref_exp_avg), 1e-6);
-  EXPECT_LE(max_norm_rel_diff(exp_avg_sq, ref_exp_avg_sq), 1e-6);
+  EXPECT_LE(max_diff_relative_to(exp_avg, ref_exp_avg, gradient_scale), 1e-6);
+  EXPECT_LE(max_diff_relative_to(exp_avg_sq, ref_exp_avg_sq, gradient_scale * gradient_scale), 1e-6);
   // The parameters moved: the comparison is not of two untouched copies.
   EXPECT_GT((master - init).abs().max().item<double>(), 1e-3);
 }
@@ -121,8 +134,15 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // torch::optim's exact op sequence on CPU, with the square root taken correctly rounded (in double,
-// then rounded: exact for float): our kernel must reproduce it bit for bit, on a size with a tail.
+// then rounded: exact for float): our kernel reproduces it bit for bit, on a size with a tail, when
+// ATen dispatches its vectorized kernels (AVX2, AVX-512), which round a * b + c once as we do. ATen's
+// baseline kernels (ATEN_CPU_CAPABILITY=default, or a CPU without AVX2) round it twice: there the
+// guarantee is a difference of a few ulps (1e-6 relative).
 TEST(CpuAdam, TorchOpsWithExactSqrtBitwise) {
+  const std::string capability = at::get_cpu_capability();  // "DEFAULT", "AVX2", "AVX512", ...
+  const bool vectorized = capability != "DEFAULT" && capability != "NO AVX";
+  std::printf("ATen CPU capability %s: %s\n", capability.c_str(),
+              vectorized ? "bitwise comparison" : "1e-6 comparison");
   const int64_t numel = 1000003;
   for (const bool decoupled : {false, true}) {
     torch::manual_seed(99);
@@ -149,10 +169,17 @@ TEST(CpuAdam, TorchOpsWithExactSqrtBitwise) {
       adam_step_fp32(
           p, grad, m, v,
           make_adam_step_constants(kLr, kBeta1, kBeta2, kEps, kWeightDecay, decoupled, step));
-      ASSERT_TRUE(bit_equal(m, m_ref)) << "step " << step << (decoupled ? " AdamW" : " Adam");
-      ASSERT_TRUE(bit_equal(v, v_ref)) << "step " << step << (decoupled ? " AdamW" : " Adam");
-      ASSERT_TRUE(bit_equal(p, p_ref)) << "step " << step << (decoupled ? " AdamW" : " Adam")
-                                       << ": " << testing::count_bit_diffs(p, p_ref) << " differ";
+      const std::string where = "step " + std::to_string(step) + (decoupled ? " AdamW" : " Adam");
+      if (vectorized) {
+        ASSERT_TRUE(bit_equal(m, m_ref)) << where;
+        ASSERT_TRUE(bit_equal(v, v_ref)) << where;
+        ASSERT_TRUE(bit_equal(p, p_ref)) << where << ": " << testing::count_bit_diffs(p, p_ref)
+                                         << " differ";
+      } else {
+        ASSERT_LE(max_norm_rel_diff(m, m_ref), 1e-6) << where;
+        ASSERT_LE(max_norm_rel_diff(v, v_ref), 1e-6) << where;
+        ASSERT_LE(max_norm_rel_diff(p, p_ref), 1e-6) << where;
+      }
     }
   }
 }

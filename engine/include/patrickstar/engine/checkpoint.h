@@ -36,5 +36,7 @@ bool in_checkpointed_forward();
 // Inside a checkpointed forward: a number that differs for every outermost checkpoint call on this
 // thread (never 0); outside, 0.
 int64_t checkpointed_forward_serial();
+// True on this thread while a checkpoint's backward runs its recompute (a forward inside backward).
+bool in_checkpoint_recompute();
 
 }  // namespace patrickstar

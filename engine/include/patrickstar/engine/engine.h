@@ -166,6 +166,11 @@ class Engine final : public ModuleHookHandler {
   std::vector<at::Tensor> wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) override;
   std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) override;
   void forward_failed(int64_t token) override;
+  // An engine takes only the doors of the modules it registered.
+  bool handles_unregistered_modules() const override { return false; }
+  // The first hook of a backward pass (the engine's backward() or plain loss.backward()): the
+  // engine queues its end-of-backward work on that pass.
+  void backward_started() override;
 
  private:
   struct Param {
@@ -227,6 +232,11 @@ class Engine final : public ModuleHookHandler {
   // True when a half slot holds a gradient instead of a weight (mixed, no gradient space).
   bool half_slots_hold_gradients() const { return grads_in_half_slots_; }
   void flush_pending_gradients();
+  // A backward that began (in_backward_) but whose end never came: autograd threw inside a plain
+  // loss.backward(). Drops the iteration, with a warning naming `where` the engine noticed.
+  void recover_from_a_dead_backward(const char* where);
+  // Parameters whose requires_grad changed since registration start or stop training now.
+  void sync_trainable();
   void point_at_chunk(const Param& p);
   // Releases the parameter's memory; keep_shape leaves its sizes (autograd may still accumulate
   // its gradient), otherwise it gets zero elements.

@@ -7,9 +7,13 @@
 //   auto y = torch::matmul(x, weight_);
 //   return scope.done(y);
 //
-// With no engine active (plain LibTorch training, tests, the baseline) both are plain calls. An engine
-// is active on a thread while it runs the model's forward (see Engine), so two engines can live side
-// by side. Nested doors are fine: a module's parameters already in use by an outer door are left to it.
+// A door finds its engine from the module it opens: an engine registers every module of its model
+// when it is built (and unregisters them when it goes), so `model->forward(x)` on the trainer's own
+// holder, helpers taking `Net&`, and two engines in one autograd graph all reach the right engine,
+// and a plain module of the same class (built without an engine) is a plain call. Modules no engine
+// registered report to the handler active on the thread (ActiveHandlerGuard) when it takes them
+// (a test's handler does; an engine does not). Without either, doors are plain calls. Nested doors
+// are fine: a module's parameters already in use by an outer door are left to it.
 #pragma once
 
 #include <type_traits>
@@ -39,7 +43,21 @@ class ModuleHookHandler {
   virtual std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) = 0;
   // The module's forward threw: release what pre_forward acquired; no outputs follow.
   virtual void forward_failed(int64_t token) { post_forward(token, {}); }
+  // Whether doors of modules no handler registered report here while this handler is active.
+  virtual bool handles_unregistered_modules() const { return true; }
+  // A backward pass through this handler's modules begins (patrickstar::checkpoint calls it before a
+  // recompute's backward, so that the handler can queue its end-of-backward work on the outer pass).
+  virtual void backward_started() {}
 };
+
+// The registry of doors. Thread-safe. register_module_handler throws c10::Error when `module` is
+// registered to another handler already (a module belongs to one engine).
+void register_module_handler(const torch::nn::Module& module, ModuleHookHandler* handler);
+// Forgets `module` if `handler` registered it.
+void unregister_module_handler(const torch::nn::Module& module, const ModuleHookHandler* handler);
+// The handler that registered `module`, else the active handler if it handles unregistered modules,
+// else nullptr.
+ModuleHookHandler* handler_for(const torch::nn::Module& module);
 
 // The handler active on this thread, or nullptr.
 ModuleHookHandler* active_module_hook_handler();
@@ -96,6 +114,8 @@ torch::nn::Module& module_of(M& module) {
     return *module.ptr();  // a ModuleHolder
   }
 }
+// Notes `handler` as one whose doors opened inside the checkpointed forward in progress (checkpoint.cpp).
+void note_checkpointed_handler(ModuleHookHandler* handler);
 }  // namespace detail
 
 // torch::nn::Sequential gets its doors automatically: each entry runs behind its own door (tensor in,
@@ -112,7 +132,7 @@ auto call(M& module, Args&&... args) {
     return call_sequential(*module, std::forward<Args>(args)...);
   } else if constexpr (std::is_same_v<std::remove_const_t<M>, torch::nn::SequentialImpl>) {
     return call_sequential(module, std::forward<Args>(args)...);
-  } else if (active_module_hook_handler() == nullptr) {
+  } else if (handler_for(detail::module_of(module)) == nullptr) {
     if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
       return module.forward(std::forward<Args>(args)...);
     } else {
