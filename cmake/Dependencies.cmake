@@ -63,6 +63,24 @@ if(NOT PATRICKSTAR_CUDA STREQUAL "OFF")
   endif()
 endif()
 
+# MPI (the CPU collectives of data parallelism): AUTO uses it when found, ON requires it, OFF skips it.
+set(PATRICKSTAR_MPI AUTO CACHE STRING "Build the MPI backend of comm/: AUTO (when found), ON, OFF")
+set_property(CACHE PATRICKSTAR_MPI PROPERTY STRINGS AUTO ON OFF)
+set(PATRICKSTAR_HAVE_MPI OFF)
+if(NOT PATRICKSTAR_MPI STREQUAL "OFF")
+  set(MPI_CXX_SKIP_MPICXX ON)  # the C API only, no deprecated C++ bindings
+  find_package(MPI COMPONENTS CXX QUIET)
+  if(MPI_CXX_FOUND)
+    set(PATRICKSTAR_HAVE_MPI ON)
+    find_program(PATRICKSTAR_MPIEXEC NAMES mpirun mpiexec)
+    message(STATUS "patrickstar: MPI ${MPI_CXX_VERSION} found; multi-process tests run with ${PATRICKSTAR_MPIEXEC}")
+  elseif(PATRICKSTAR_MPI STREQUAL "ON")
+    message(FATAL_ERROR "patrickstar: PATRICKSTAR_MPI=ON but MPI was not found (apt-get install libopenmpi-dev openmpi-bin)")
+  else()
+    message(STATUS "patrickstar: no MPI; data parallelism across processes is not built (scripts/setup installs Open MPI)")
+  endif()
+endif()
+
 # ps_link_torch(target): LibTorch with its flags, PUBLIC so consumers of our targets get them too.
 function(ps_link_torch target)
   target_link_libraries(${target} PUBLIC ${TORCH_LIBRARIES})

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <c10/util/Exception.h>
@@ -43,9 +45,24 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
                 " already belongs to another engine; a module can be trained by one engine only");
   }
   register_parameters();
+  zero_grad_marker_ = at::zeros({1}).requires_grad_();
+  zero_grad_marker_grad_ = at::zeros({1});
+  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : module_names_) register_module_handler(*module, this);
 }
+
+namespace {
+std::string outside_door_message(const std::string& param, const std::string& owner) {
+  return absl::StrCat(
+      "patrickstar: parameter '", param, "' (", owner,
+      ") was read outside its door: the engine keeps it in a chunk, and outside the doors it has "
+      "no data. In a forward, call the module through its door (patrickstar::call(module, x)), or "
+      "open a patrickstar::ModuleScope on the module whose forward uses the parameter directly; "
+      "outside a forward, a patrickstar::GatheredParameters scope makes parameters real fp32 "
+      "tensors (saving, re-initialization, values such as a penalty)");
+}
+}  // namespace
 
 void Engine::report_config_warnings() const {
   // Once per engine, through LibTorch's warning handler (a trainer may install its own).
@@ -74,9 +91,10 @@ Engine::~Engine() {
     if (!p.tensor.defined()) continue;
     if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
     at::Tensor value = store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    point_at_nothing(p);
+    if (!p.gathered) point_at_nothing(p);
     p.tensor.set_data(value);
   }
+  for (const at::Tensor& b : cast_buffers_) b.set_data(b.to(at::kFloat));
 }
 
 void Engine::register_parameters() {
@@ -96,6 +114,8 @@ void Engine::register_parameters() {
   // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
   // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
   std::unordered_set<const c10::TensorImpl*> embedding_params;
+  // Where each parameter is used, for the error an operator reading it outside its door throws.
+  std::unordered_map<const c10::TensorImpl*, std::string> owner_of;
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
     const torch::nn::Module* module = item.value().get();
     module_names_[module] = item.key().empty() ? "<root>" : item.key();
@@ -106,6 +126,8 @@ void Engine::register_parameters() {
     for (const at::Tensor& t : module->parameters(/*recurse=*/false)) {
       own += t.numel();
       if (cpu_embedding) embedding_params.insert(t.unsafeGetTensorImpl());
+      owner_of.emplace(t.unsafeGetTensorImpl(),
+                       absl::StrCat("module '", module_names_[module], "', ", module->name()));
     }
     registration_.largest_module_param_bytes =
         std::max(registration_.largest_module_param_bytes, 4 * own);
@@ -202,8 +224,10 @@ void Engine::register_parameters() {
         p.trainable = t.requires_grad();
         store_->view(p.id, ChunkKind::kParam).copy_(t);
         if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
-        t.set_data(storage_without_memory(t.sizes(), half));
-        point_at_nothing(p);
+        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
+        p.live = storage_without_memory(nbytes);
+        p.fence = fence_storage(nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]));
+        t.set_data(tensor_over(p.fence, t.sizes(), half));
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
@@ -223,6 +247,16 @@ void Engine::register_parameters() {
     if (!p.trainable) continue;
     const TensorId id = p.id;
     set_post_accumulate_grad_hook(p.tensor, [this, id](const at::Tensor& t) { on_gradient(id, t); });
+  }
+  // Mixed precision: floating-point buffers (BatchNorm's running statistics) take the compute
+  // dtype, as DeepSpeed's module.half()/bfloat16() does: LibTorch's operators want them to match
+  // the half weights. The engine gives them back in fp32 when it goes.
+  if (mixed_) {
+    for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
+      if (b.scalar_type() != at::kFloat) continue;
+      b.set_data(b.to(half));
+      cast_buffers_.push_back(b);
+    }
   }
 
   // 4. Scheduler, tracer, optimizer.

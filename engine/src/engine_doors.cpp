@@ -37,15 +37,38 @@ Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
 }
 
 void Engine::point_at_chunk(const Param& p) {
-  p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous(store_->layout().sizes(p.id));
-  repoint(p.tensor, store_->view(p.id, ChunkKind::kParam).data_ptr());
+  repoint(p.live, store_->view(p.id, ChunkKind::kParam).data_ptr());
+  p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.live);
 }
 
-// A released parameter has no memory and no elements: a module called outside a door fails on its
-// shapes instead of reading freed memory. Views autograd saved keep their own sizes.
-void Engine::point_at_nothing(const Param& p, bool keep_shape) {
-  repoint(p.tensor, nullptr);
-  if (!keep_shape) p.tensor.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+// A released parameter holds its fence: an operator reading it (a module called outside a door)
+// throws an error naming it instead of reading freed memory. Its live storage points at nothing,
+// so a view autograd saved cannot read a slot that moved on.
+void Engine::point_at_nothing(const Param& p) {
+  p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.fence);
+  repoint(p.live, nullptr);
+}
+
+void Engine::check_not_gathered(const ModuleInfo& module) const {
+  if (gathered_ == 0) return;
+  for (TensorId id : module.params) {
+    TORCH_CHECK(!params_[id].gathered, "patrickstar: the door of module ", module.label,
+                " opened while parameter ", params_[id].name,
+                " is held by a GatheredParameters scope; end the scope before the forward");
+  }
+}
+
+void Engine::zero_grad_if_marker_reset() {
+  if (!zero_grad_marker_.grad().defined()) zero_grad();
+}
+
+void Engine::forget_dropped_forward() {
+  // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
+  // alive and none has run): that forward's loss was dropped unused.
+  if (phase_ == Phase::kForward && open_scopes_ == 0 && !in_backward_ && hooks_in_forward_ &&
+      hooks_.pending_nodes() == 0) {
+    abandon_forward();
+  }
 }
 
 void Engine::begin_iteration_if_needed() {
@@ -79,6 +102,7 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
       add_chunk(store_->chunk_of(id, ChunkKind::kGrad));
     }
   }
+  check_not_gathered(module);
   close_moment();
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);
@@ -157,6 +181,7 @@ std::string Engine::describe_pinned() const {
 
 int64_t Engine::pre_forward(torch::nn::Module& module) {
   ModuleInfo& info = module_info(module);
+  zero_grad_if_marker_reset();
   // A checkpointed forward runs without gradients but is part of the training step: it is a moment
   // like any other (the trace must not depend on where activations are dropped), and its recompute
   // in backward comes through here again as a training forward.
@@ -170,6 +195,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
                 "step(): in ", to_string(config_.precision()),
                 " without a gradient space the gradients sit where the half weights were; call "
                 "step() or zero_grad() first");
+    check_not_gathered(info);
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;
@@ -188,12 +214,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
                 "(gradient_accumulation_steps is ", config_.gradient_accumulation_steps,
                 "; above 1 the engine keeps a gradient space); call step() or zero_grad() first");
   }
-  // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
-  // alive and none has run): that forward's loss was dropped unused.
-  if (phase_ == Phase::kForward && open_scopes_ == 0 && !in_backward_ && hooks_in_forward_ &&
-      hooks_.pending_nodes() == 0) {
-    abandon_forward();
-  }
+  forget_dropped_forward();
   begin_iteration_if_needed();
   if (phase_ != Phase::kForward) {
     forward_start_moment_ = recorder_->current_trace().size();
@@ -241,7 +262,7 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
     if (!out.defined() || !out.has_storage()) continue;
     const c10::StorageImpl* storage = out.storage().unsafeGetStorageImpl();
     for (TensorId id : scope.module->params) {
-      if (params_[id].tensor.storage().unsafeGetStorageImpl() == storage) {
+      if (params_[id].live.unsafeGetStorageImpl() == storage) {
         out = out.clone();
         break;
       }

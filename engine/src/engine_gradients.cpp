@@ -10,6 +10,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void Engine::backward_started() {
   if (in_backward_) return;
+  zero_grad_if_marker_reset();
   in_backward_ = true;
   // Plain loss.backward(): the end of this pass finishes the engine's backward.
   queue_end_of_backward([this] { finish_backward(); });
@@ -41,7 +42,7 @@ void Engine::post_backward(ModuleInfo& module) {
         store_->state(id, ChunkKind::kGrad) == TensorState::kCompute) {
       store_->set_state(id, ChunkKind::kGrad, TensorState::kHold);
     }
-    point_at_nothing(p, /*keep_shape=*/true);
+    point_at_nothing(p);
   }
 }
 
@@ -49,6 +50,10 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   Param& p = params_[id];
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
+  TORCH_CHECK(!p.gathered, "patrickstar: a gradient reached parameter ", p.name,
+              " while a GatheredParameters scope holds it; the scope gives values (saving, "
+              "re-initialization, a penalty's value): a penalty that trains goes behind the "
+              "module's door (ModuleScope), or is the optimizer's weight_decay");
   torch::NoGradGuard no_grad;
   if (!grad_space_ && p.segments > 1) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
@@ -241,6 +246,7 @@ void Engine::drop_iteration() {
 
 void Engine::zero_grad() {
   recover_from_a_dead_backward("zero_grad()");
+  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
   discard_gradients();
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
   // backward). After a backward, nothing of the iteration so far reaches a step: its moments are

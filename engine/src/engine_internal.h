@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -19,23 +21,36 @@ namespace engine_detail {
 
 constexpr int64_t kCheckpointFormat = 1;
 
-// A tensor of `sizes` and `dtype` with a storage object of the right size but no memory: the
-// engine points the storage at a chunk slot while the parameter is in use. Views that autograd
-// saves share this storage object, so they follow every re-pointing.
-inline at::Tensor storage_without_memory(c10::IntArrayRef sizes, at::ScalarType dtype) {
-  const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes,
-                       c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,
-                       /*resizable=*/false);
+// A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
+// chunk slot while the parameter is in use; views that autograd saves share that storage object,
+// so they follow every re-pointing.
+inline c10::Storage storage_without_memory(int64_t nbytes) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
+                      c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,
+                      /*resizable=*/false);
+}
+
+// A storage object of `nbytes` whose data cannot be read: every access throws c10::Error with
+// `message` (LibTorch's own mechanism for storages without data).
+inline c10::Storage fence_storage(int64_t nbytes, std::string message) {
+  c10::Storage storage = storage_without_memory(nbytes);
+  storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      std::move(message));
+  return storage;
+}
+
+// A tensor of `sizes` and `dtype` over `storage` (which it shares).
+inline at::Tensor tensor_over(const c10::Storage& storage, c10::IntArrayRef sizes,
+                              at::ScalarType dtype) {
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(dtype));
+      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      c10::scalarTypeToTypeMeta(dtype));
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
 }
 
-inline void repoint(const at::Tensor& param, void* data) {
-  param.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(
-      c10::DataPtr(data, c10::Device(c10::kCPU)));
+inline void repoint(const c10::Storage& storage, void* data) {
+  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
 }
 
 inline at::ScalarType param_dtype(Precision precision) {

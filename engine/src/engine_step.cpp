@@ -162,8 +162,17 @@ IterationReport Engine::run_adam() {
   return report;
 }
 
+void Engine::set_lr(double lr) {
+  TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: set_lr(", lr,
+              "): the learning rate must be finite and not negative");
+  adam_->set_lr(lr);
+}
+
+double Engine::lr() const { return adam_->options().lr(); }
+
 IterationReport Engine::step() {
   recover_from_a_dead_backward("step()");
+  zero_grad_if_marker_reset();
   TORCH_CHECK(backwards_since_step_ > 0,
               "patrickstar: step() without a backward since the last step or zero_grad()",
               phase_ == Phase::kForward ? " (call backward(loss) first)" : "");

@@ -4,7 +4,7 @@
 //
 // The port from plain LibTorch is what `use_engine` switches: the doors (patrickstar::call in the
 // modules' forward) and initialize_engine for each model. The loop is the same code either way:
-// plain loss.backward(), zero_grad() and step() on the optimizers.
+// plain loss.backward(), and zero_grad() and step() through torch::optim::Optimizer&.
 //
 // The program trains 20 steps without the engine on 2 threads and on 1 thread, then with the engines
 // on 2 threads on devices that force chunk moves, and exits non-zero when any loss or BatchNorm
@@ -106,42 +106,26 @@ Record train(bool use_engine, int threads) {
   Discriminator discriminator;
   Record record;
 
-  // The two lines of the port (and the doors in the modules).
-  std::unique_ptr<torch::optim::Adam> g_plain, d_plain;
-  std::unique_ptr<patrickstar::EngineOptimizer> g_engine, d_engine;
+  // The two lines of the port (and the doors in the modules). The loop below reaches either kind
+  // through torch::optim::Optimizer&, as LibTorch trainers pass optimizers around.
+  std::unique_ptr<torch::optim::Optimizer> g_optimizer, d_optimizer;
   if (use_engine) {
-    g_engine = std::make_unique<patrickstar::EngineOptimizer>(
+    g_optimizer = std::make_unique<patrickstar::EngineOptimizer>(
         patrickstar::initialize_engine([&] { return generator; }, 0, engine_config(kGeneratorDeviceBytes)).second);
-    d_engine = std::make_unique<patrickstar::EngineOptimizer>(
+    d_optimizer = std::make_unique<patrickstar::EngineOptimizer>(
         patrickstar::initialize_engine([&] { return discriminator; }, 0, engine_config(kDiscriminatorDeviceBytes))
             .second);
   } else {
     auto options = torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}).eps(1e-3);
-    g_plain = std::make_unique<torch::optim::Adam>(generator->parameters(), options);
-    d_plain = std::make_unique<torch::optim::Adam>(discriminator->parameters(), options);
+    g_optimizer = std::make_unique<torch::optim::Adam>(generator->parameters(), options);
+    d_optimizer = std::make_unique<torch::optim::Adam>(discriminator->parameters(), options);
   }
-  auto zero_grad = [&](bool g) {
-    if (use_engine) {
-      (g ? g_engine : d_engine)->zero_grad();
-    } else {
-      (g ? g_plain : d_plain)->zero_grad();
-    }
-  };
-  auto step = [&](bool g) {
-    if (!use_engine) {
-      (g ? g_plain : d_plain)->step();
-      return;
-    }
-    const patrickstar::IterationReport report = (g ? g_engine : d_engine)->step();
-    if (report.iteration > 0 && report.h2d_bytes + report.d2h_bytes > 0) {
-      ++(g ? record.g_steps_with_moves : record.d_steps_with_moves);
-    }
-    record.retraces = std::max(record.retraces, report.retraces);
-  };
+  torch::optim::Optimizer& g_opt = *g_optimizer;
+  torch::optim::Optimizer& d_opt = *d_optimizer;
 
   for (int s = 0; s < kSteps; ++s) {
     // The discriminator: real samples, then fakes, two backward calls before its step.
-    zero_grad(false);
+    d_opt.zero_grad();
     auto real = real_batch(s);
     auto real_loss = torch::binary_cross_entropy_with_logits(discriminator->forward(real),
                                                              torch::ones({kBatch, 1}));
@@ -150,18 +134,30 @@ Record train(bool use_engine, int threads) {
     auto fake_loss = torch::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()),
                                                              torch::zeros({kBatch, 1}));
     fake_loss.backward();
-    step(false);
+    d_opt.step();
     // The generator: its loss back-propagates through the discriminator, whose gradients from this
     // backward are discarded by its next zero_grad().
-    zero_grad(true);
+    g_opt.zero_grad();
     auto g_loss = torch::binary_cross_entropy_with_logits(discriminator->forward(fake),
                                                           torch::ones({kBatch, 1}));
     g_loss.backward();
-    step(true);
+    g_opt.step();
 
     for (const auto& loss : {real_loss, fake_loss, g_loss}) record.values.push_back(loss.item<double>());
     record_buffers(record, *generator);
     record_buffers(record, *discriminator);
+  }
+  if (use_engine) {
+    // What the engines did: steps after the warm-up that moved chunks, traces re-recorded.
+    auto count = [&](torch::optim::Optimizer& opt, int64_t& with_moves) {
+      const patrickstar::Engine& engine = dynamic_cast<patrickstar::EngineOptimizer&>(opt).engine();
+      for (const patrickstar::IterationReport& report : engine.history()) {
+        if (report.iteration > 0 && report.h2d_bytes + report.d2h_bytes > 0) ++with_moves;
+        record.retraces = std::max(record.retraces, report.retraces);
+      }
+    };
+    count(g_opt, record.g_steps_with_moves);
+    count(d_opt, record.d_steps_with_moves);
   }
   return record;
 }

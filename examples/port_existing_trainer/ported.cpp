@@ -24,6 +24,16 @@ torch::Tensor loss_of(Classifier& model, const torch::Tensor& x, const torch::Te
   return torch::cross_entropy_loss(model->forward(x), labels);
 }
 
+// One step, through the optimizer interface every LibTorch optimizer shares.
+double train_step(Classifier& model, torch::optim::Optimizer& optimizer, const torch::Tensor& x,
+                  const torch::Tensor& labels) {
+  optimizer.zero_grad();
+  auto loss = loss_of(model, x, labels);
+  loss.backward();
+  optimizer.step();
+  return loss.item<double>();
+}
+
 double accuracy(Classifier& model, const torch::Tensor& x, const torch::Tensor& labels) {
   torch::NoGradGuard no_grad;
   model->eval();
@@ -38,12 +48,9 @@ int main(int argc, char** argv) {
   const auto x = torch::randn({256, 32});
   const auto labels = std::get<1>(x.narrow(1, 0, 4).max(1));  // learnable: argmax of 4 features
   for (int epoch = 0; epoch < 30; ++epoch) {
-    optimizer.zero_grad();
-    auto loss = loss_of(model, x, labels);
-    loss.backward();
-    optimizer.step();
+    const double loss = train_step(model, optimizer, x, labels);
     if (epoch % 10 == 9) {
-      std::printf("epoch %d loss %.4f accuracy %.3f\n", epoch + 1, loss.item<double>(),
+      std::printf("epoch %d loss %.4f accuracy %.3f\n", epoch + 1, loss,
                   accuracy(model, x, labels));
     }
   }

@@ -12,15 +12,22 @@
 //
 // `model->` reaches the user's module (typed) with the engine active for the whole expression, so
 // the doors inside the forward (patrickstar::call, ModuleScope) report to this engine. Both handles
-// share the engine; copies are cheap and refer to the same engine. Not thread-safe.
+// share the engine (the model handle copies cheaply; the optimizer, a torch::optim::Optimizer, moves).
+// Not thread-safe.
 #pragma once
 
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
@@ -83,16 +90,74 @@ class EngineModel {
   std::shared_ptr<ModuleType> module_;
 };
 
-// The optimizer side: zero_grad and step, as torch::optim.
-class EngineOptimizer {
+// The optimizer side: a torch::optim::Optimizer, so helpers taking `torch::optim::Optimizer&` and
+// LibTorch's LR schedulers (torch::optim::StepLR, ...) take it as they are.
+//   - step() runs the engine's step (Adam/AdamW over the chunks) with the learning rate of
+//     param_groups()[0] (set it, or let a scheduler set it). Called on an EngineOptimizer it
+//     returns the IterationReport; through a base reference it returns the closure's loss.
+//   - zero_grad() is the engine's. Through a base reference LibTorch's (not virtual) zero_grad runs
+//     instead; it resets the engine's zero_grad_marker(), and the engine applies the zero_grad at
+//     its next call, so the effect is the same.
+//   - param_groups()[0] holds the model's parameters with options mirroring the config (lr, betas,
+//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. Other options
+//     are read from the config, not from the groups.
+//   - torch::save(optimizer) is refused: the optimizer state lives in the chunks
+//     (Engine::save_checkpoint).
+// Move-only (as every torch::optim::Optimizer); it shares the engine with the model handle.
+class EngineOptimizer : public torch::optim::Optimizer {
  public:
-  explicit EngineOptimizer(std::shared_ptr<Engine> engine) : engine_(std::move(engine)) {}
+  explicit EngineOptimizer(std::shared_ptr<Engine> engine)
+      : torch::optim::Optimizer(groups_of(*engine), defaults_of(*engine)), engine_(std::move(engine)) {}
+
   void zero_grad() const { engine_->zero_grad(); }
-  IterationReport step() const { return engine_->step(); }
+  // The engine's step; returns its report.
+  IterationReport step() {
+    sync_lr();
+    return engine_->step();
+  }
+  // torch::optim::Optimizer's step (a base reference's step() comes here): runs `closure` first
+  // when given (it does the forward and backward) and returns its loss.
+  at::Tensor step(LossClosure closure) override {
+    at::Tensor loss;
+    if (closure != nullptr) loss = closure();
+    step();
+    return loss;
+  }
+  void save(torch::serialize::OutputArchive& /*archive*/) const override { refuse("save"); }
+  void load(torch::serialize::InputArchive& /*archive*/) override { refuse("load"); }
+
   double loss_scale() const { return engine_->loss_scale(); }
   Engine& engine() const { return *engine_; }
 
  private:
+  static std::vector<torch::optim::OptimizerParamGroup> groups_of(Engine& engine) {
+    std::vector<at::Tensor> params;
+    std::unordered_set<const c10::TensorImpl*> seen;  // tied parameters once
+    for (const at::Tensor& t : engine.module().parameters(/*recurse=*/true)) {
+      if (seen.insert(t.unsafeGetTensorImpl()).second) params.push_back(t);
+    }
+    return {torch::optim::OptimizerParamGroup(std::move(params)),
+            torch::optim::OptimizerParamGroup({engine.zero_grad_marker()})};
+  }
+  static std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(const Engine& engine) {
+    const OptimizerConfig& o = engine.config().optimizer;
+    if (o.type == OptimizerType::kAdamW) {
+      return std::make_unique<torch::optim::AdamWOptions>(
+          torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(
+              o.weight_decay));
+    }
+    return std::make_unique<torch::optim::AdamOptions>(
+        torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  }
+  void sync_lr() {
+    const double lr = param_groups().front().options().get_lr();
+    if (lr != engine_->lr()) engine_->set_lr(lr);
+  }
+  [[noreturn]] static void refuse(const char* what) {
+    TORCH_CHECK(false, "patrickstar: torch::", what, "(optimizer) is not supported: the optimizer "
+                "state lives in the engine's chunks; use Engine::save_checkpoint / load_checkpoint");
+  }
+
   std::shared_ptr<Engine> engine_;
 };
 

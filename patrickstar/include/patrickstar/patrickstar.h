@@ -9,6 +9,7 @@
 #include "patrickstar/engine/checkpoint.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
+#include "patrickstar/engine/gathered_parameters.h"
 #include "patrickstar/engine/module_hooks.h"
 #include "patrickstar/initialize.h"
 #include "patrickstar/version.h"

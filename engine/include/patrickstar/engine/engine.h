@@ -9,11 +9,16 @@
 //   engine.step();                                       // hybrid Adam; returns the report
 //   engine.zero_grad();
 //
-// What happens to the model: each parameter keeps its identity (tensor, name, requires_grad) but
-// its data becomes a window into its chunk, valid only between a door's pre- and post-forward (and
-// during that module's backward); outside, the parameter has no memory and zero elements (sizes
-// [0]), so a module called without a door fails on shapes. Mixed precision turns parameters into bf16/fp16; the fp32 master lives
-// in the `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name.
+// What happens to the model: each parameter keeps its identity (tensor, name, shape, requires_grad)
+// but its data becomes a window into its chunk, valid only between a door's pre- and post-forward
+// (and during that module's backward). Outside, the parameter has no data: any operator that reads
+// it throws a c10::Error naming the parameter, its module and the door to use (a module called
+// without its door, an L2 penalty over model->parameters()). GatheredParameters
+// (gathered_parameters.h) makes chosen parameters real fp32 tensors for a while (saving, penalties
+// as values, re-initialization). Mixed precision turns parameters into bf16/fp16 (and fp32 buffers,
+// such as BatchNorm's running statistics, into the same dtype); the fp32 master lives in the
+// `param_fp32` chunks. fp32_state_dict() returns the fp32 weights by name. Destroying
+// the engine gives the model ordinary fp32 parameters holding the master weights.
 // Activation checkpointing (patrickstar::checkpoint) works under the engine: the dropped forward is
 // traced like any training forward, and its recompute in backward goes through the doors again.
 //
@@ -40,6 +45,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 #include <torch/nn/module.h>
 
 #include "patrickstar/chunk/chunk_store.h"
@@ -132,6 +138,14 @@ class Engine final : public ModuleHookHandler {
   // gradients sit in the half weights' slots (mixed precision without a gradient space) the half
   // weights come back from the fp32 master.
   void zero_grad();
+  // A leaf tensor whose .grad() the engine keeps defined. torch::optim::Optimizer::zero_grad (not
+  // virtual) resets it when EngineOptimizer is used through a torch::optim::Optimizer&; the engine
+  // takes that as zero_grad() at its next call (a door, a backward, step()).
+  const at::Tensor& zero_grad_marker() const { return zero_grad_marker_; }
+
+  // The learning rate of the next steps (LR schedules; EngineOptimizer passes its param group's).
+  void set_lr(double lr);
+  double lr() const;
 
   // fp32 weights by parameter name (the master copy), as new tensors.
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
@@ -176,6 +190,12 @@ class Engine final : public ModuleHookHandler {
   struct Param {
     std::string name;
     at::Tensor tensor;  // the user's parameter (same TensorImpl throughout)
+    // The parameter's storage in a door: re-pointed at the chunk slot (views autograd saved share
+    // it). Outside the doors the parameter holds `fence`, which has no data and throws an error
+    // naming the parameter when an operator reads it.
+    c10::Storage live;
+    c10::Storage fence;
+    bool gathered = false;  // a GatheredParameters scope holds it as a real fp32 tensor
     TensorId id = -1;
     bool trainable = true;
     int compute_refs = 0;  // open doors / backward uses holding it
@@ -238,9 +258,21 @@ class Engine final : public ModuleHookHandler {
   // Parameters whose requires_grad changed since registration start or stop training now.
   void sync_trainable();
   void point_at_chunk(const Param& p);
-  // Releases the parameter's memory; keep_shape leaves its sizes (autograd may still accumulate
-  // its gradient), otherwise it gets zero elements.
-  void point_at_nothing(const Param& p, bool keep_shape = false);
+  // The parameter leaves its chunk: it holds its fence (no data) again.
+  void point_at_nothing(const Param& p);
+  // Refuses a door over parameters that a GatheredParameters scope holds (before any change).
+  void check_not_gathered(const ModuleInfo& module) const;
+  // zero_grad() when the marker's gradient was reset (zero_grad through torch::optim::Optimizer&).
+  void zero_grad_if_marker_reset();
+  // A forward between doors whose graph is gone (its loss was dropped): forgotten.
+  void forget_dropped_forward();
+  // GatheredParameters: checks every id, then makes each a real fp32 tensor with the master
+  // weights; gather_end writes them back (write_back) and returns them to their fences.
+  void gather_begin(const std::vector<TensorId>& ids, bool write_back);
+  void gather_end(const std::vector<TensorId>& ids, bool write_back);
+  // The registered parameter behind `t`, or -1.
+  TensorId id_of(const at::Tensor& t) const;
+  friend class GatheredParameters;
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
@@ -288,6 +320,10 @@ class Engine final : public ModuleHookHandler {
   MoveCounters counters_at_iteration_start_;
   RegistrationReport registration_;
   std::vector<IterationReport> history_;
+  at::Tensor zero_grad_marker_;
+  at::Tensor zero_grad_marker_grad_;
+  int64_t gathered_ = 0;  // parameters held by GatheredParameters scopes
+  std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
 };
 
 }  // namespace patrickstar

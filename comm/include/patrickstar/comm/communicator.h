@@ -1,0 +1,82 @@
+// Collectives between the processes of one data-parallel group: the few operations chunk-granular
+// ZeRO-3 needs (docs/design.md section 9), behind a small interface of our own. Backends: "local"
+// (one process, world size 1) and "mpi" (Open MPI over host memory, the CPU and emulated-device
+// backend; built when CMake finds MPI). NCCL for CUDA tensors comes with the CUDA engine.
+//
+//   auto comm = patrickstar::communicator_from_env();   // MPI under mpirun, else local
+//   comm->all_gather(my_chunk, group_buffer);            // group_buffer: world_size chunks, rank order
+//
+// Every rank calls the same collectives in the same order with the same sizes; a call returns when
+// it is complete on this rank. Arguments are checked before anything is sent, so a bad call throws
+// c10::Error on every rank that makes it. Tensors are contiguous CPU tensors. Not thread-safe: one
+// thread drives a communicator.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace patrickstar {
+
+enum class ReduceOp { kSum, kMax };
+
+// What this rank passed through collectives since the communicator was made: calls, and bytes as
+// they are counted for the traffic formulas (all-gather: the output, world_size x the input;
+// reduce-scatter: the fp32 input; all-reduce and broadcast: the buffer).
+struct CollectiveCounters {
+  int64_t all_gather_calls = 0;
+  int64_t all_gather_bytes = 0;
+  int64_t reduce_scatter_calls = 0;
+  int64_t reduce_scatter_bytes = 0;
+  int64_t all_reduce_calls = 0;
+  int64_t all_reduce_bytes = 0;
+  int64_t broadcast_calls = 0;
+  int64_t broadcast_bytes = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string_view backend() const = 0;
+
+  // `out` (world_size x in.numel() elements, in's dtype) receives every rank's `in`, in rank order.
+  void all_gather(const at::Tensor& in, const at::Tensor& out);
+  // `out` (fp32, n elements) receives the sum over ranks of in_flat[rank * n, (rank + 1) * n).
+  // `in_flat` (world_size x n elements) is fp32, bf16 or fp16; 16-bit values are summed in fp32
+  // (MPI has no bf16, and fp32 sums are the more accurate: the owner's shard feeds the fp32 Adam).
+  void reduce_scatter_sum(const at::Tensor& in_flat, const at::Tensor& out);
+  // In place over ranks; fp32, fp64 or int64.
+  void all_reduce(const at::Tensor& buffer, ReduceOp op);
+  // `buffer` takes root's values on every rank.
+  void broadcast(const at::Tensor& buffer, int root);
+  virtual void barrier() = 0;
+
+  const CollectiveCounters& counters() const { return counters_; }
+
+ protected:
+  // Called after the arguments were checked; `in_fp32` is in_flat converted to fp32.
+  virtual void do_all_gather(const at::Tensor& in, const at::Tensor& out) = 0;
+  virtual void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) = 0;
+  virtual void do_all_reduce(const at::Tensor& buffer, ReduceOp op) = 0;
+  virtual void do_broadcast(const at::Tensor& buffer, int root) = 0;
+
+ private:
+  CollectiveCounters counters_;
+};
+
+// One process: world size 1, collectives are copies.
+std::unique_ptr<Communicator> make_local_communicator();
+// MPI_COMM_WORLD (initializing MPI once per process, finalized at exit). Throws c10::Error when this
+// build has no MPI.
+std::unique_ptr<Communicator> make_mpi_communicator();
+// Whether this build has the MPI backend.
+bool mpi_available();
+// MPI when the process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE, Hydra
+// PMI_SIZE), else local. Under a launcher without MPI in this build: c10::Error.
+std::unique_ptr<Communicator> communicator_from_env();
+
+}  // namespace patrickstar

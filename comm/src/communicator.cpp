@@ -1,0 +1,107 @@
+#include "patrickstar/comm/communicator.h"
+
+#include <cstdlib>
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+namespace patrickstar {
+namespace {
+
+void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous(), "patrickstar::Communicator::",
+              op, ": ", what, " must be a contiguous CPU tensor");
+}
+
+class LocalCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::string_view backend() const override { return "local"; }
+  void barrier() override {}
+
+ protected:
+  void do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
+    out.view(in.sizes()).copy_(in);
+  }
+  void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) override {
+    out.copy_(in_fp32.view(out.sizes()));
+  }
+  void do_all_reduce(const at::Tensor& /*buffer*/, ReduceOp /*op*/) override {}
+  void do_broadcast(const at::Tensor& /*buffer*/, int /*root*/) override {}
+};
+
+}  // namespace
+
+void Communicator::all_gather(const at::Tensor& in, const at::Tensor& out) {
+  check_cpu_contiguous(in, "all_gather", "the input");
+  check_cpu_contiguous(out, "all_gather", "the output");
+  TORCH_CHECK(in.scalar_type() == out.scalar_type() && out.numel() == world_size() * in.numel(),
+              "patrickstar::Communicator::all_gather: the output must hold world_size (", world_size(),
+              ") x the input's ", in.numel(), " elements of ", in.scalar_type(), "; it holds ",
+              out.numel(), " of ", out.scalar_type());
+  do_all_gather(in, out);
+  ++counters_.all_gather_calls;
+  counters_.all_gather_bytes += out.nbytes();
+}
+
+void Communicator::reduce_scatter_sum(const at::Tensor& in_flat, const at::Tensor& out) {
+  check_cpu_contiguous(in_flat, "reduce_scatter_sum", "the input");
+  check_cpu_contiguous(out, "reduce_scatter_sum", "the output");
+  const at::ScalarType t = in_flat.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "patrickstar::Communicator::reduce_scatter_sum: the input is ", t,
+              "; it takes fp32, bf16 or fp16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && in_flat.numel() == world_size() * out.numel(),
+              "patrickstar::Communicator::reduce_scatter_sum: the output must be fp32 with the input's ",
+              in_flat.numel(), " elements / world_size (", world_size(), "); it holds ", out.numel(),
+              " of ", out.scalar_type());
+  const at::Tensor in_fp32 = t == at::kFloat ? in_flat : in_flat.to(at::kFloat);
+  do_reduce_scatter_sum(in_fp32, out);
+  ++counters_.reduce_scatter_calls;
+  counters_.reduce_scatter_bytes += in_fp32.nbytes();
+}
+
+void Communicator::all_reduce(const at::Tensor& buffer, ReduceOp op) {
+  check_cpu_contiguous(buffer, "all_reduce", "the buffer");
+  const at::ScalarType t = buffer.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kLong,
+              "patrickstar::Communicator::all_reduce: the buffer is ", t,
+              "; it takes fp32, fp64 or int64");
+  do_all_reduce(buffer, op);
+  ++counters_.all_reduce_calls;
+  counters_.all_reduce_bytes += buffer.nbytes();
+}
+
+void Communicator::broadcast(const at::Tensor& buffer, int root) {
+  check_cpu_contiguous(buffer, "broadcast", "the buffer");
+  TORCH_CHECK(root >= 0 && root < world_size(), "patrickstar::Communicator::broadcast: root ", root,
+              " is not a rank of this group of ", world_size());
+  do_broadcast(buffer, root);
+  ++counters_.broadcast_calls;
+  counters_.broadcast_bytes += buffer.nbytes();
+}
+
+std::unique_ptr<Communicator> make_local_communicator() {
+  return std::make_unique<LocalCommunicator>();
+}
+
+std::unique_ptr<Communicator> communicator_from_env() {
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
+                        std::getenv("PMI_SIZE") != nullptr;
+  if (!launched) return make_local_communicator();
+  TORCH_CHECK(mpi_available(), "patrickstar: the process was started by an MPI launcher, but this "
+              "build has no MPI backend (install Open MPI, e.g. apt-get install libopenmpi-dev, and "
+              "configure again)");
+  return make_mpi_communicator();
+}
+
+#ifndef PATRICKSTAR_HAVE_MPI
+bool mpi_available() { return false; }
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  TORCH_CHECK(false, "patrickstar: this build has no MPI backend (install Open MPI, e.g. apt-get "
+              "install libopenmpi-dev, and configure again)");
+}
+#endif
+
+}  // namespace patrickstar

@@ -1,0 +1,67 @@
+// Parameters outside the doors (DeepSpeed's GatheredParameters). Outside a forward the engine's
+// parameters have no data; while a GatheredParameters scope lives, the chosen parameters are
+// ordinary fp32 tensors holding the master weights:
+//
+//   {
+//     patrickstar::GatheredParameters gathered(*model);     // every parameter of the model
+//     torch::save(model, "model.pt");                        // a plain LibTorch archive
+//   }
+//   {
+//     patrickstar::GatheredParameters gathered(*model->head);
+//     torch::NoGradGuard no_grad;
+//     model->head->weight.normal_(0, 0.02);                  // re-initialization, written back
+//   }
+//
+// Read-write scopes (the default) write the values back into the chunks when they end: the fp32
+// master and, in mixed precision, the half weights; optimizer state is unchanged. They open only
+// between a step (or zero_grad) and the next forward. Read-only scopes open at any time and
+// discard changes. The parameters keep their identity (same tensors, shapes, requires_grad); in
+// mixed precision they are fp32 in the scope and the half dtype again after it.
+//
+// The scope gives values, not gradients: a loss term over the parameters that must train (an L2
+// penalty) goes behind the module's door (patrickstar::ModuleScope on the module, its result through
+// done()), or is the optimizer's weight_decay. A door over a gathered parameter, or a gradient
+// reaching one, throws c10::Error. The scope must end before its engine is destroyed.
+#pragma once
+
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "patrickstar/chunk/types.h"
+#include "patrickstar/engine/engine.h"
+
+namespace patrickstar {
+
+class GatheredParameters {
+ public:
+  enum class Mode { kReadWrite, kReadOnly };
+
+  // Every parameter of `module` and its descendants; the engine is the one that registered it.
+  explicit GatheredParameters(torch::nn::Module& module, Mode mode = Mode::kReadWrite);
+  // Chosen parameters of `engine`'s model (each must be one of them). Throws c10::Error, changing
+  // nothing, when a parameter is not the engine's, is in use by an open door, is held by another
+  // scope, or (kReadWrite) a forward or backward is in progress.
+  GatheredParameters(Engine& engine, const std::vector<at::Tensor>& params,
+                     Mode mode = Mode::kReadWrite);
+  // Ends the scope; a failure to write back is reported as a warning (call end() to get it thrown).
+  ~GatheredParameters();
+  GatheredParameters(const GatheredParameters&) = delete;
+  GatheredParameters& operator=(const GatheredParameters&) = delete;
+
+  // Writes back (kReadWrite) and returns the parameters to the engine. Throws c10::Error when a
+  // parameter's shape or dtype was changed in the scope (nothing is written back then; the
+  // parameters return to the engine with the values they had).
+  void end();
+
+ private:
+  void begin(const std::vector<at::Tensor>& params);
+
+  Engine* engine_;
+  Mode mode_;
+  std::vector<TensorId> ids_;
+  bool ended_ = false;
+};
+
+}  // namespace patrickstar

@@ -1,0 +1,154 @@
+// The collectives, run as one process (ctest's discovered tests: the local backend) and under
+// mpirun with 2 and 4 ranks (comm.mpi_2_ranks, comm.mpi_4_ranks: every test on every rank). Each
+// rank's data is derived from its rank, so every rank can compute what every other rank sent.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "patrickstar/comm/communicator.h"
+
+namespace patrickstar {
+namespace {
+
+Communicator& comm() {
+  static std::unique_ptr<Communicator> instance = communicator_from_env();
+  return *instance;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+// What rank `r` contributes: n values, distinct per rank and position.
+at::Tensor values_of(int r, int64_t n, at::ScalarType dtype) {
+  torch::manual_seed(1000 + r);
+  return (torch::randn({n}) * 4).to(dtype);
+}
+
+TEST(Communicator, EnvironmentPicksTheBackend) {
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  EXPECT_EQ(comm().backend(), launched ? "mpi" : "local");
+  if (launched) {
+    EXPECT_EQ(comm().world_size(), std::stoi(std::getenv("OMPI_COMM_WORLD_SIZE")));
+  }
+  EXPECT_GE(comm().rank(), 0);
+  EXPECT_LT(comm().rank(), comm().world_size());
+}
+
+TEST(Communicator, AllGatherPutsEveryRanksChunkInRankOrder) {
+  const int n_ranks = comm().world_size();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar}) {
+    for (int64_t n : {1, 1000, 65537}) {
+      const at::Tensor in = values_of(comm().rank(), n, dtype);
+      at::Tensor out = torch::full({n_ranks * n}, 7, at::TensorOptions().dtype(dtype));
+      comm().all_gather(in, out);
+      for (int r = 0; r < n_ranks; ++r) {
+        EXPECT_TRUE(torch::equal(out.narrow(0, r * n, n), values_of(r, n, dtype)))
+            << dtype << " n=" << n << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(Communicator, ReduceScatterSumsInFp32AndGivesEachRankItsShard) {
+  const int n_ranks = comm().world_size();
+  const int me = comm().rank();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const int64_t n = 4099;
+    const at::Tensor in = values_of(me, n_ranks * n, dtype);
+    at::Tensor out = torch::zeros({n});
+    comm().reduce_scatter_sum(in, out);
+    // The sum in fp32 of every rank's slice `me`, whatever order MPI adds them in: within a few
+    // fp32 roundings of n_ranks terms.
+    at::Tensor expected = torch::zeros({n}, at::kDouble);
+    for (int r = 0; r < n_ranks; ++r) {
+      expected += values_of(r, n_ranks * n, dtype).narrow(0, me * n, n).to(at::kDouble);
+    }
+    const double error = (out.to(at::kDouble) - expected).abs().max().item<double>();
+    const double scale = expected.abs().max().item<double>();
+    EXPECT_LE(error, 4 * n_ranks * 6e-8 * scale) << dtype;
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+  }
+  // Integer-valued fp32: exact whatever the order.
+  const at::Tensor ones = torch::full({n_ranks * 16}, static_cast<float>(me + 1));
+  at::Tensor out = torch::zeros({16});
+  comm().reduce_scatter_sum(ones, out);
+  EXPECT_TRUE(torch::equal(out, torch::full({16}, n_ranks * (n_ranks + 1) / 2.0f)));
+}
+
+TEST(Communicator, AllReduceSumAndMaxAndBroadcast) {
+  const int n_ranks = comm().world_size();
+  const int me = comm().rank();
+  at::Tensor sum = torch::tensor({1.0, static_cast<double>(me)}, at::kDouble);
+  comm().all_reduce(sum, ReduceOp::kSum);
+  EXPECT_EQ(sum[0].item<double>(), n_ranks);
+  EXPECT_EQ(sum[1].item<double>(), n_ranks * (n_ranks - 1) / 2.0);
+  at::Tensor flag = torch::tensor({me == n_ranks - 1 ? 1.0f : 0.0f, static_cast<float>(-me)});
+  comm().all_reduce(flag, ReduceOp::kMax);
+  EXPECT_EQ(flag[0].item<float>(), 1.0f);
+  EXPECT_EQ(flag[1].item<float>(), 0.0f);
+  at::Tensor count = torch::tensor({static_cast<int64_t>(me) * 10}, at::kLong);
+  comm().all_reduce(count, ReduceOp::kSum);
+  EXPECT_EQ(count.item<int64_t>(), 10 * n_ranks * (n_ranks - 1) / 2);
+
+  const int root = n_ranks - 1;
+  at::Tensor buffer = me == root ? values_of(root, 300, at::kBFloat16) : torch::zeros({300}, at::kBFloat16);
+  comm().broadcast(buffer, root);
+  EXPECT_TRUE(torch::equal(buffer, values_of(root, 300, at::kBFloat16)));
+  comm().barrier();
+}
+
+TEST(Communicator, CountersFollowTheFormulas) {
+  const int n_ranks = comm().world_size();
+  const CollectiveCounters before = comm().counters();
+  at::Tensor in = torch::zeros({100}, at::kBFloat16);
+  at::Tensor gathered = torch::zeros({n_ranks * 100}, at::kBFloat16);
+  comm().all_gather(in, gathered);
+  at::Tensor shard = torch::zeros({100});
+  comm().reduce_scatter_sum(gathered, shard);
+  at::Tensor two = torch::zeros({2}, at::kDouble);
+  comm().all_reduce(two, ReduceOp::kSum);
+  const CollectiveCounters& c = comm().counters();
+  EXPECT_EQ(c.all_gather_calls - before.all_gather_calls, 1);
+  EXPECT_EQ(c.all_gather_bytes - before.all_gather_bytes, n_ranks * 100 * 2);
+  EXPECT_EQ(c.reduce_scatter_calls - before.reduce_scatter_calls, 1);
+  EXPECT_EQ(c.reduce_scatter_bytes - before.reduce_scatter_bytes, n_ranks * 100 * 4);  // fp32 staged
+  EXPECT_EQ(c.all_reduce_bytes - before.all_reduce_bytes, 16);
+}
+
+TEST(Communicator, BadArgumentsAreRefusedBeforeAnythingIsSent) {
+  const int n_ranks = comm().world_size();
+  at::Tensor in = torch::zeros({10});
+  EXPECT_NE(error_of([&] { comm().all_gather(in, torch::zeros({n_ranks * 10 + 1})); })
+                .find("must hold world_size"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { comm().all_gather(in, torch::zeros({n_ranks * 10}, at::kDouble)); })
+                .find("must hold world_size"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { comm().reduce_scatter_sum(torch::zeros({n_ranks * 10}, at::kInt), in); })
+                .find("takes fp32, bf16 or fp16"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { comm().all_gather(torch::zeros({4, 4}).t(), torch::zeros({n_ranks * 16})); })
+                .find("contiguous CPU tensor"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { comm().broadcast(in, n_ranks); }).find("is not a rank"), std::string::npos);
+  EXPECT_NE(error_of([&] { comm().all_reduce(torch::zeros({2}, at::kBFloat16), ReduceOp::kSum); })
+                .find("fp32, fp64 or int64"),
+            std::string::npos);
+  // The group is still in step after the refusals.
+  at::Tensor one = torch::ones({1});
+  comm().all_reduce(one, ReduceOp::kSum);
+  EXPECT_EQ(one.item<float>(), n_ranks);
+}
+
+}  // namespace
+}  // namespace patrickstar
