@@ -13,6 +13,13 @@ void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* what)
               op, ": ", what, " must be a contiguous CPU tensor");
 }
 
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 class LocalCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -22,7 +29,7 @@ class LocalCommunicator final : public Communicator {
 
  protected:
   void do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
-    out.view(in.sizes()).copy_(in);
+    if (in.data_ptr() != out.data_ptr()) out.view(in.sizes()).copy_(in);
   }
   void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) override {
     out.copy_(in_fp32.view(out.sizes()));
@@ -40,6 +47,9 @@ void Communicator::all_gather(const at::Tensor& in, const at::Tensor& out) {
               "patrickstar::Communicator::all_gather: the output must hold world_size (", world_size(),
               ") x the input's ", in.numel(), " elements of ", in.scalar_type(), "; it holds ",
               out.numel(), " of ", out.scalar_type());
+  TORCH_CHECK(!overlaps(in, out) || gathers_in_place(in, out),
+              "patrickstar::Communicator::all_gather: the input overlaps the output other than as "
+              "this rank's slice of it (rank ", rank(), ")");
   do_all_gather(in, out);
   ++counters_.all_gather_calls;
   counters_.all_gather_bytes += out.nbytes();
@@ -56,6 +66,8 @@ void Communicator::reduce_scatter_sum(const at::Tensor& in_flat, const at::Tenso
               "patrickstar::Communicator::reduce_scatter_sum: the output must be fp32 with the input's ",
               in_flat.numel(), " elements / world_size (", world_size(), "); it holds ", out.numel(),
               " of ", out.scalar_type());
+  TORCH_CHECK(!overlaps(in_flat, out), "patrickstar::Communicator::reduce_scatter_sum: the output "
+              "overlaps the input; give it memory of its own");
   const at::Tensor in_fp32 = t == at::kFloat ? in_flat : in_flat.to(at::kFloat);
   do_reduce_scatter_sum(in_fp32, out);
   ++counters_.reduce_scatter_calls;
@@ -82,13 +94,20 @@ void Communicator::broadcast(const at::Tensor& buffer, int root) {
   counters_.broadcast_bytes += buffer.nbytes();
 }
 
+bool Communicator::gathers_in_place(const at::Tensor& in, const at::Tensor& out) const {
+  return in.numel() > 0 &&
+         static_cast<const char*>(in.data_ptr()) ==
+             static_cast<const char*>(out.data_ptr()) + static_cast<int64_t>(rank()) * in.nbytes();
+}
+
 std::unique_ptr<Communicator> make_local_communicator() {
   return std::make_unique<LocalCommunicator>();
 }
 
 std::unique_ptr<Communicator> communicator_from_env() {
+  // Open MPI's mpirun, MPICH's Hydra, and PMIx launchers (srun --mpi=pmix).
   const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
-                        std::getenv("PMI_SIZE") != nullptr;
+                        std::getenv("PMI_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr;
   if (!launched) return make_local_communicator();
   TORCH_CHECK(mpi_available(), "patrickstar: the process was started by an MPI launcher, but this "
               "build has no MPI backend (install Open MPI, e.g. apt-get install libopenmpi-dev, and "

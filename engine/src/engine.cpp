@@ -14,6 +14,8 @@
 #include "patrickstar/memtracer/counting_allocator.h"
 #include "patrickstar/memtracer/memory_probe.h"
 
+#include "patrickstar/engine/gathered_parameters.h"
+
 #include "engine_internal.h"
 
 namespace patrickstar {
@@ -47,7 +49,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
   register_parameters();
   zero_grad_marker_ = at::zeros({1}).requires_grad_();
   zero_grad_marker_grad_ = at::zeros({1});
-  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
+  arm_zero_grad_marker();
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : module_names_) register_module_handler(*module, this);
 }
@@ -60,7 +62,8 @@ std::string outside_door_message(const std::string& param, const std::string& ow
       "no data. In a forward, call the module through its door (patrickstar::call(module, x)), or "
       "open a patrickstar::ModuleScope on the module whose forward uses the parameter directly; "
       "outside a forward, a patrickstar::GatheredParameters scope makes parameters real fp32 "
-      "tensors (saving, re-initialization, values such as a penalty)");
+      "tensors for values (saving, re-initialization, a penalty's value; a loss term computed in "
+      "such a scope cannot be back-propagated after it: put it behind the module's door)");
 }
 }  // namespace
 
@@ -82,6 +85,12 @@ void Engine::note_model_construction_peak(int64_t bytes) {
 
 Engine::~Engine() {
   for (const auto& [module, name] : module_names_) unregister_module_handler(*module, this);
+  if (!gathered_scopes_.empty()) {
+    TORCH_WARN("patrickstar: the engine is destroyed while ", gathered_scopes_.size(),
+               " GatheredParameters scope", gathered_scopes_.size() == 1 ? " is" : "s are",
+               " open: their values are not written back (the model gets the fp32 master weights)");
+    for (GatheredParameters* scope : gathered_scopes_) scope->engine_ = nullptr;
+  }
   if (store_ == nullptr) return;
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.

@@ -45,6 +45,7 @@ void Engine::point_at_chunk(const Param& p) {
 // throws an error naming it instead of reading freed memory. Its live storage points at nothing,
 // so a view autograd saved cannot read a slot that moved on.
 void Engine::point_at_nothing(const Param& p) {
+  if (p.gathered) return;  // a GatheredParameters scope holds it; its end gives it the fence
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.fence);
   repoint(p.live, nullptr);
 }
@@ -59,7 +60,22 @@ void Engine::check_not_gathered(const ModuleInfo& module) const {
 }
 
 void Engine::zero_grad_if_marker_reset() {
-  if (!zero_grad_marker_.grad().defined()) zero_grad();
+  // Inside a backward (a checkpoint's recompute opens doors there) the request waits for the
+  // engine's next call after it.
+  if (in_backward_ || in_checkpoint_recompute()) return;
+  // Reset (set_to_none, the default), replaced, or zeroed in place (set_to_none false).
+  const at::Tensor& grad = zero_grad_marker_.grad();
+  if (grad.defined() && grad.is_same(zero_grad_marker_grad_) &&
+      grad._version() == zero_grad_marker_version_) {
+    return;
+  }
+  zero_grad();
+}
+
+void Engine::arm_zero_grad_marker() {
+  zero_grad_marker_grad_.zero_();
+  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
+  zero_grad_marker_version_ = zero_grad_marker_grad_._version();
 }
 
 void Engine::forget_dropped_forward() {
@@ -181,6 +197,7 @@ std::string Engine::describe_pinned() const {
 
 int64_t Engine::pre_forward(torch::nn::Module& module) {
   ModuleInfo& info = module_info(module);
+  check_not_gathered(info);
   zero_grad_if_marker_reset();
   // A checkpointed forward runs without gradients but is part of the training step: it is a moment
   // like any other (the trace must not depend on where activations are dropped), and its recompute
@@ -195,7 +212,6 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
                 "step(): in ", to_string(config_.precision()),
                 " without a gradient space the gradients sit where the half weights were; call "
                 "step() or zero_grad() first");
-    check_not_gathered(info);
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;

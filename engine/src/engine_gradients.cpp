@@ -108,6 +108,7 @@ void Engine::flush_pending_gradients() {
 
 void Engine::backward(const at::Tensor& loss) {
   recover_from_a_dead_backward("backward()");
+  zero_grad_if_marker_reset();
   TORCH_CHECK(phase_ == Phase::kForward, "patrickstar: backward() without a forward since the last ",
               phase_ == Phase::kIdle ? "step" : "backward");
   TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(),
@@ -246,7 +247,7 @@ void Engine::drop_iteration() {
 
 void Engine::zero_grad() {
   recover_from_a_dead_backward("zero_grad()");
-  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
+  arm_zero_grad_marker();
   discard_gradients();
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
   // backward). After a backward, nothing of the iteration so far reaches a step: its moments are

@@ -2,6 +2,7 @@
 
 #include <map>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
@@ -26,7 +27,8 @@ namespace {
 void write_module(const torch::nn::Module& module, const std::string& prefix,
                   const std::map<std::string, at::Tensor>& values,
                   const std::unordered_map<const c10::TensorImpl*, std::string>& name_of,
-                  at::ScalarType cast_dtype, torch::serialize::OutputArchive& archive) {
+                  const std::unordered_set<const c10::TensorImpl*>& cast,
+                  torch::serialize::OutputArchive& archive) {
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
     const auto canonical = name_of.at(item.value().unsafeGetTensorImpl());
     archive.write(item.key(), values.at(canonical));
@@ -34,13 +36,12 @@ void write_module(const torch::nn::Module& module, const std::string& prefix,
   for (const auto& item : module.named_buffers(/*recurse=*/false)) {
     // Buffers the engine cast to the compute dtype are saved in fp32, as the parameters are.
     const at::Tensor& b = item.value();
-    archive.write(item.key(), b.scalar_type() == cast_dtype ? b.to(at::kFloat) : b,
+    archive.write(item.key(), cast.count(b.unsafeGetTensorImpl()) ? b.to(at::kFloat) : b,
                   /*is_buffer=*/true);
   }
   for (const auto& child : module.named_children()) {
     torch::serialize::OutputArchive child_archive;
-    write_module(*child.value(), prefix + child.key() + ".", values, name_of, cast_dtype,
-                 child_archive);
+    write_module(*child.value(), prefix + child.key() + ".", values, name_of, cast, child_archive);
     archive.write(child.key(), child_archive);
   }
 }
@@ -52,8 +53,9 @@ void Engine::save_weights(const std::string& path) const {
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
   for (const Param& p : params_) name_of[p.tensor.unsafeGetTensorImpl()] = p.name;
   torch::serialize::OutputArchive archive;
-  write_module(*model_, "", values, name_of,
-               mixed_ ? param_dtype(config_.precision()) : at::ScalarType::Undefined, archive);
+  std::unordered_set<const c10::TensorImpl*> cast;
+  for (const at::Tensor& b : cast_buffers_) cast.insert(b.unsafeGetTensorImpl());
+  write_module(*model_, "", values, name_of, cast, archive);
   archive.save_to(path);
 }
 
@@ -97,6 +99,7 @@ void Engine::save_checkpoint(const std::string& path) const {
 }
 
 void Engine::load_checkpoint(const std::string& path) {
+  zero_grad_if_marker_reset();
   TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: load_checkpoint() in the middle of an "
               "iteration; call it before a forward or after step()");
   TORCH_CHECK(gathered_ == 0, "patrickstar: load_checkpoint() while a GatheredParameters scope "

@@ -173,6 +173,9 @@ double Engine::lr() const { return adam_->options().lr(); }
 IterationReport Engine::step() {
   recover_from_a_dead_backward("step()");
   zero_grad_if_marker_reset();
+  TORCH_CHECK(gathered_for_write_ == 0, "patrickstar: step() while a read-write GatheredParameters "
+              "scope holds ", gathered_for_write_, " parameter", gathered_for_write_ == 1 ? "" : "s",
+              ": its end would write its values over the step's update; end the scope first");
   TORCH_CHECK(backwards_since_step_ > 0,
               "patrickstar: step() without a backward since the last step or zero_grad()",
               phase_ == Phase::kForward ? " (call backward(loss) first)" : "");

@@ -20,6 +20,7 @@ TensorId Engine::id_of(const at::Tensor& t) const {
 }
 
 void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
+  zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check, changing nothing.
   if (write_back) {
     recover_from_a_dead_backward("GatheredParameters");
@@ -55,6 +56,7 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
     impl->set_sizes_contiguous(store_->layout().sizes(p.id));
     p.gathered = true;
     ++gathered_;
+    if (write_back) ++gathered_for_write_;
   }
 }
 
@@ -72,23 +74,33 @@ void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
       }
     }
   }
-  if (write_back && changed.empty()) {
+  // The parameters return to their fences whatever happens while writing back.
+  auto restore = [&] {
+    const caffe2::TypeMeta half = c10::scalarTypeToTypeMeta(param_dtype(config_.precision()));
     for (TensorId id : ids) {
-      const at::Tensor& t = params_[id].tensor;
-      if (mixed_) store_->view(id, ChunkKind::kParamFp32).copy_(t);
-      store_->view(id, ChunkKind::kParam).copy_(t);
+      Param& p = params_[id];
+      c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
+      impl->set_storage_and_dtype(p.fence, half);
+      impl->set_storage_offset(0);
+      impl->set_sizes_contiguous(store_->layout().sizes(p.id));
+      p.gathered = false;
+      --gathered_;
+      if (write_back) --gathered_for_write_;
     }
+  };
+  try {
+    if (write_back && changed.empty()) {
+      for (TensorId id : ids) {
+        const at::Tensor& t = params_[id].tensor;
+        if (mixed_) store_->view(id, ChunkKind::kParamFp32).copy_(t);
+        store_->view(id, ChunkKind::kParam).copy_(t);
+      }
+    }
+  } catch (...) {
+    restore();
+    throw;
   }
-  const caffe2::TypeMeta half = c10::scalarTypeToTypeMeta(param_dtype(config_.precision()));
-  for (TensorId id : ids) {
-    Param& p = params_[id];
-    c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
-    impl->set_storage_and_dtype(p.fence, half);
-    impl->set_storage_offset(0);
-    impl->set_sizes_contiguous(store_->layout().sizes(p.id));
-    p.gathered = false;
-    --gathered_;
-  }
+  restore();
   TORCH_CHECK(changed.empty(), "patrickstar: GatheredParameters: the shape or dtype of ", changed,
               " changed in the scope, so nothing was written back (the parameters keep the "
               "values they had); write values in place, with the same shape");
@@ -98,6 +110,13 @@ GatheredParameters::GatheredParameters(torch::nn::Module& module, Mode mode) : m
   engine_ = dynamic_cast<Engine*>(handler_for(module));
   TORCH_CHECK(engine_ != nullptr, "patrickstar: GatheredParameters: module ", module.name(),
               " belongs to no engine (its parameters are ordinary tensors already)");
+  // The module's buffers that the engine cast to the compute dtype are fp32 in the scope too, so
+  // that torch::save/torch::load in the scope see the fp32 model.
+  for (const at::Tensor& b : module.buffers(/*recurse=*/true)) {
+    for (const at::Tensor& cast : engine_->cast_buffers_) {
+      if (cast.is_same(b)) buffers_.emplace_back(b, b.detach());
+    }
+  }
   begin(module.parameters(/*recurse=*/true));
 }
 
@@ -116,12 +135,35 @@ void GatheredParameters::begin(const std::vector<at::Tensor>& params) {
     if (std::find(ids_.begin(), ids_.end(), id) == ids_.end()) ids_.push_back(id);  // tied: once
   }
   engine_->gather_begin(ids_, mode_ == Mode::kReadWrite);
+  torch::NoGradGuard no_grad;
+  for (const auto& [buffer, half] : buffers_) buffer.set_data(half.to(at::kFloat));
+  for (TensorId id : ids_) versions_.push_back(engine_->params_[id].tensor._version());
+  engine_->gathered_scopes_.push_back(this);
 }
 
 void GatheredParameters::end() {
   if (ended_) return;
   ended_ = true;
+  if (engine_ == nullptr) return;  // the engine went first (it warned)
+  auto& scopes = engine_->gathered_scopes_;
+  scopes.erase(std::remove(scopes.begin(), scopes.end(), this), scopes.end());
+  bool written = false;
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    written = written || engine_->params_[ids_[i]].tensor._version() != versions_[i];
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [buffer, half] : buffers_) {
+      buffer.set_data(mode_ == Mode::kReadWrite ? buffer.to(half.scalar_type()) : half);
+    }
+  }
   engine_->gather_end(ids_, mode_ == Mode::kReadWrite);
+  if (written && mode_ == Mode::kReadOnly) {
+    TORCH_WARN("patrickstar: parameters were written in place in a read-only GatheredParameters "
+               "scope: the writes are discarded (and a backward pending on those parameters "
+               "fails on their changed version); use Mode::kReadWrite between a step and the next "
+               "forward");
+  }
 }
 
 GatheredParameters::~GatheredParameters() {

@@ -59,6 +59,30 @@ TEST(Communicator, AllGatherPutsEveryRanksChunkInRankOrder) {
   }
 }
 
+TEST(Communicator, AllGatherInPlaceFromThisRanksSliceOfTheGroupBuffer) {
+  // ZeRO's pattern: this rank's chunk already sits in its slot of the group buffer.
+  const int n_ranks = comm().world_size();
+  const int me = comm().rank();
+  const int64_t n = 777;
+  at::Tensor group = torch::zeros({n_ranks * n}, at::kBFloat16);
+  group.narrow(0, me * n, n).copy_(values_of(me, n, at::kBFloat16));
+  comm().all_gather(group.narrow(0, me * n, n), group);
+  for (int r = 0; r < n_ranks; ++r) {
+    EXPECT_TRUE(torch::equal(group.narrow(0, r * n, n), values_of(r, n, at::kBFloat16))) << r;
+  }
+  // Any other overlap is refused before anything is sent.
+  if (n_ranks > 1) {
+    const int other = (me + 1) % n_ranks;
+    EXPECT_NE(error_of([&] { comm().all_gather(group.narrow(0, other * n, n), group); })
+                  .find("overlaps the output"),
+              std::string::npos);
+  }
+  at::Tensor flat = torch::zeros({n_ranks * 8});
+  EXPECT_NE(error_of([&] { comm().reduce_scatter_sum(flat, flat.narrow(0, 0, 8)); })
+                .find("overlaps the input"),
+            std::string::npos);
+}
+
 TEST(Communicator, ReduceScatterSumsInFp32AndGivesEachRankItsShard) {
   const int n_ranks = comm().world_size();
   const int me = comm().rank();

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -367,6 +368,92 @@ TEST(EngineOptimizerBase, ZeroGradThroughTheBaseDiscardsGradients) {
     torch::NoGradGuard no_grad;
     const double expected = compute_loss(plain, 99).item<double>();
     EXPECT_NEAR(compute_loss(net, 99).item<double>(), expected, 1e-6 * expected) << "step " << s;
+  }
+}
+
+TEST(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndCheckpoints) {
+  // Between forward and backward, as LibTorch tutorials order it, then the engine's own backward
+  // (fp16 loss scaling and accumulation use it); with activation checkpointing, whose recompute
+  // opens doors inside the backward; and zero_grad(false), which zeroes the marker in place.
+  for (const std::string variant : {"engine backward", "checkpoint", "set_to_none false"}) {
+    SCOPED_TRACE(variant);
+    torch::manual_seed(1);
+    Net plain;
+    torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::manual_seed(1);
+    Net net;
+    auto [model, engine_optimizer] = initialize_engine([&] { return net; }, 0, small_device());
+    torch::optim::Optimizer& optimizer = engine_optimizer;
+    auto forward = [&](Net& m, int s) {
+      if (variant != "checkpoint") return compute_loss(m, s);
+      at::Tensor h = patrickstar::checkpoint(
+          [&](const at::Tensor& x) { return torch::relu(patrickstar::call(m->fc1, x)); },
+          input_of(s).requires_grad_());
+      return torch::mse_loss(patrickstar::call(m->fc2, h), target_of(s));
+    };
+    for (int s = 0; s < 4; ++s) {
+      at::Tensor expected = forward(plain, s);
+      adam.zero_grad(variant != "set_to_none false");
+      expected.backward();
+      adam.step();
+      at::Tensor loss = forward(net, s);
+      optimizer.zero_grad(variant != "set_to_none false");
+      if (variant == "engine backward") {
+        model.backward(loss);
+      } else {
+        loss.backward();
+      }
+      optimizer.step();
+      EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-6 * expected.item<double>())
+          << "step " << s;
+    }
+    EXPECT_EQ(model.engine().retrace_count(), 0);
+  }
+}
+
+TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoadsIntoAPlainModel) {
+  torch::manual_seed(1);
+  ConvNet net;
+  Engine engine(net.ptr(), small_device(R"({"bf16": {"enabled": true}})"));
+  {
+    // A training forward updates the running statistics (in bf16).
+    engine.zero_grad();
+    at::Tensor loss = net->forward(torch::randn({2, 3, 8, 8})).to(at::kFloat).pow(2).mean();
+    loss.backward();
+    engine.step();
+  }
+  EXPECT_EQ(net->bn->running_mean.scalar_type(), at::kBFloat16);
+  std::stringstream archive;
+  at::Tensor running_mean;
+  {
+    GatheredParameters gathered(*net);
+    EXPECT_EQ(net->bn->running_mean.scalar_type(), at::kFloat);
+    running_mean = net->bn->running_mean.clone();
+    torch::save(net, archive);
+  }
+  EXPECT_EQ(net->bn->running_mean.scalar_type(), at::kBFloat16);
+  ConvNet loaded;
+  torch::load(loaded, archive);
+  EXPECT_EQ(loaded->bn->running_mean.scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(loaded->bn->running_mean, running_mean));
+  EXPECT_FALSE(torch::equal(running_mean, torch::zeros_like(running_mean)));
+  for (const auto& [name, value] : engine.fp32_state_dict()) {
+    EXPECT_TRUE(torch::equal(loaded->named_parameters()[name], value)) << name;
+  }
+}
+
+TEST(GatheredParameters, AStepInsideAReadWriteScopeIsRefusedAndAScopeMayOutliveItsEngine) {
+  torch::manual_seed(1);
+  Net net;
+  auto engine = std::make_unique<Engine>(net.ptr(), small_device());
+  const auto master = engine->fp32_state_dict();
+  auto scope = std::make_unique<GatheredParameters>(*engine, std::vector<at::Tensor>{net->fc1->weight});
+  expect_contains(error_of([&] { engine->step(); }), "read-write GatheredParameters");
+  engine.reset();  // warns; the scope's end then does nothing
+  EXPECT_NO_THROW(scope.reset());
+  // The model has ordinary fp32 parameters with the master weights.
+  for (const auto& [name, value] : master) {
+    EXPECT_TRUE(torch::equal(net->named_parameters()[name], value)) << name;
   }
 }
 

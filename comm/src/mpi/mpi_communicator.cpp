@@ -39,9 +39,14 @@ void init_mpi_once() {
     int provided = 0;
     check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
     std::atexit(finalize_mpi);
-    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED, "patrickstar: this MPI provides thread level ",
-                provided, " but patrickstar needs MPI_THREAD_SERIALIZED");
+    // Errors outside a communicator (datatypes) return too, instead of aborting the job.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   });
+  // Whoever initialized MPI, the level must allow calls from the thread that drives the engine.
+  int provided = 0;
+  check_mpi(MPI_Query_thread(&provided), "MPI_Query_thread");
+  TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED, "patrickstar: MPI was initialized with thread level ",
+              provided, "; patrickstar needs MPI_THREAD_SERIALIZED (MPI_Init_thread)");
 }
 
 int count_of(int64_t n, const char* op) {
@@ -99,11 +104,15 @@ class MpiCommunicator final : public Communicator {
   void do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
     const ElementType element(in);
     const int n = count_of(in.numel(), "all_gather");
-    check_mpi(MPI_Allgather(in.data_ptr(), n, element.get(), out.data_ptr(), n, element.get(), comm_),
+    count_of(out.numel(), "all_gather");  // the whole group buffer, too
+    // The input may be this rank's slice of the output (a chunk gathered into its group buffer).
+    const void* send = gathers_in_place(in, out) ? MPI_IN_PLACE : in.data_ptr();
+    check_mpi(MPI_Allgather(send, n, element.get(), out.data_ptr(), n, element.get(), comm_),
               "MPI_Allgather");
   }
   void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) override {
     const int n = count_of(out.numel(), "reduce_scatter_sum");
+    count_of(in_fp32.numel(), "reduce_scatter_sum");
     check_mpi(MPI_Reduce_scatter_block(in_fp32.data_ptr(), out.data_ptr(), n, MPI_FLOAT, MPI_SUM,
                                        comm_),
               "MPI_Reduce_scatter_block");

@@ -99,8 +99,10 @@ class EngineModel {
 //     instead; it resets the engine's zero_grad_marker(), and the engine applies the zero_grad at
 //     its next call, so the effect is the same.
 //   - param_groups()[0] holds the model's parameters with options mirroring the config (lr, betas,
-//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. Other options
-//     are read from the config, not from the groups.
+//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. Only lr is
+//     read back from the groups; the other options come from the config, and added param groups
+//     are refused at step(). Gradients live in the chunks, so parameters' .grad() stay undefined:
+//     clip with the config's "gradient_clipping", not torch::nn::utils::clip_grad_norm_.
 //   - torch::save(optimizer) is refused: the optimizer state lives in the chunks
 //     (Engine::save_checkpoint).
 // Move-only (as every torch::optim::Optimizer); it shares the engine with the model handle.
@@ -109,7 +111,9 @@ class EngineOptimizer : public torch::optim::Optimizer {
   explicit EngineOptimizer(std::shared_ptr<Engine> engine)
       : torch::optim::Optimizer(groups_of(*engine), defaults_of(*engine)), engine_(std::move(engine)) {}
 
-  void zero_grad() const { engine_->zero_grad(); }
+  // The engine's zero_grad (set_to_none is accepted for LibTorch's signature; gradients live in
+  // the chunks either way).
+  void zero_grad(bool /*set_to_none*/ = true) const { engine_->zero_grad(); }
   // The engine's step; returns its report.
   IterationReport step() {
     sync_lr();
@@ -150,6 +154,8 @@ class EngineOptimizer : public torch::optim::Optimizer {
         torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   }
   void sync_lr() {
+    TORCH_CHECK(param_groups().size() == 2, "patrickstar: EngineOptimizer trains the model the engine "
+                "registered; param groups added to it (add_param_group) are not supported");
     const double lr = param_groups().front().options().get_lr();
     if (lr != engine_->lr()) engine_->set_lr(lr);
   }

@@ -8,7 +8,9 @@
 //
 // Every rank calls the same collectives in the same order with the same sizes; a call returns when
 // it is complete on this rank. Arguments are checked before anything is sent, so a bad call throws
-// c10::Error on every rank that makes it. Tensors are contiguous CPU tensors. Not thread-safe: one
+// c10::Error on every rank that makes it (a rank that alone makes a bad call leaves the others
+// waiting until the launcher's timeout). Counts are ints in MPI: a call over more than 2^31 - 1
+// elements (a whole group buffer included) is refused. Tensors are contiguous CPU tensors. Not thread-safe: one
 // thread drives a communicator.
 #pragma once
 
@@ -44,6 +46,7 @@ class Communicator {
   virtual std::string_view backend() const = 0;
 
   // `out` (world_size x in.numel() elements, in's dtype) receives every rank's `in`, in rank order.
+  // `in` may be this rank's slice of `out` (a chunk gathered into its group buffer, in place).
   void all_gather(const at::Tensor& in, const at::Tensor& out);
   // `out` (fp32, n elements) receives the sum over ranks of in_flat[rank * n, (rank + 1) * n).
   // `in_flat` (world_size x n elements) is fp32, bf16 or fp16; 16-bit values are summed in fp32
@@ -58,6 +61,8 @@ class Communicator {
   const CollectiveCounters& counters() const { return counters_; }
 
  protected:
+  // True when `in` is this rank's slice of `out` (gathered in place: MPI_IN_PLACE).
+  bool gathers_in_place(const at::Tensor& in, const at::Tensor& out) const;
   // Called after the arguments were checked; `in_fp32` is in_flat converted to fp32.
   virtual void do_all_gather(const at::Tensor& in, const at::Tensor& out) = 0;
   virtual void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) = 0;

@@ -59,6 +59,8 @@
 
 namespace patrickstar {
 
+class GatheredParameters;
+
 // What one optimizer step (one iteration) did: exact bytes, where Adam ran, the loss scale.
 struct IterationReport {
   int64_t iteration = 0;          // 0 is the warm-up
@@ -139,8 +141,9 @@ class Engine final : public ModuleHookHandler {
   // weights come back from the fp32 master.
   void zero_grad();
   // A leaf tensor whose .grad() the engine keeps defined. torch::optim::Optimizer::zero_grad (not
-  // virtual) resets it when EngineOptimizer is used through a torch::optim::Optimizer&; the engine
-  // takes that as zero_grad() at its next call (a door, a backward, step()).
+  // virtual) resets or zeroes it when EngineOptimizer is used through a torch::optim::Optimizer&;
+  // the engine takes that as zero_grad() at its next call outside a backward (a door, backward(),
+  // the start of a plain backward, step(), load_checkpoint(), a GatheredParameters scope).
   const at::Tensor& zero_grad_marker() const { return zero_grad_marker_; }
 
   // The learning rate of the next steps (LR schedules; EngineOptimizer passes its param group's).
@@ -262,8 +265,10 @@ class Engine final : public ModuleHookHandler {
   void point_at_nothing(const Param& p);
   // Refuses a door over parameters that a GatheredParameters scope holds (before any change).
   void check_not_gathered(const ModuleInfo& module) const;
-  // zero_grad() when the marker's gradient was reset (zero_grad through torch::optim::Optimizer&).
+  // zero_grad() when the marker's gradient was reset, replaced or zeroed (zero_grad through
+  // torch::optim::Optimizer&); not inside a backward, where it waits for the next call.
   void zero_grad_if_marker_reset();
+  void arm_zero_grad_marker();
   // A forward between doors whose graph is gone (its loss was dropped): forgotten.
   void forget_dropped_forward();
   // GatheredParameters: checks every id, then makes each a real fp32 tensor with the master
@@ -322,7 +327,10 @@ class Engine final : public ModuleHookHandler {
   std::vector<IterationReport> history_;
   at::Tensor zero_grad_marker_;
   at::Tensor zero_grad_marker_grad_;
+  int64_t zero_grad_marker_version_ = 0;
   int64_t gathered_ = 0;  // parameters held by GatheredParameters scopes
+  int64_t gathered_for_write_ = 0;  // of which by read-write scopes
+  std::vector<GatheredParameters*> gathered_scopes_;  // open scopes (told when the engine goes)
   std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
 };
 

@@ -15,15 +15,20 @@
 // Read-write scopes (the default) write the values back into the chunks when they end: the fp32
 // master and, in mixed precision, the half weights; optimizer state is unchanged. They open only
 // between a step (or zero_grad) and the next forward. Read-only scopes open at any time and
-// discard changes. The parameters keep their identity (same tensors, shapes, requires_grad); in
-// mixed precision they are fp32 in the scope and the half dtype again after it.
+// discard changes (in-place writes are reported with a warning). The parameters keep their identity
+// (same tensors, shapes, requires_grad); in mixed precision they are fp32 in the scope and the half
+// dtype again after it, and so are the module's buffers the engine cast (module form), so that
+// torch::save / torch::load in the scope see the fp32 model. step() is refused while a read-write
+// scope is open.
 //
 // The scope gives values, not gradients: a loss term over the parameters that must train (an L2
 // penalty) goes behind the module's door (patrickstar::ModuleScope on the module, its result through
 // done()), or is the optimizer's weight_decay. A door over a gathered parameter, or a gradient
-// reaching one, throws c10::Error. The scope must end before its engine is destroyed.
+// reaching one, throws c10::Error. A scope that outlives its engine writes nothing back (the engine
+// warns and gives the model its fp32 master weights).
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -56,11 +61,15 @@ class GatheredParameters {
   void end();
 
  private:
+  friend class Engine;  // tells open scopes when it is destroyed
   void begin(const std::vector<at::Tensor>& params);
 
-  Engine* engine_;
+  Engine* engine_;  // nullptr once the engine is gone
   Mode mode_;
   std::vector<TensorId> ids_;
+  std::vector<int64_t> versions_;  // the parameters' versions at the start (in-place writes)
+  // Buffers the engine cast to the compute dtype (module form): fp32 in the scope; the half values.
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
   bool ended_ = false;
 };
 
