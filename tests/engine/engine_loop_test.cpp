@@ -283,5 +283,40 @@ TEST(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIterati
   EXPECT_FALSE(torch::equal(fc2_weight(), frozen)) << "the unfrozen parameter never trained";
 }
 
+TEST(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
+  // An accuracy helper that switches the model to eval() but forgets torch::NoGradGuard: its
+  // forward runs in grad mode, and its output is dropped without a backward.
+  auto accuracy_without_no_grad = [](Net& model) {
+    model->eval();
+    const double value = compute_loss(model, 99).item<double>();
+    model->train();
+    return value;
+  };
+  torch::manual_seed(1);
+  Net plain;
+  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::manual_seed(1);
+  Net net;
+  auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
+  for (int s = 0; s < 6; ++s) {
+    adam.zero_grad();
+    at::Tensor expected = compute_loss(plain, s);
+    expected.backward();
+    adam.step();
+    const double expected_eval = accuracy_without_no_grad(plain);
+    optimizer.zero_grad();
+    at::Tensor loss = compute_loss(net, s);
+    loss.backward();
+    const IterationReport report = optimizer.step();
+    EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-6 * expected.item<double>())
+        << "step " << s;
+    EXPECT_NEAR(accuracy_without_no_grad(net), expected_eval, 1e-6 * expected_eval) << "step " << s;
+    if (s > 0) {
+      EXPECT_FALSE(report.retraced) << "step " << s;
+    }
+  }
+  EXPECT_EQ(model.engine().retrace_count(), 0);
+}
+
 }  // namespace
 }  // namespace patrickstar

@@ -210,7 +210,7 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   auto reinit = [](torch::nn::Linear& fc) {
     torch::NoGradGuard no_grad;
     torch::manual_seed(77);
-    fc->weight.normal_(0.0, 0.5);
+    fc->weight.copy_(torch::randn(fc->weight.sizes()) * 0.5);
     fc->bias.fill_(0.25);
   };
   torch::manual_seed(1);
