@@ -9,44 +9,18 @@
 #include <vector>
 
 #include "error_message.h"
+#include "small_net.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    return patrickstar::call(fc2, torch::relu(patrickstar::call(fc1, x)));
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Net);
+using test::compute_loss;
+using test::input_of;
+using test::Net;
+using test::small_device;
+using test::target_of;
 
-at::Tensor input_of(int step) {
-  torch::manual_seed(300 + step);
-  return torch::randn({8, 16});
-}
-at::Tensor target_of(int step) {
-  torch::manual_seed(700 + step);
-  return torch::randn({8, 4});
-}
-
-Config small_device(const std::string& extra = "{}") {
-  nlohmann::json j = {{"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-2}}}}},
-                      {"default_chunk_size", 600},
-                      {"client", {{"device", {{"capacity_bytes", 65536}}}}}};
-  j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
-}
-
-// Helpers as a LibTorch trainer writes them: they take the user's own module.
-at::Tensor compute_loss(Net& model, int step) {
-  return torch::mse_loss(model->forward(input_of(step)), target_of(step));
-}
 double evaluate(Net& model) {
   torch::NoGradGuard no_grad;
   model->eval();
