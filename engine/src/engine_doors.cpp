@@ -118,7 +118,6 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
       add_chunk(store_->chunk_of(id, ChunkKind::kGrad));
     }
   }
-  check_not_gathered(module);
   close_moment();
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);

@@ -27,6 +27,7 @@ void Engine::recover_from_a_dead_backward(const char* where) {
 void Engine::pre_backward(ModuleInfo& module) {
   if (module.params.empty()) return;
   backward_started();
+  check_not_gathered(module);
   access(module, MomentKind::kPreBackward, /*with_grad_chunks=*/true);
 }
 
