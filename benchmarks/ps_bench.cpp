@@ -3,10 +3,14 @@
 // the chunk timeline as a Chrome trace and the memory timeline as SVG. With --baseline it also
 // trains the same model on the same data with plain LibTorch and torch::optim::AdamW in the same
 // run, so speed is a ratio and the losses can be compared. See BENCHMARKS.md.
+// Data parallel: under mpirun every rank trains its rows of the global --batch; rank 0 prints the
+// steps (the global batch's loss), every rank's figures (model data, collective bytes against
+// their formula, time in collectives) and writes the files.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -120,7 +124,7 @@ struct BaselineResult {
 };
 
 BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
-                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed) {
+                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print) {
   torch::manual_seed(seed);
   ps::models::Gpt model(spec);
   const auto& o = config.optimizer;
@@ -140,11 +144,19 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
     const double t = seconds_since(start);
     r.losses.push_back(loss.item<double>());
     if (s > 0) times.push_back(t);
-    std::printf("  baseline step %lld/%lld  loss %.5f  %.3f s\n", static_cast<long long>(s + 1),
-                static_cast<long long>(steps), r.losses.back(), t);
+    if (print) {
+      std::printf("  baseline step %lld/%lld  loss %.5f  %.3f s\n", static_cast<long long>(s + 1),
+                  static_cast<long long>(steps), r.losses.back(), t);
+    }
   }
   r.step_time_s = median(times);
   return r;
+}
+
+// The process's index on its machine under mpirun (0 without a launcher).
+int local_rank() {
+  const char* text = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  return text == nullptr ? 0 : std::atoi(text);
 }
 
 // The model built from `seed` (the baseline builds the same weights) and registered per `config`.
@@ -154,7 +166,14 @@ auto build_engine(const ps::models::GptSpec& spec, const ps::Config& config, uin
         torch::manual_seed(seed);
         return ps::models::Gpt(spec);
       },
-      0, config);
+      local_rank(), config);
+}
+
+// Sums `values` over ranks (each rank fills its own slots, the others are zero).
+std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values) {
+  at::Tensor t = torch::tensor(values, at::kDouble);
+  comm.all_reduce(t, ps::ReduceOp::kSum);
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
 }
 
 // --find-max-model: for each policy, the most layers of a GPT at a fixed hidden size that complete
@@ -353,25 +372,33 @@ int run() {
   TORCH_CHECK(seq <= spec.max_seq, "--seq ", seq, " exceeds the ", spec.max_seq, " positions of ",
               spec.name);
 
+  std::shared_ptr<ps::Communicator> comm = ps::communicator_from_env();
+  const int world = comm->world_size();
+  const int rank = comm->rank();
+  const bool lead = rank == 0;  // prints and writes the files
+  TORCH_CHECK(world == 1 || !absl::GetFlag(FLAGS_find_max_model),
+              "--find-max-model runs in one process (not under mpirun)");
+  TORCH_CHECK(batch % world == 0, "--batch ", batch, " is the global batch: it must divide by the ",
+              world, " ranks");
   // The engine reports the config's unknown keys when it is built; the search builds many.
   if (absl::GetFlag(FLAGS_find_max_model)) {
     for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
   }
   if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
 
-  std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
-              "policy %s\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
+  if (lead) std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
+              "policy %s, %d rank(s)\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
               std::string(ps::to_string(config.precision())).c_str(),
               static_cast<long long>(batch), static_cast<long long>(seq),
               static_cast<long long>(steps), std::string(ps::to_string(config.device.type)).c_str(),
               mib(static_cast<double>(config.device.capacity_bytes)).c_str(),
-              ps::eviction_policy_name(config.scheduler.policy));
+              ps::eviction_policy_name(config.scheduler.policy), world);
   std::fflush(stdout);
 
   auto [model, optimizer] = build_engine(spec, config, seed);
   ps::Engine& engine = model.engine();
   const auto& reg = engine.registration();
-  std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "
+  if (lead) std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "
               "%.2f model-data bytes per parameter\n",
               static_cast<long long>(reg.params), static_cast<long long>(reg.chunks_per_kind),
               static_cast<long long>(reg.chunk_elems), 100.0 * reg.chunk_waste_fraction,
@@ -379,17 +406,29 @@ int run() {
 
   std::vector<double> losses, times;
   std::vector<ps::IterationReport> reports;
+  const int64_t rows = batch / world;  // this rank's rows of the global batch
   for (int64_t s = 0; s < steps; ++s) {
     auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    const at::Tensor tokens = data.tokens.narrow(0, rank * rows, rows);
+    const at::Tensor targets = data.targets.narrow(0, rank * rows, rows);
     const auto start = Clock::now();
     optimizer.zero_grad();
-    at::Tensor loss = model->loss(data.tokens, data.targets);
+    at::Tensor loss = model->loss(tokens, targets);
     model.backward(loss);
     reports.push_back(optimizer.step());
     const double t = seconds_since(start);
-    losses.push_back(loss.item<double>());
+    // The global batch's loss: the mean of the ranks' (equal row counts).
+    losses.push_back(sum_over_ranks(*comm, {loss.item<double>()})[0] / world);
     if (s > 0) times.push_back(t);
     const auto& r = reports.back();
+    if (!lead) continue;
+    if (world > 1) {
+      std::printf("step %lld/%lld  rank 0: gathered %lld groups (%s), reduced %lld (%s), %.3f s in "
+                  "collectives\n", static_cast<long long>(s + 1), static_cast<long long>(steps),
+                  static_cast<long long>(r.group_gathers), mib(static_cast<double>(r.gather_bytes)).c_str(),
+                  static_cast<long long>(r.group_reduces), mib(static_cast<double>(r.reduce_bytes)).c_str(),
+                  r.collective_seconds);
+    }
     std::printf("step %lld/%lld%s  loss %.5f  %.3f s  %.2f samples/s  h2d %s  d2h %s  adam "
                 "device/host chunks %lld/%lld%s\n",
                 static_cast<long long>(s + 1), static_cast<long long>(steps),
@@ -437,8 +476,11 @@ int run() {
 
   std::optional<BaselineResult> baseline;
   if (absl::GetFlag(FLAGS_baseline)) {
-    std::printf("baseline: plain LibTorch + torch::optim::AdamW (fp32), same weights and data\n");
-    baseline = run_baseline(spec, config, batch, seq, steps, seed);
+    if (lead) {
+      std::printf("baseline: plain LibTorch + torch::optim::AdamW (fp32), same weights and data%s\n",
+                  world > 1 ? " (the whole global batch, on every rank)" : "");
+    }
+    baseline = run_baseline(spec, config, batch, seq, steps, seed, lead);
   }
 
   nlohmann::json out;
@@ -470,6 +512,70 @@ int run() {
   out["adam_chunks_device"] = reports.back().adam.chunks_device;
   out["adam_chunks_host"] = reports.back().adam.chunks_host;
   out["policy"] = ps::eviction_policy_name(config.scheduler.policy);
+  out["world_size"] = world;
+  if (world > 1) {
+    // Every rank's figures per steady iteration, and the formula its collective bytes must equal:
+    // a group gather broadcasts world_size param chunks, a group reduce sends world_size fp32
+    // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes, not
+    // in fp16) and the squared gradient norm (8 bytes).
+    enum { kModelData, kGathers, kGatherBytes, kReduces, kReduceBytes, kAllReduceBytes, kSeconds,
+           kStepTime, kFormulaOk, kFields };
+    std::vector<double> mine(static_cast<size_t>(world * kFields), 0.0);
+    double* f = mine.data() + rank * kFields;
+    for (size_t i = first_steady; i < reports.size(); ++i) {
+      f[kGathers] += static_cast<double>(reports[i].group_gathers);
+      f[kGatherBytes] += static_cast<double>(reports[i].gather_bytes);
+      f[kReduces] += static_cast<double>(reports[i].group_reduces);
+      f[kReduceBytes] += static_cast<double>(reports[i].reduce_bytes);
+      f[kAllReduceBytes] += static_cast<double>(reports[i].all_reduce_bytes);
+      f[kSeconds] += reports[i].collective_seconds;
+    }
+    for (int k : {kGathers, kGatherBytes, kReduces, kReduceBytes, kAllReduceBytes, kSeconds}) {
+      f[k] /= after;
+    }
+    const ps::ChunkStore& store = engine.chunks();
+    const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
+    bool formula_ok = true;
+    for (size_t i = first_steady; i < reports.size(); ++i) {
+      const ps::IterationReport& r = reports[i];
+      formula_ok = formula_ok && r.gather_bytes == r.group_gathers * world * param_chunk &&
+                   r.reduce_bytes == r.group_reduces * world * store.chunk_elems() * 4 &&
+                   r.all_reduce_bytes ==
+                       (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
+    }
+    f[kModelData] = static_cast<double>(reg.model_data_bytes);
+    f[kStepTime] = step_time;
+    f[kFormulaOk] = formula_ok ? 1.0 : 0.0;
+    const std::vector<double> all = sum_over_ranks(*comm, mine);
+    nlohmann::json per_rank = nlohmann::json::array();
+    bool all_ok = true;
+    for (int r = 0; r < world; ++r) {
+      const double* g = all.data() + r * kFields;
+      per_rank.push_back({{"rank", r},
+                          {"model_data_bytes", static_cast<int64_t>(g[kModelData])},
+                          {"group_gathers_per_iter", g[kGathers]},
+                          {"gather_bytes_per_iter", g[kGatherBytes]},
+                          {"group_reduces_per_iter", g[kReduces]},
+                          {"reduce_bytes_per_iter", g[kReduceBytes]},
+                          {"all_reduce_bytes_per_iter", g[kAllReduceBytes]},
+                          {"collective_seconds_per_iter", g[kSeconds]},
+                          {"step_time_s", g[kStepTime]},
+                          {"collective_bytes_match_formula", g[kFormulaOk] == 1.0}});
+      all_ok = all_ok && g[kFormulaOk] == 1.0;
+    }
+    // The OPT bound models one process's chunks; with several ranks every gather lands in host
+    // memory and is loaded like a new chunk, which the bound does not model.
+    out.erase("opt_bound_bytes_per_iter");
+    out.erase("opt_bound_proven");
+    out.erase("traffic_to_opt_bound");
+    out["param_chunk_bytes"] = param_chunk;
+    out["collective_formula"] =
+        "gather_bytes = group_gathers x world_size x param_chunk_bytes; reduce_bytes = "
+        "group_reduces x world_size x chunk_elems x 4; all_reduce_bytes = 4 (loss finiteness, not "
+        "fp16) + 8 (squared gradient norm)";
+    out["collective_bytes_match_formula"] = all_ok;
+    out["per_rank"] = per_rank;
+  }
   out["losses"] = losses;
   if (baseline) {
     out["baseline_step_time_s"] = baseline->step_time_s;
@@ -483,10 +589,14 @@ int run() {
     out["step_time_ratio_to_baseline"] = step_time / baseline->step_time_s;
   }
 
+  if (!lead) return 0;  // rank 0 prints and writes the files
   std::printf("\n%-30s %s\n", "figure", "value");
   for (const auto& [key, value] : out.items()) {
     if (value.is_array()) continue;
     std::printf("%-30s %s\n", key.c_str(), value.dump().c_str());
+  }
+  if (out.contains("per_rank")) {
+    for (const auto& r : out["per_rank"]) std::printf("rank %s\n", r.dump().c_str());
   }
   if (!absl::GetFlag(FLAGS_json).empty()) {
     ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");

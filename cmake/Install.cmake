@@ -8,7 +8,7 @@ install(TARGETS ${_ps_targets} EXPORT patrickstarTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(folder patrickstar chunk memtracer optimizer engine)
+foreach(folder patrickstar chunk comm memtracer optimizer engine)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 install(EXPORT patrickstarTargets NAMESPACE patrickstar::

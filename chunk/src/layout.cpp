@@ -182,7 +182,8 @@ void Layout::place(int64_t chunk_elems) {
       const auto [chunk, offset] = tree.place(numel);
       placements_[static_cast<size_t>(id)] = TensorPlacement{first_chunk + chunk, offset, numel};
     }
-    first_chunk += tree.chunk_count();
+    // Each group fills whole comm groups (world_size chunks), so no comm group mixes two groups.
+    first_chunk += round_up_to(tree.chunk_count(), world_size_);
     chunk_groups_.resize(static_cast<size_t>(first_chunk), group);
   }
   chunk_elems_ = chunk_elems;

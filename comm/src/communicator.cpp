@@ -8,9 +8,10 @@
 namespace patrickstar {
 namespace {
 
-void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous(), "patrickstar::Communicator::",
-              op, ": ", what, " must be a contiguous CPU tensor");
+void check_tensor(const at::Tensor& t, c10::DeviceType device, const char* op, const char* what) {
+  TORCH_CHECK(t.defined() && t.device().type() == device && t.is_contiguous(),
+              "patrickstar::Communicator::", op, ": ", what, " must be a contiguous ",
+              c10::DeviceTypeName(device), " tensor");
 }
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
@@ -36,13 +37,14 @@ class LocalCommunicator final : public Communicator {
   }
   void do_all_reduce(const at::Tensor& /*buffer*/, ReduceOp /*op*/) override {}
   void do_broadcast(const at::Tensor& /*buffer*/, int /*root*/) override {}
+  void do_reduce_sum(const at::Tensor& /*buffer*/, int /*root*/) override {}
 };
 
 }  // namespace
 
 void Communicator::all_gather(const at::Tensor& in, const at::Tensor& out) {
-  check_cpu_contiguous(in, "all_gather", "the input");
-  check_cpu_contiguous(out, "all_gather", "the output");
+  check_tensor(in, device_type(), "all_gather", "the input");
+  check_tensor(out, device_type(), "all_gather", "the output");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && out.numel() == world_size() * in.numel(),
               "patrickstar::Communicator::all_gather: the output must hold world_size (", world_size(),
               ") x the input's ", in.numel(), " elements of ", in.scalar_type(), "; it holds ",
@@ -56,8 +58,8 @@ void Communicator::all_gather(const at::Tensor& in, const at::Tensor& out) {
 }
 
 void Communicator::reduce_scatter_sum(const at::Tensor& in_flat, const at::Tensor& out) {
-  check_cpu_contiguous(in_flat, "reduce_scatter_sum", "the input");
-  check_cpu_contiguous(out, "reduce_scatter_sum", "the output");
+  check_tensor(in_flat, device_type(), "reduce_scatter_sum", "the input");
+  check_tensor(out, device_type(), "reduce_scatter_sum", "the output");
   const at::ScalarType t = in_flat.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
               "patrickstar::Communicator::reduce_scatter_sum: the input is ", t,
@@ -75,7 +77,7 @@ void Communicator::reduce_scatter_sum(const at::Tensor& in_flat, const at::Tenso
 }
 
 void Communicator::all_reduce(const at::Tensor& buffer, ReduceOp op) {
-  check_cpu_contiguous(buffer, "all_reduce", "the buffer");
+  check_tensor(buffer, device_type(), "all_reduce", "the buffer");
   const at::ScalarType t = buffer.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kLong,
               "patrickstar::Communicator::all_reduce: the buffer is ", t,
@@ -86,12 +88,24 @@ void Communicator::all_reduce(const at::Tensor& buffer, ReduceOp op) {
 }
 
 void Communicator::broadcast(const at::Tensor& buffer, int root) {
-  check_cpu_contiguous(buffer, "broadcast", "the buffer");
+  check_tensor(buffer, device_type(), "broadcast", "the buffer");
   TORCH_CHECK(root >= 0 && root < world_size(), "patrickstar::Communicator::broadcast: root ", root,
               " is not a rank of this group of ", world_size());
   do_broadcast(buffer, root);
   ++counters_.broadcast_calls;
   counters_.broadcast_bytes += buffer.nbytes();
+}
+
+void Communicator::reduce_sum(const at::Tensor& buffer, int root) {
+  check_tensor(buffer, device_type(), "reduce_sum", "the buffer");
+  const at::ScalarType t = buffer.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble, "patrickstar::Communicator::reduce_sum: the "
+              "buffer is ", t, "; it takes fp32 or fp64");
+  TORCH_CHECK(root >= 0 && root < world_size(), "patrickstar::Communicator::reduce_sum: root ", root,
+              " is not a rank of this group of ", world_size());
+  do_reduce_sum(buffer, root);
+  ++counters_.reduce_calls;
+  counters_.reduce_bytes += buffer.nbytes();
 }
 
 bool Communicator::gathers_in_place(const at::Tensor& in, const at::Tensor& out) const {
@@ -114,6 +128,14 @@ std::unique_ptr<Communicator> communicator_from_env() {
               "configure again)");
   return make_mpi_communicator();
 }
+
+#ifndef PATRICKSTAR_HAVE_NCCL
+bool nccl_available() { return false; }
+std::unique_ptr<Communicator> make_nccl_communicator() {
+  TORCH_CHECK(false, "patrickstar: this build has no NCCL backend (a CUDA build with a CUDA "
+              "LibTorch compiles it)");
+}
+#endif
 
 #ifndef PATRICKSTAR_HAVE_MPI
 bool mpi_available() { return false; }

@@ -21,15 +21,19 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config)
-    : model_(std::move(model)), config_(std::move(config)) {
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
+               std::shared_ptr<Communicator> comm)
+    : model_(std::move(model)), config_(std::move(config)), comm_(std::move(comm)) {
   TORCH_CHECK(model_ != nullptr, "patrickstar::Engine: the model is null");
+  if (comm_ == nullptr) comm_ = make_local_communicator();
+  rank_ = comm_->rank();
+  world_ = comm_->world_size();
   TORCH_CHECK(config_.device.type == DeviceType::kEmulated,
               "patrickstar::Engine: device type \"cuda\" is not supported by the engine yet; this "
               "build trains on the emulated device (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
-  // release_after_init frees the chunks other ranks own after initialization (PatrickStar's
-  // "release remote chunks"); with one process every chunk is this rank's, so it changes nothing.
+  // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
+  // their param chunks are gathered when a door needs them.
   mixed_ = config_.precision() != Precision::kFp32;
   grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
@@ -96,10 +100,26 @@ Engine::~Engine() {
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
   torch::NoGradGuard no_grad;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  // Data parallel: every rank destroys its engine, and the masters come from their owners.
+  std::vector<at::Tensor> masters(static_cast<size_t>(store_->chunks_per_kind()));
+  if (distributed()) {
+    try {
+      for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) masters[i] = master_chunk_everywhere(i);
+    } catch (const std::exception& e) {
+      TORCH_WARN("patrickstar: the engine could not gather the fp32 weights from the other ranks "
+                 "while being destroyed; the model's parameters are left without values: ", e.what());
+      return;
+    }
+  }
   for (const Param& p : params_) {
     if (!p.tensor.defined()) continue;
     if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
-    at::Tensor value = store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    const TensorPlacement& where = store_->layout().placement(p.id);
+    at::Tensor value = distributed()
+                           ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
+                                 .view(p.tensor.sizes()).clone()
+                           : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
+                                                            /*copy=*/true);
     if (!p.gathered) point_at_nothing(p);
     p.tensor.set_data(value);
   }
@@ -120,6 +140,8 @@ void Engine::register_parameters() {
   }
   if (unique.empty()) param_of_impl_.clear();
   TORCH_CHECK(!unique.empty(), "patrickstar::Engine: the model has no parameters to train");
+  // Data parallel: every rank starts from rank 0's weights and buffers (as DDP does).
+  if (distributed()) broadcast_initial_state(unique);
   // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
   // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
   std::unordered_set<const c10::TensorImpl*> embedding_params;
@@ -141,7 +163,7 @@ void Engine::register_parameters() {
     registration_.largest_module_param_bytes =
         std::max(registration_.largest_module_param_bytes, 4 * own);
   }
-  Layout layout;
+  Layout layout(world_);
   for (const auto& [name, t] : unique) {
     layout.add_tensor(name, t.sizes(), embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0);
   }
@@ -185,11 +207,15 @@ void Engine::register_parameters() {
   const Layout* placed = &store_->layout();
   host_only_.assign(static_cast<size_t>(placed->chunk_count()), false);
   for (int64_t i = 0; i < placed->chunk_count(); ++i) host_only_[i] = placed->chunk_group(i) == 1;
-  // The whole model data must fit the host before anything moves: a model is either untouched or
-  // fully registered.
+  // This rank's share of the model data (every chunk with one process).
+  int64_t owned_bytes = 0;
+  for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
+    if (owns(store_->index_of(id))) owned_bytes += store_->chunk_bytes(id);
+  }
+  // It must fit the host before anything moves: a model is either untouched or fully registered.
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
-      host_->used_bytes() + store_->total_chunk_bytes() > host_->capacity_bytes()) {
-    const int64_t need = store_->total_chunk_bytes();
+      host_->used_bytes() + owned_bytes > host_->capacity_bytes()) {
+    const int64_t need = owned_bytes;
     const int64_t have = host_->capacity_bytes() - host_->used_bytes();
     store_.reset();
     param_of_impl_.clear();
@@ -221,8 +247,12 @@ void Engine::register_parameters() {
   params_.resize(unique.size());
   try {
     for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
-      store_->allocate(store_->chunk_id(ChunkKind::kParam, index), Tier::kHost);
-      if (mixed_) store_->allocate(store_->chunk_id(ChunkKind::kParamFp32, index), Tier::kHost);
+      // Another rank's chunk: its tensors only get their fences (its values live at the owner).
+      const bool mine = owns(index);
+      if (mine) {
+        store_->allocate(store_->chunk_id(ChunkKind::kParam, index), Tier::kHost);
+        if (mixed_) store_->allocate(store_->chunk_id(ChunkKind::kParamFp32, index), Tier::kHost);
+      }
       sample();
       for (TensorId id : placed->tensors_in_chunk(index)) {
         const auto& [name, t] = unique[static_cast<size_t>(id)];
@@ -231,8 +261,10 @@ void Engine::register_parameters() {
         p.tensor = t;
         p.id = id;
         p.trainable = t.requires_grad();
-        store_->view(p.id, ChunkKind::kParam).copy_(t);
-        if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
+        if (mine) {
+          store_->view(p.id, ChunkKind::kParam).copy_(t);
+          if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
+        }
         const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
         p.live = storage_without_memory(nbytes);
         p.fence = fence_storage(nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]));
@@ -240,7 +272,7 @@ void Engine::register_parameters() {
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
-        if (store_->has_kind(kind)) store_->allocate(store_->chunk_id(kind, index), Tier::kHost);
+        if (mine && store_->has_kind(kind)) store_->allocate(store_->chunk_id(kind, index), Tier::kHost);
       }
       sample();
     }
@@ -304,6 +336,25 @@ void Engine::register_parameters() {
     scaler = LossScaler(s);
   }
   adam_ = std::make_unique<HybridAdam>(adam_options, scaler);
+  if (distributed()) {
+    // Each rank steps its own chunks: the norm (and the fp16 overflow it carries) is the sum over
+    // ranks, so every rank clips and skips alike.
+    adam_->set_stats_reducer([this](GradStats& stats) {
+      at::Tensor sum = at::full({1}, stats.sum_squares, at::kDouble);
+      comm_->all_reduce(sum, ReduceOp::kSum);
+      stats.sum_squares = sum.item<double>();
+    });
+    const int64_t groups = placed->chunk_count() / world_;
+    group_gathered_.assign(static_cast<size_t>(groups), 0);
+    group_has_grads_.assign(static_cast<size_t>(groups), 0);
+    group_touched_.assign(static_cast<size_t>(groups), 0);
+    group_tensors_.assign(static_cast<size_t>(groups), 0);
+    for (int64_t i = 0; i < placed->chunk_count(); ++i) {
+      group_tensors_[static_cast<size_t>(i / world_)] +=
+          static_cast<int64_t>(placed->tensors_in_chunk(i).size());
+    }
+    reduced_grads_.resize(static_cast<size_t>(placed->chunk_count()));
+  }
 
   // 5. Figures.
   RegistrationReport& r = registration_;
@@ -316,7 +367,7 @@ void Engine::register_parameters() {
   r.chunks_per_kind = placed->chunk_count();
   r.chunk_waste_elems = placed->waste_elems();
   r.chunk_waste_fraction = placed->waste_fraction();
-  for (ChunkId id = 0; id < store_->chunk_count(); ++id) r.model_data_bytes += store_->chunk_bytes(id);
+  r.model_data_bytes = owned_bytes;  // this rank's share (everything with one process)
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
   r.init_goal_bytes = r.model_data_bytes + r.largest_module_param_bytes;

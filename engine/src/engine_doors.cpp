@@ -100,6 +100,10 @@ void Engine::begin_iteration_if_needed() {
   retraced_this_iteration_ = false;
   open_moment_ = -1;
   counters_at_iteration_start_ = store_->move_counters();
+  comm_at_iteration_start_ = comm_->counters();
+  group_gathers_at_iteration_start_ = group_gathers_;
+  group_reduces_at_iteration_start_ = group_reduces_;
+  collective_seconds_at_iteration_start_ = collective_seconds_;
   device_->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
@@ -107,6 +111,7 @@ void Engine::begin_iteration_if_needed() {
 
 std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
                                      bool with_grad_chunks) {
+  ensure_gathered(module.params, with_grad_chunks);  // data parallel: other ranks' chunks
   std::vector<int64_t> chunk_ids;
   auto add_chunk = [&](ChunkId c) {
     if (host_only_[store_->index_of(c)]) return;  // a CPU embedding's: read on the host
@@ -171,6 +176,7 @@ void Engine::abandon_forward() {
   recorder_->rewind_to(forward_start_moment_);
   hooks_in_forward_ = false;
   phase_ = backwards_since_step_ > 0 ? Phase::kBackwardDone : Phase::kIdle;
+  release_remote(/*discard=*/false);
 }
 
 void Engine::close_moment() {
@@ -211,6 +217,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
                 "step(): in ", to_string(config_.precision()),
                 " without a gradient space the gradients sit where the half weights were; call "
                 "step() or zero_grad() first");
+    ensure_gathered(info.params, /*with_grad_chunks=*/false);
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;
@@ -290,6 +297,7 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
   }
   scope.acquired.clear();
   const ModuleInfo* module = scope.module;
+  release_used_groups(module->params);  // data parallel: groups every tensor of which was used
   if (--open_scopes_ == 0) scopes_.clear();  // tokens are not used again
   if (!training || outputs.empty() || module->params.empty()) return outputs;
   std::vector<at::Tensor> hooked = with_pre_backward(outputs, hooks_, module->hook_id);

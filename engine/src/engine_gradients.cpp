@@ -32,6 +32,11 @@ void Engine::pre_backward(ModuleInfo& module) {
 }
 
 void Engine::post_backward(ModuleInfo& module) {
+  post_backward_release(module);
+  reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
+}
+
+void Engine::post_backward_release(ModuleInfo& module) {
   // The module's backward is over. Parameters whose gradient is still to come (a tied weight used
   // again earlier in the model) wait without memory; their gradient lands in the slot later.
   for (TensorId id : module.params) {
@@ -69,13 +74,20 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
     return;
   }
   if (p.compute_refs == 0) {  // a gradient without its module's pre-backward: take the slot now
+    ensure_gathered({id}, grad_space_);
     store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
     if (grad_space_) store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     p.compute_refs = 1;
   }
   if (grad_space_) {
     at::Tensor slot = store_->view(id, ChunkKind::kGrad);
-    slot.add_(grad);  // zeroed by zero_grad(): the first micro-batch adds to zeros
+    // Zeroed by zero_grad(): the first micro-batch adds to zeros. Data parallel: the average over
+    // ranks (the owner's chunk accumulates the reduced sums of earlier micro-batches).
+    if (distributed()) {
+      slot.add_(grad, 1.0 / world_);
+    } else {
+      slot.add_(grad);
+    }
     store_->set_state(id, ChunkKind::kGrad, TensorState::kHoldAfterBwd);
   } else {
     // The weight's last use is behind us and the fp32 master keeps its value: the half slot
@@ -88,12 +100,22 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   p.compute_refs = 0;
   store_->set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
   point_at_nothing(p);
+  if (distributed()) {
+    ++p.grads_this_backward;
+    group_has_grads_[static_cast<size_t>(comm_group_of(id))] = 1;
+    reduce_ready_groups({id});
+  }
 }
 
 void Engine::flush_pending_gradients() {
   torch::NoGradGuard no_grad;
   for (Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
+    ensure_gathered({p.id}, /*with_grad_chunks=*/false);
+    if (distributed()) {
+      ++p.grads_this_backward;
+      group_has_grads_[static_cast<size_t>(comm_group_of(p.id))] = 1;
+    }
     if (store_->state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
     }
@@ -116,14 +138,18 @@ void Engine::backward(const at::Tensor& loss) {
               "patrickstar: backward() takes the scalar loss of a training forward (one element "
               "that requires grad)");
   if (config_.precision() != Precision::kFp16) {
-    const bool finite = at::isfinite(loss).item<bool>();
+    // Data parallel: every rank drops the forward when any rank's loss is not finite (else the
+    // others would wait for it in the gradient reduction).
+    const bool finite = all_ranks_agree(at::isfinite(loss).item<bool>());
     if (!finite) {
       const double value = loss.item<double>();
       abandon_forward();
       TORCH_CHECK(false, "patrickstar: the loss is ", value, " in ",
                   to_string(config_.precision()),
                   "; the forward was discarded and no gradient was computed (weights unchanged). "
-                  "Lower the learning rate or check the data.");
+                  "Lower the learning rate or check the data.",
+                  distributed() ? " (data parallel: the loss of at least one rank was not finite)"
+                                : "");
     }
   }
   const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
@@ -180,7 +206,12 @@ void Engine::finish_backward() {
     }
     p.segments = 0;
     p.last_segment = -1;
+    p.grads_this_backward = 0;
   }
+  // Data parallel: the groups whose gradients were not all final (parameters unused by this loss)
+  // are reduced now, and nothing gathered stays.
+  reduce_remaining_groups();
+  release_remote(/*discard=*/false);
   in_backward_ = false;
   hooks_in_forward_ = false;
   ++backwards_since_step_;
@@ -191,11 +222,15 @@ void Engine::finish_backward() {
 void Engine::discard_gradients() {
   torch::NoGradGuard no_grad;
   const bool restore = mixed_ && !grad_space_;
+  // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
+  release_remote(/*discard=*/true);
+  for (at::Tensor& sum : reduced_grads_) sum.reset();
   for (Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
+    p.grads_this_backward = 0;
     // The half slot holds the gradient: the weight comes back from the fp32 master, rounded as
     // the step rounds it.
-    if (restore && p.has_grad) {
+    if (restore && p.has_grad && owns(store_->layout().placement(p.id).chunk_index)) {
       store_->view(p.id, ChunkKind::kParam).copy_(store_->view(p.id, ChunkKind::kParamFp32));
     }
     if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
@@ -209,6 +244,7 @@ void Engine::discard_gradients() {
   }
   if (grad_space_) {
     for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) {
+      if (!owns(i)) continue;
       store_->chunk_view(store_->chunk_id(ChunkKind::kGrad, i)).zero_();
     }
   }

@@ -65,14 +65,20 @@ inline at::ScalarType param_dtype(Precision precision) {
 
 }  // namespace engine_detail
 
-// Carries out the scheduler's decisions on the chunk store.
+// Carries out the scheduler's decisions on the chunk store. A chunk without a payload (another
+// rank's, not gathered: data parallel) stays where it is: only a door gathers it, the same way on
+// every rank, so a prefetch of it is skipped (the scheduler sees it absent at its next moment).
 class Engine::Mover final : public ChunkMover {
  public:
   explicit Mover(ChunkStore& store) : store_(store) {}
   bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }
   bool movable(int64_t id) override { return store_.is_movable(id); }
-  void to_device(int64_t id) override { store_.move(id, Tier::kDevice); }
-  void to_host(int64_t id) override { store_.move(id, Tier::kHost); }
+  void to_device(int64_t id) override {
+    if (store_.tier(id) != Tier::kNone) store_.move(id, Tier::kDevice);
+  }
+  void to_host(int64_t id) override {
+    if (store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
+  }
 
  private:
   ChunkStore& store_;

@@ -19,7 +19,7 @@ void Engine::decide_adam_placement() {
   std::vector<int64_t> state_bytes;  // per candidate
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
-    if (host_only_[i]) continue;
+    if (host_only_[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
     candidates.push_back(i);
     state_bytes.push_back(store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
                           store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
@@ -67,7 +67,7 @@ IterationReport Engine::run_adam() {
   if (warmup) on_device.assign(on_device.size(), false);
   std::vector<int64_t> device_chunks;
   for (int64_t i = 0; i < n; ++i) {
-    if (!adam_on_device_[i]) continue;
+    if (!adam_on_device_[i] || !owns(i)) continue;
     device_chunks.push_back(id_of(ChunkKind::kParam, i));
     if (mixed_) device_chunks.push_back(id_of(ChunkKind::kParamFp32, i));
     device_chunks.push_back(id_of(ChunkKind::kMomentum, i));
@@ -80,7 +80,7 @@ IterationReport Engine::run_adam() {
   auto host_chunks = [&](const std::vector<bool>& device_side) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
-      if (device_side[i]) continue;
+      if (device_side[i] || !owns(i)) continue;
       for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
         if (store_->has_kind(kind)) ids.push_back(id_of(kind, i));
       }
@@ -102,6 +102,7 @@ IterationReport Engine::run_adam() {
   std::vector<AdamChunk> runs;
   PlacementPlan plan;
   for (int64_t i = 0; i < n; ++i) {
+    if (!owns(i)) continue;  // data parallel: another rank steps it
     const auto tensors = store_->layout().tensors_in_chunk(i);
     size_t k = 0;
     while (k < tensors.size()) {
@@ -126,8 +127,16 @@ IterationReport Engine::run_adam() {
         run.half_param_grad = slice(ChunkKind::kParam);
         run.master = slice(ChunkKind::kParamFp32);
         // With a gradient space the accumulated fp32 gradient feeds Adam as it is; the half slot
-        // keeps the weight and receives the new one.
-        if (grad_space_) run.grad_fp32 = slice(ChunkKind::kGrad);
+        // keeps the weight and receives the new one. Data parallel without a gradient space: the
+        // fp32 sum the reduction gave this owner, likewise.
+        if (grad_space_) {
+          run.grad_fp32 = slice(ChunkKind::kGrad);
+        } else if (distributed()) {
+          const at::Tensor& sum = reduced_grads_[static_cast<size_t>(i)];
+          TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
+                      " has gradients but was never reduced");
+          run.grad_fp32 = sum.narrow(0, begin, end - begin);
+        }
       } else {
         run.master = slice(ChunkKind::kParam);
         run.grad_fp32 = slice(ChunkKind::kGrad);
@@ -150,6 +159,7 @@ IterationReport Engine::run_adam() {
   report.loss_scale = step.loss_scale;
   report.grad_norm = step.grad_norm;
   for (int64_t i = 0; i < n; ++i) {
+    if (!owns(i)) continue;
     const int64_t bytes = store_->chunk_bytes(id_of(ChunkKind::kMomentum, i)) * (mixed_ ? 3 : 2);
     if (on_device[i]) {
       ++report.adam.chunks_device;
@@ -213,6 +223,7 @@ IterationReport Engine::step() {
     }
     p.has_grad = false;
   }
+  for (at::Tensor& sum : reduced_grads_) sum.reset();
   grads_in_half_slots_ = false;
   recorder_->end_iteration();
   const bool warmup = iteration_ == 0 || !scheduler_->has_trace();
@@ -241,6 +252,13 @@ IterationReport Engine::step() {
   report.h2d_bytes = now.h2d_bytes - counters_at_iteration_start_.h2d_bytes;
   report.d2h_bytes = now.d2h_bytes - counters_at_iteration_start_.d2h_bytes;
   report.device_chunk_peak_bytes = device_->peak_bytes();
+  const CollectiveCounters& comm = comm_->counters();
+  report.group_gathers = group_gathers_ - group_gathers_at_iteration_start_;
+  report.group_reduces = group_reduces_ - group_reduces_at_iteration_start_;
+  report.gather_bytes = comm.broadcast_bytes - comm_at_iteration_start_.broadcast_bytes;
+  report.reduce_bytes = comm.reduce_bytes - comm_at_iteration_start_.reduce_bytes;
+  report.all_reduce_bytes = comm.all_reduce_bytes - comm_at_iteration_start_.all_reduce_bytes;
+  report.collective_seconds = collective_seconds_ - collective_seconds_at_iteration_start_;
   for (const Moment& m : recorder_->current_trace().moments) {
     report.non_model_peak_bytes = std::max(report.non_model_peak_bytes, m.non_model_bytes);
   }

@@ -20,6 +20,9 @@ TensorId Engine::id_of(const at::Tensor& t) const {
 }
 
 void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
+  TORCH_CHECK(!distributed(), "patrickstar: GatheredParameters with ", world_, " ranks is not "
+              "supported yet; fp32_state_dict() and save_weights() gather the weights from every "
+              "rank");
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check, changing nothing.
   if (write_back) {

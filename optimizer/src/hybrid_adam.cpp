@@ -187,6 +187,7 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
 
   GradStats total;
   for (const auto& chunk : chunks) total += stats_of(grad_of(chunk));
+  if (agree_) agree_(total);
 
   if (!total.finite()) {
     // Overflow: no update anywhere. The half slots hold (broken) gradients; put the weights back.

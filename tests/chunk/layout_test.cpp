@@ -238,5 +238,22 @@ TEST(LayoutGroups, TensorsOfDifferentGroupsNeverShareAChunk) {
   EXPECT_THROW(bad.add_tensor("x", {1}, -1), c10::Error);
 }
 
+// With 2 ranks each group fills whole comm groups: group 0's one chunk is padded to two, so the
+// CPU-embedding group starts a comm group of its own.
+TEST(LayoutGroups, EachGroupFillsWholeCommGroups) {
+  Layout layout(/*world_size=*/2);
+  layout.add_tensor("a", {60});
+  const TensorId e = layout.add_tensor("emb", {70}, /*group=*/1);
+  layout.add_tensor("b", {30});
+  layout.finalize(100);
+  EXPECT_EQ(layout.chunk_count(), 4);
+  EXPECT_EQ(layout.placement(e).chunk_index, 2);
+  EXPECT_EQ(layout.comm_group(2), 1);
+  EXPECT_EQ(layout.chunk_group(1), 0);  // padding of group 0
+  EXPECT_EQ(layout.chunk_group(2), 1);
+  EXPECT_EQ(layout.chunk_group(3), 1);  // padding of group 1
+  EXPECT_EQ(layout.waste_elems(), 4 * 100 - 160);
+}
+
 }  // namespace
 }  // namespace patrickstar

@@ -131,6 +131,27 @@ TEST(Communicator, AllReduceSumAndMaxAndBroadcast) {
   comm().barrier();
 }
 
+TEST(Communicator, ReduceSumGivesTheRootTheSumAndLeavesTheOthersInputs) {
+  const int n_ranks = comm().world_size();
+  const int me = comm().rank();
+  for (int root = 0; root < n_ranks; ++root) {
+    at::Tensor buffer = values_of(me, 257, at::kFloat);
+    const at::Tensor mine = buffer.clone();
+    comm().reduce_sum(buffer, root);
+    if (me == root) {
+      at::Tensor expected = torch::zeros({257});
+      for (int r = 0; r < n_ranks; ++r) expected += values_of(r, 257, at::kFloat);
+      EXPECT_TRUE(torch::allclose(buffer, expected, 1e-6, 1e-6)) << "root " << root;
+    } else {
+      EXPECT_TRUE(torch::equal(buffer, mine)) << "root " << root;
+    }
+  }
+  EXPECT_NE(error_of([] { comm().reduce_sum(torch::zeros({4}, at::kBFloat16), 0); }).find("fp32 or fp64"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { comm().reduce_sum(torch::zeros({4}), n_ranks); }).find("not a rank"),
+            std::string::npos);
+}
+
 TEST(Communicator, CountersFollowTheFormulas) {
   const int n_ranks = comm().world_size();
   const CollectiveCounters before = comm().counters();
@@ -147,6 +168,9 @@ TEST(Communicator, CountersFollowTheFormulas) {
   EXPECT_EQ(c.reduce_scatter_calls - before.reduce_scatter_calls, 1);
   EXPECT_EQ(c.reduce_scatter_bytes - before.reduce_scatter_bytes, n_ranks * 100 * 4);  // fp32 staged
   EXPECT_EQ(c.all_reduce_bytes - before.all_reduce_bytes, 16);
+  comm().reduce_sum(shard, 0);
+  EXPECT_EQ(comm().counters().reduce_calls - before.reduce_calls, 1);
+  EXPECT_EQ(comm().counters().reduce_bytes - before.reduce_bytes, 100 * 4);
 }
 
 TEST(Communicator, BadArgumentsAreRefusedBeforeAnythingIsSent) {

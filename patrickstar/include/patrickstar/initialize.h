@@ -18,6 +18,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
@@ -29,6 +30,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include "patrickstar/comm/communicator.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
 #include "patrickstar/memtracer/counting_allocator.h"
@@ -185,12 +187,18 @@ auto module_shared_ptr(T&& made) {
 
 // Builds the model with `factory` (on the CPU, fp32), registers it into chunks and returns the two
 // handles. `factory` returns a ModuleHolder (e.g. a TORCH_MODULE type) or a shared_ptr to a module.
-// local_rank must be 0 in this single-process build (multi-GPU comes with the collectives).
+// Data parallel: the process group comes from the launcher (communicator_from_env: mpirun gives
+// MPI, otherwise one process); every process calls this with the same factory and config, and
+// rank 0's initial weights are broadcast. local_rank is the process's index on its machine (the
+// device it would use): 0 in one process, below the world size under a launcher.
 template <typename Factory>
 auto initialize_engine(Factory&& factory, int local_rank, const Config& config) {
-  TORCH_CHECK(local_rank == 0, "patrickstar::initialize_engine: local_rank ", local_rank,
-              " but this build trains in one process (local_rank 0); multi-GPU training comes "
-              "with the collectives");
+  std::shared_ptr<Communicator> comm = communicator_from_env();
+  TORCH_CHECK(local_rank >= 0 && local_rank < comm->world_size(),
+              "patrickstar::initialize_engine: local_rank ", local_rank, " but ",
+              comm->world_size() == 1
+                  ? std::string("this process was not started by a launcher (one process, local_rank 0)")
+                  : "the launcher started " + std::to_string(comm->world_size()) + " processes");
   // Count the model's construction: the initialization peak includes the factory's allocations.
   CountingCpuAllocator& counter = CountingCpuAllocator::install();
   const int64_t live_before = counter.live_bytes();
@@ -198,7 +206,7 @@ auto initialize_engine(Factory&& factory, int local_rank, const Config& config) 
   auto module = detail::module_shared_ptr(factory());
   const int64_t construction_peak = counter.peak_bytes() - live_before;
   using ModuleType = typename decltype(module)::element_type;
-  auto engine = std::make_shared<Engine>(module, config);
+  auto engine = std::make_shared<Engine>(module, config, std::move(comm));
   engine->note_model_construction_peak(construction_peak);
   return std::make_pair(EngineModel<ModuleType>(engine, module), EngineOptimizer(engine));
 }

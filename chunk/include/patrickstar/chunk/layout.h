@@ -19,7 +19,8 @@
 //   Gemini searches its chunk size.
 // - With world_size > 1 the chunk count is rounded up to a multiple of world_size (empty chunks,
 //   counted as waste): chunk i belongs to comm group i / world_size and is owned by rank
-//   i % world_size.
+//   i % world_size. Each tensor group (add_tensor's `group`) is rounded up on its own, so a comm
+//   group never mixes two tensor groups (CPU-embedding chunks and device chunks).
 // - The placement search keeps the free room of every chunk in a max segment tree, so placing n
 //   tensors costs O(n log n) whatever the number of chunks.
 //
@@ -65,7 +66,7 @@ class Layout {
   // engine keeps group 1, CPU embeddings, on the host). The chunk-size search packs all tensors
   // together. Throws c10::Error after finalize() or for a negative size or group.
   TensorId add_tensor(std::string_view name, c10::IntArrayRef sizes, int group = 0);
-  // The group of the tensors in chunk `chunk_index` (0 for an empty chunk).
+  // The group of the tensors in chunk `chunk_index` (an empty chunk: the group it pads).
   int chunk_group(int64_t chunk_index) const;
 
   // Places every tensor in chunks of `chunk_elems` elements. Throws c10::Error naming the tensor,

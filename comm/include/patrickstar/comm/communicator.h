@@ -1,7 +1,8 @@
 // Collectives between the processes of one data-parallel group: the few operations chunk-granular
 // ZeRO-3 needs (docs/design.md section 9), behind a small interface of our own. Backends: "local"
-// (one process, world size 1) and "mpi" (Open MPI over host memory, the CPU and emulated-device
-// backend; built when CMake finds MPI). NCCL for CUDA tensors comes with the CUDA engine.
+// (one process, world size 1), "mpi" (Open MPI over host memory, the CPU and emulated-device
+// backend; built when CMake finds MPI) and "nccl" (CUDA tensors, PyTorch's ProcessGroupNCCL;
+// built in CUDA builds, for the CUDA engine: make_nccl_communicator).
 //
 //   auto comm = patrickstar::communicator_from_env();   // MPI under mpirun, else local
 //   comm->all_gather(my_chunk, group_buffer);            // group_buffer: world_size chunks, rank order
@@ -10,8 +11,8 @@
 // it is complete on this rank. Arguments are checked before anything is sent, so a bad call throws
 // c10::Error on every rank that makes it (a rank that alone makes a bad call leaves the others
 // waiting until the launcher's timeout). Counts are ints in MPI: a call over more than 2^31 - 1
-// elements (a whole group buffer included) is refused. Tensors are contiguous CPU tensors. Not thread-safe: one
-// thread drives a communicator.
+// elements (a whole group buffer included) is refused. Tensors are contiguous, on the CPU (local,
+// MPI) or on this process's GPU (NCCL). Not thread-safe: one thread drives a communicator.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 
 namespace patrickstar {
 
@@ -26,7 +28,7 @@ enum class ReduceOp { kSum, kMax };
 
 // What this rank passed through collectives since the communicator was made: calls, and bytes as
 // they are counted for the traffic formulas (all-gather: the output, world_size x the input;
-// reduce-scatter: the fp32 input; all-reduce and broadcast: the buffer).
+// reduce-scatter: the fp32 input; all-reduce, broadcast and reduce: the buffer).
 struct CollectiveCounters {
   int64_t all_gather_calls = 0;
   int64_t all_gather_bytes = 0;
@@ -36,6 +38,8 @@ struct CollectiveCounters {
   int64_t all_reduce_bytes = 0;
   int64_t broadcast_calls = 0;
   int64_t broadcast_bytes = 0;
+  int64_t reduce_calls = 0;
+  int64_t reduce_bytes = 0;
 };
 
 class Communicator {
@@ -56,6 +60,9 @@ class Communicator {
   void all_reduce(const at::Tensor& buffer, ReduceOp op);
   // `buffer` takes root's values on every rank.
   void broadcast(const at::Tensor& buffer, int root);
+  // fp32 or fp64: root's `buffer` becomes the sum over ranks of every rank's `buffer`, in place; the
+  // other ranks' buffers are inputs, left unchanged (one chunk's gradients into its owner).
+  void reduce_sum(const at::Tensor& buffer, int root);
   virtual void barrier() = 0;
 
   const CollectiveCounters& counters() const { return counters_; }
@@ -63,11 +70,14 @@ class Communicator {
  protected:
   // True when `in` is this rank's slice of `out` (gathered in place: MPI_IN_PLACE).
   bool gathers_in_place(const at::Tensor& in, const at::Tensor& out) const;
+  // Where the backend's tensors live (checked before every call).
+  virtual c10::DeviceType device_type() const { return c10::kCPU; }
   // Called after the arguments were checked; `in_fp32` is in_flat converted to fp32.
   virtual void do_all_gather(const at::Tensor& in, const at::Tensor& out) = 0;
   virtual void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) = 0;
   virtual void do_all_reduce(const at::Tensor& buffer, ReduceOp op) = 0;
   virtual void do_broadcast(const at::Tensor& buffer, int root) = 0;
+  virtual void do_reduce_sum(const at::Tensor& buffer, int root) = 0;
 
  private:
   CollectiveCounters counters_;
@@ -80,6 +90,11 @@ std::unique_ptr<Communicator> make_local_communicator();
 std::unique_ptr<Communicator> make_mpi_communicator();
 // Whether this build has the MPI backend.
 bool mpi_available();
+// NCCL over PyTorch's ProcessGroupNCCL, rendezvous torchrun style (RANK, WORLD_SIZE, LOCAL_RANK,
+// MASTER_ADDR, MASTER_PORT; a TCPStore on rank 0), one GPU per rank (LOCAL_RANK). Throws
+// c10::Error when this build has no NCCL backend or the environment is incomplete.
+std::unique_ptr<Communicator> make_nccl_communicator();
+bool nccl_available();
 // MPI when the process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE, Hydra
 // PMI_SIZE), else local. Under a launcher without MPI in this build: c10::Error.
 std::unique_ptr<Communicator> communicator_from_env();

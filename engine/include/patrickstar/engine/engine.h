@@ -49,6 +49,7 @@
 #include <torch/nn/module.h>
 
 #include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/comm/communicator.h"
 #include "patrickstar/engine/autograd_hooks.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/module_hooks.h"
@@ -82,6 +83,16 @@ struct IterationReport {
   bool retraced = false;
   int64_t retraces = 0;
   PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
+  // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
+  // a group gather broadcasts each of its world_size param chunks from its owner (world_size x a
+  // param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to its owner
+  // (world_size x chunk_elems x 4); all-reduces agree on the loss's finiteness and the gradient norm.
+  int64_t group_gathers = 0;      // comm groups gathered (forward and backward)
+  int64_t group_reduces = 0;      // comm groups whose gradients were reduced into their owners
+  int64_t gather_bytes = 0;
+  int64_t reduce_bytes = 0;
+  int64_t all_reduce_bytes = 0;
+  double collective_seconds = 0;  // wall time inside collectives
 };
 
 // Model-data figures, fixed after registration.
@@ -93,7 +104,7 @@ struct RegistrationReport {
   int64_t chunks_per_kind = 0;
   int64_t chunk_waste_elems = 0;
   double chunk_waste_fraction = 0;
-  int64_t model_data_bytes = 0;   // every payload of every kind
+  int64_t model_data_bytes = 0;   // every payload of every kind this rank owns (all, one rank)
   double model_data_bytes_per_param = 0;
   // Host memory during initialization: the peak of LibTorch's CPU allocations (through the
   // counting allocator) plus the host tier, over building the model (when initialize_engine built
@@ -111,7 +122,12 @@ class Engine final : public ModuleHookHandler {
   // storage. `model` must be on the CPU in fp32 and own at least one parameter; parameters shared
   // by several modules are registered once; frozen ones (requires_grad false) are kept in chunks
   // but never updated. Throws c10::Error on bad input, leaving `model` untouched.
-  Engine(std::shared_ptr<torch::nn::Module> model, Config config);
+  // Data parallel: with a communicator of world size N > 1 (every process builds the same model
+  // and engine), rank 0's initial weights and buffers are broadcast, and this process keeps the
+  // fp32 master, momentum and variance (and gradient space) of the chunks it owns only
+  // (docs/design.md section 9). Every process must then make the same calls in the same order.
+  Engine(std::shared_ptr<torch::nn::Module> model, Config config,
+         std::shared_ptr<Communicator> comm = nullptr);
   ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -177,6 +193,12 @@ class Engine final : public ModuleHookHandler {
   const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
   // Chunk index i belongs to CPU embeddings (use_cpu_embedding): it never moves to the device.
   bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
+  // Data parallel: this process's rank, the number of processes, and whether this rank owns chunk
+  // index i (keeps its optimizer state; always true with one process).
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  bool owns(int64_t chunk_index) const { return chunk_index % world_ == rank_; }
+  const Communicator& communicator() const { return *comm_; }
 
   // ModuleHookHandler (called by the doors).
   int64_t pre_forward(torch::nn::Module& module) override;
@@ -211,6 +233,10 @@ class Engine final : public ModuleHookHandler {
     int segments = 0;
     int64_t last_segment = -1;
     at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
+    // Data parallel: gradients written this backward (the group is reduced once every trainable
+    // tensor of it has `segments` of them), and whether a door used it since its group's gather.
+    int grads_this_backward = 0;
+    bool touched = false;
   };
   struct ModuleInfo {
     std::string label;
@@ -241,6 +267,7 @@ class Engine final : public ModuleHookHandler {
   void release(TensorId id, TensorState to);
   void pre_backward(ModuleInfo& module);
   void post_backward(ModuleInfo& module);
+  void post_backward_release(ModuleInfo& module);
   void on_gradient(TensorId id, const at::Tensor& param);
   void begin_iteration_if_needed();
   void finish_backward();
@@ -278,6 +305,30 @@ class Engine final : public ModuleHookHandler {
   // The registered parameter behind `t`, or -1.
   TensorId id_of(const at::Tensor& t) const;
   friend class GatheredParameters;
+  // --- data parallel (engine_distributed.cpp) ---
+  bool distributed() const { return world_ > 1; }
+  int64_t comm_group_of(TensorId id) const;
+  // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
+  // and, with `with_grad_chunks`, zeroed gradient chunks for the remote ones.
+  void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
+  void gather_group(int64_t group);
+  // Outside a backward: drops the remote chunks of the groups of `ids` whose every tensor was used
+  // since their gather and none is in use.
+  void release_used_groups(const std::vector<TensorId>& ids);
+  // In a backward: reduces (and drops) the groups of `ids` whose gradients are all final.
+  void reduce_ready_groups(const std::vector<TensorId>& ids);
+  void reduce_group(int64_t group);
+  // End of backward: every group not reduced yet is reduced (unused parameters' zeros included).
+  void reduce_remaining_groups();
+  // Frees every remote payload; `discard` also drops gradients not reduced yet (else such groups
+  // are kept).
+  void release_remote(bool discard);
+  void release_group(int64_t group);
+  void broadcast_initial_state(const std::vector<std::pair<std::string, at::Tensor>>& params);
+  // Every rank agrees: true when `local` is true on every rank (one small all-reduce).
+  bool all_ranks_agree(bool local) const;
+  // fp32 master of chunk index i on every rank (broadcast from its owner).
+  at::Tensor master_chunk_everywhere(int64_t index) const;
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
@@ -332,6 +383,23 @@ class Engine final : public ModuleHookHandler {
   int64_t gathered_for_write_ = 0;  // of which by read-write scopes
   std::vector<GatheredParameters*> gathered_scopes_;  // open scopes (told when the engine goes)
   std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
+
+  // Data parallel.
+  std::shared_ptr<Communicator> comm_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::vector<char> group_gathered_;     // per comm group: its remote param chunks are present
+  std::vector<char> group_has_grads_;    // per comm group: gradients written, not reduced yet
+  std::vector<int64_t> group_touched_;   // per comm group: tensors used since the gather
+  std::vector<int64_t> group_tensors_;   // per comm group: tensors in its chunks
+  std::vector<at::Tensor> reduced_grads_;  // per owned chunk index (mixed, no gradient space): fp32
+  int64_t group_gathers_ = 0;
+  int64_t group_reduces_ = 0;
+  mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
+  CollectiveCounters comm_at_iteration_start_;
+  int64_t group_gathers_at_iteration_start_ = 0;
+  int64_t group_reduces_at_iteration_start_ = 0;
+  double collective_seconds_at_iteration_start_ = 0;
 };
 
 }  // namespace patrickstar

@@ -18,6 +18,8 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 
 #include "patrickstar/optimizer/adam_rule.h"
 #include "patrickstar/optimizer/cpu_adam.h"
@@ -104,9 +106,14 @@ class HybridAdam {
   void set_lr(double lr) { options_.lr(lr); }
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t step);  // for checkpoints
+  // Data parallel: each process steps its own shard of the chunks. `agree` is called with this
+  // shard's gradient statistics before anything is decided and must replace them with the global
+  // ones (an all-reduce of the sum of squares), so every process skips, clips and scales alike.
+  void set_stats_reducer(std::function<void(GradStats&)> agree) { agree_ = std::move(agree); }
 
  private:
   AdamOptions options_;
+  std::function<void(GradStats&)> agree_;
   LossScaler loss_scaler_;
   int64_t step_ = 0;
 };

@@ -1,0 +1,235 @@
+// Data parallel across processes (docs/design.md section 9): ownership, gather on use, drop after
+// use, gradient reduction into the owners. With one process none of this runs.
+//
+// The rules, identical on every rank because they follow the doors and the gradients (the same
+// model runs the same graph everywhere), never a rank's own memory decisions:
+// - Rank r owns chunk index i when i % world_size == r, and keeps that index's payloads of every
+//   kind. A comm group is world_size consecutive chunk indices.
+// - A door that needs a parameter whose group is not present gathers the group: each owner
+//   broadcasts its param chunk into the others' payloads (allocated on the host; the scheduler
+//   brings what the moment needs to the device as any load).
+// - Outside a backward, a group's remote chunks are dropped when every tensor of the group was used
+//   since the gather and none is in use (so a forward gathers each group once).
+// - In a backward, a group is reduced when each of its trainable tensors got its gradients (one per
+//   autograd pass that uses it) and none is in use: every chunk of the group is summed in fp32 into
+//   its owner, then the remote chunks are dropped. The end of the backward reduces the groups left
+//   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
+#include "patrickstar/engine/engine.h"
+
+#include <chrono>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+namespace {
+// Adds the wall time of its scope to `total` (the iteration report's collective time).
+class CollectiveTimer {
+ public:
+  explicit CollectiveTimer(double& total)
+      : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~CollectiveTimer() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  CollectiveTimer(const CollectiveTimer&) = delete;
+  CollectiveTimer& operator=(const CollectiveTimer&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_;
+};
+}  // namespace
+
+int64_t Engine::comm_group_of(TensorId id) const {
+  return store_->layout().placement(id).chunk_index / world_;
+}
+
+void Engine::broadcast_initial_state(
+    const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  torch::NoGradGuard no_grad;
+  CollectiveTimer timer(collective_seconds_);
+  auto broadcast = [&](const at::Tensor& t) {
+    if (t.is_contiguous()) {
+      comm_->broadcast(t, 0);
+    } else {
+      at::Tensor staging = t.contiguous();
+      comm_->broadcast(staging, 0);
+      t.copy_(staging);
+    }
+  };
+  for (const auto& item : params) broadcast(item.second);
+  for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device().is_cpu() && b.numel() > 0) broadcast(b);
+  }
+}
+
+void Engine::gather_group(int64_t group) {
+  CollectiveTimer timer(collective_seconds_);
+  for (int r = 0; r < world_; ++r) {
+    const int64_t index = group * world_ + r;
+    const ChunkId c = store_->chunk_id(ChunkKind::kParam, index);
+    if (r != rank_) store_->allocate(c, Tier::kHost, Fill::kUninitialized);
+    comm_->broadcast(store_->chunk_view(c), r);
+  }
+  group_gathered_[static_cast<size_t>(group)] = 1;
+  group_touched_[static_cast<size_t>(group)] = 0;
+  for (int64_t index = group * world_; index < (group + 1) * world_; ++index) {
+    for (TensorId t : store_->layout().tensors_in_chunk(index)) params_[t].touched = false;
+  }
+  ++group_gathers_;
+}
+
+void Engine::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks) {
+  if (!distributed()) return;
+  for (TensorId id : ids) {
+    const int64_t g = comm_group_of(id);
+    if (!group_gathered_[static_cast<size_t>(g)]) gather_group(g);
+    Param& p = params_[id];
+    if (!p.touched) {
+      p.touched = true;
+      ++group_touched_[static_cast<size_t>(g)];
+    }
+    if (!with_grad_chunks || !grad_space_ || !p.trainable) continue;
+    const int64_t index = store_->layout().placement(id).chunk_index;
+    const ChunkId grad = store_->chunk_id(ChunkKind::kGrad, index);
+    if (store_->tier(grad) == Tier::kNone) store_->allocate(grad, Tier::kHost);  // zeros
+  }
+}
+
+void Engine::release_group(int64_t group) {
+  for (int64_t index = group * world_; index < (group + 1) * world_; ++index) {
+    if (owns(index)) continue;
+    store_->release(store_->chunk_id(ChunkKind::kParam, index));
+    if (grad_space_) store_->release(store_->chunk_id(ChunkKind::kGrad, index));
+  }
+  group_gathered_[static_cast<size_t>(group)] = 0;
+  group_has_grads_[static_cast<size_t>(group)] = 0;
+  group_touched_[static_cast<size_t>(group)] = 0;
+}
+
+namespace {
+bool any_in_compute(const ChunkStore& store, bool grad_space, int64_t first, int64_t end) {
+  for (int64_t index = first; index < end; ++index) {
+    if (!store.is_movable(store.chunk_id(ChunkKind::kParam, index))) return true;
+    if (grad_space && !store.is_movable(store.chunk_id(ChunkKind::kGrad, index))) return true;
+  }
+  return false;
+}
+}  // namespace
+
+void Engine::release_used_groups(const std::vector<TensorId>& ids) {
+  if (!distributed() || in_backward_) return;
+  for (TensorId id : ids) {
+    const int64_t g = comm_group_of(id);
+    const auto k = static_cast<size_t>(g);
+    if (!group_gathered_[k] || group_has_grads_[k] || group_touched_[k] < group_tensors_[k]) continue;
+    if (any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_)) continue;
+    release_group(g);
+  }
+}
+
+void Engine::reduce_ready_groups(const std::vector<TensorId>& ids) {
+  if (!distributed()) return;
+  for (TensorId id : ids) {
+    const int64_t g = comm_group_of(id);
+    if (!group_has_grads_[static_cast<size_t>(g)]) continue;
+    bool ready = !any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_);
+    for (int64_t index = g * world_; ready && index < (g + 1) * world_; ++index) {
+      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+        const Param& p = params_[t];
+        if (p.trainable && (p.segments == 0 || p.grads_this_backward < p.segments)) {
+          ready = false;
+          break;
+        }
+      }
+    }
+    if (ready) reduce_group(g);
+  }
+}
+
+void Engine::reduce_group(int64_t group) {
+  torch::NoGradGuard no_grad;
+  {
+    CollectiveTimer timer(collective_seconds_);
+    for (int owner = 0; owner < world_; ++owner) {
+      const int64_t index = group * world_ + owner;
+      if (grad_space_) {
+        // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
+        // micro-batches reduced, receives the sum in place.
+        const ChunkId c = store_->chunk_id(ChunkKind::kGrad, index);
+        if (store_->tier(c) == Tier::kNone) store_->allocate(c, Tier::kHost);  // nothing here
+        comm_->reduce_sum(store_->chunk_view(c), owner);
+        continue;
+      }
+      // Mixed precision without a gradient space: the half slots hold the gradients. They are
+      // summed in fp32 (MPI has no bf16); the owner keeps the fp32 sum for Adam and its half slot
+      // gets the weight back from the master (a later gather reads weights).
+      at::Tensor sum = store_->chunk_view(store_->chunk_id(ChunkKind::kParam, index)).to(at::kFloat);
+      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+        if (params_[t].has_grad) continue;  // a weight, not a gradient
+        const TensorPlacement& where = store_->layout().placement(t);
+        sum.narrow(0, where.offset_elems, where.numel).zero_();
+      }
+      sum.mul_(1.0 / world_);
+      comm_->reduce_sum(sum, owner);
+      if (!owns(index)) continue;
+      at::Tensor& kept = reduced_grads_[static_cast<size_t>(index)];
+      kept = kept.defined() ? kept.add_(sum) : sum;
+      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+        if (params_[t].has_grad) {
+          store_->view(t, ChunkKind::kParam).copy_(store_->view(t, ChunkKind::kParamFp32));
+        }
+      }
+    }
+  }
+  ++group_reduces_;
+  release_group(group);
+}
+
+void Engine::reduce_remaining_groups() {
+  if (!distributed()) return;
+  for (int64_t g = 0; g < static_cast<int64_t>(group_has_grads_.size()); ++g) {
+    if (group_has_grads_[static_cast<size_t>(g)]) reduce_group(g);
+  }
+}
+
+void Engine::release_remote(bool discard) {
+  if (!distributed()) return;
+  for (int64_t g = 0; g < static_cast<int64_t>(group_gathered_.size()); ++g) {
+    const auto k = static_cast<size_t>(g);
+    if (!discard && group_has_grads_[k]) continue;
+    if (any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_)) continue;
+    bool present = group_gathered_[k] != 0;
+    for (int64_t index = g * world_; !present && index < (g + 1) * world_; ++index) {
+      present = !owns(index) && grad_space_ &&
+                store_->tier(store_->chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
+    }
+    if (present) release_group(g);
+  }
+}
+
+bool Engine::all_ranks_agree(bool local) const {
+  if (!distributed()) return local;
+  CollectiveTimer timer(collective_seconds_);
+  at::Tensor disagree = at::full({1}, local ? 0.0f : 1.0f, at::kFloat);
+  comm_->all_reduce(disagree, ReduceOp::kMax);
+  return disagree.item<float>() == 0.0f;
+}
+
+at::Tensor Engine::master_chunk_everywhere(int64_t index) const {
+  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  at::Tensor buffer =
+      owns(index)
+          ? store_->chunk_view(store_->chunk_id(master, index))
+                .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+          : at::empty({store_->chunk_elems()}, at::kFloat);
+  comm_->broadcast(buffer, static_cast<int>(index % world_));
+  return buffer;
+}
+
+}  // namespace patrickstar
