@@ -1,6 +1,7 @@
 #include "patrickstar/comm/communicator.h"
 
 #include <cstdlib>
+#include <string>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -119,10 +120,15 @@ std::unique_ptr<Communicator> make_local_communicator() {
 }
 
 std::unique_ptr<Communicator> communicator_from_env() {
-  // Open MPI's mpirun, MPICH's Hydra, and PMIx launchers (srun --mpi=pmix).
+  // Open MPI's mpirun, MPICH's Hydra, and PMIx launchers (srun --mpi=pmix). A launcher that
+  // started one process (its size variable says 1) needs no MPI: the local backend serves it.
   const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
                         std::getenv("PMI_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr;
   if (!launched) return make_local_communicator();
+  for (const char* size : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    const char* value = std::getenv(size);
+    if (value != nullptr && std::string(value) == "1") return make_local_communicator();
+  }
   TORCH_CHECK(mpi_available(), "patrickstar: the process was started by an MPI launcher, but this "
               "build has no MPI backend (install Open MPI, e.g. apt-get install libopenmpi-dev, and "
               "configure again)");

@@ -100,14 +100,30 @@ Engine::~Engine() {
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
   torch::NoGradGuard no_grad;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
-  // Data parallel: every rank destroys its engine, and the masters come from their owners.
+  // Data parallel: every rank destroys its engine, and the masters come from their owners. Not
+  // while an exception unwinds (the other ranks are elsewhere): then, and when the gather fails,
+  // the parameters keep their fences (reading one throws) and nothing points at the engine.
   std::vector<at::Tensor> masters(static_cast<size_t>(store_->chunks_per_kind()));
   if (distributed()) {
-    try {
-      for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) masters[i] = master_chunk_everywhere(i);
-    } catch (const std::exception& e) {
-      TORCH_WARN("patrickstar: the engine could not gather the fp32 weights from the other ranks "
-                 "while being destroyed; the model's parameters are left without values: ", e.what());
+    std::string failure;
+    if (std::uncaught_exceptions() > 0) {
+      failure = "an exception is unwinding on this rank";
+    } else {
+      try {
+        for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) masters[i] = master_chunk_everywhere(i);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
+    if (!failure.empty()) {
+      TORCH_WARN("patrickstar: the engine was destroyed without gathering the fp32 weights from "
+                 "the other ranks (", failure, "); the model's parameters are left without values");
+      for (const Param& p : params_) {
+        if (!p.tensor.defined()) continue;
+        if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
+        point_at_nothing(p);
+      }
+      for (const at::Tensor& b : cast_buffers_) b.set_data(b.to(at::kFloat));
       return;
     }
   }
@@ -315,7 +331,7 @@ void Engine::register_parameters() {
   options.prefetch_depth = config_.scheduler.prefetch_depth;
   scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
-  mover_ = std::make_unique<Mover>(*store_);
+  mover_ = std::make_unique<Mover>(*store_, /*skip_absent=*/distributed());
 
   AdamOptions adam_options;
   adam_options.lr(config_.optimizer.lr)
@@ -337,13 +353,7 @@ void Engine::register_parameters() {
   }
   adam_ = std::make_unique<HybridAdam>(adam_options, scaler);
   if (distributed()) {
-    // Each rank steps its own chunks: the norm (and the fp16 overflow it carries) is the sum over
-    // ranks, so every rank clips and skips alike.
-    adam_->set_stats_reducer([this](GradStats& stats) {
-      at::Tensor sum = at::full({1}, stats.sum_squares, at::kDouble);
-      comm_->all_reduce(sum, ReduceOp::kSum);
-      stats.sum_squares = sum.item<double>();
-    });
+    // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
     const int64_t groups = placed->chunk_count() / world_;
     group_gathered_.assign(static_cast<size_t>(groups), 0);
     group_has_grads_.assign(static_cast<size_t>(groups), 0);

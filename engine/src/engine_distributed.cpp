@@ -16,8 +16,6 @@
 //   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
 #include "patrickstar/engine/engine.h"
 
-#include <chrono>
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
@@ -27,23 +25,6 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-namespace {
-// Adds the wall time of its scope to `total` (the iteration report's collective time).
-class CollectiveTimer {
- public:
-  explicit CollectiveTimer(double& total)
-      : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~CollectiveTimer() {
-    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-  CollectiveTimer(const CollectiveTimer&) = delete;
-  CollectiveTimer& operator=(const CollectiveTimer&) = delete;
-
- private:
-  double& total_;
-  std::chrono::steady_clock::time_point start_;
-};
-}  // namespace
 
 int64_t Engine::comm_group_of(TensorId id) const {
   return store_->layout().placement(id).chunk_index / world_;

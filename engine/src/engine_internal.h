@@ -2,6 +2,7 @@
 // pointed at a chunk, and the mover that carries out the scheduler's decisions).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -53,6 +54,22 @@ inline void repoint(const c10::Storage& storage, void* data) {
   storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
 }
 
+// Adds the wall time of its scope to `total` (the iteration report's collective time).
+class CollectiveTimer {
+ public:
+  explicit CollectiveTimer(double& total)
+      : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~CollectiveTimer() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  CollectiveTimer(const CollectiveTimer&) = delete;
+  CollectiveTimer& operator=(const CollectiveTimer&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 inline at::ScalarType param_dtype(Precision precision) {
   switch (precision) {
     case Precision::kFp32: return at::kFloat;
@@ -65,23 +82,26 @@ inline at::ScalarType param_dtype(Precision precision) {
 
 }  // namespace engine_detail
 
-// Carries out the scheduler's decisions on the chunk store. A chunk without a payload (another
-// rank's, not gathered: data parallel) stays where it is: only a door gathers it, the same way on
-// every rank, so a prefetch of it is skipped (the scheduler sees it absent at its next moment).
+// Carries out the scheduler's decisions on the chunk store. Data parallel (`skip_absent`): a chunk
+// without a payload (another rank's, not gathered) stays where it is: only a door gathers it, the
+// same way on every rank, so a prefetch of it is skipped (the scheduler sees it absent at its next
+// moment; its statistics count the skipped prefetch). With one process every chunk has a payload
+// and a move of one without is the chunk store's error.
 class Engine::Mover final : public ChunkMover {
  public:
-  explicit Mover(ChunkStore& store) : store_(store) {}
+  Mover(ChunkStore& store, bool skip_absent) : store_(store), skip_absent_(skip_absent) {}
   bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }
   bool movable(int64_t id) override { return store_.is_movable(id); }
   void to_device(int64_t id) override {
-    if (store_.tier(id) != Tier::kNone) store_.move(id, Tier::kDevice);
+    if (!skip_absent_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kDevice);
   }
   void to_host(int64_t id) override {
-    if (store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
+    if (!skip_absent_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
   }
 
  private:
   ChunkStore& store_;
+  bool skip_absent_;
 };
 
 }  // namespace patrickstar

@@ -124,6 +124,8 @@ void Engine::save_checkpoint(const std::string& path) const {
     archive.save_to(shard_path(path, rank_, world_));
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
   }
   // Data parallel: a rank that could not write makes every rank throw (none trains on believing
   // the checkpoint complete).
@@ -207,6 +209,8 @@ void Engine::load_checkpoint(const std::string& path_given) {
     archive.read("scaler", scaler);
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
   }
   // Data parallel: every rank loads or none does (a rank that trained on from other weights would
   // leave the ranks apart for good).
@@ -215,6 +219,7 @@ void Engine::load_checkpoint(const std::string& path_given) {
             "\"; nothing was loaded";
   }
   TORCH_CHECK(error.empty(), error);
+  release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   for (const Param& p : params_) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include "patrickstar/optimizer/placement.h"
@@ -199,17 +200,50 @@ IterationReport Engine::step() {
   // A forward in progress whose backward never came (a validation forward left in grad mode) is
   // not part of the step.
   if (phase_ == Phase::kForward && open_scopes_ == 0) abandon_forward();
+  // Data parallel: copies of other ranks' chunks (an evaluation forward's group that was not fully
+  // used) would be stale after the step: they go, and the next door gathers the new weights.
+  release_remote(/*discard=*/false);
+  // Data parallel: before anything changes, every rank adds its shard's squared gradient norm in
+  // one all-reduce (so all clip and skip an fp16 overflow alike). A rank that cannot take the step
+  // (its trace does not fit its device, say) sends a large negative number instead, so every rank
+  // sees a negative sum and drops the iteration with it, instead of waiting for it forever.
+  bool agreed = false;
+  auto agree = [&](double sum_squares) {
+    at::Tensor sum = at::full({1}, sum_squares, at::kDouble);
+    {
+      CollectiveTimer timer(collective_seconds_);
+      comm_->all_reduce(sum, ReduceOp::kSum);
+    }
+    agreed = true;
+    return sum.item<double>();
+  };
+  if (distributed()) {
+    adam_->set_stats_reducer([&](GradStats& stats) {
+      const double global = agree(stats.sum_squares);
+      TORCH_CHECK(!(global < 0), "patrickstar: another rank could not take this step (its error "
+                  "is reported there); every rank discards the iteration");
+      stats.sum_squares = global;
+    });
+  }
+  auto tell_the_others = [&] {
+    if (distributed() && !agreed) agree(-1e300);
+  };
   IterationReport report;
   try {
     if (!placement_decided_) decide_adam_placement();
     report = run_adam();
+    adam_->set_stats_reducer(nullptr);
   } catch (c10::Error& e) {
+    adam_->set_stats_reducer(nullptr);
+    tell_the_others();
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
     drop_iteration();
     e.add_context("patrickstar: the step was not taken; the iteration's gradients were discarded "
                   "(weights and optimizer state unchanged) and the next forward starts a new one");
     throw;
   } catch (...) {
+    adam_->set_stats_reducer(nullptr);
+    tell_the_others();
     drop_iteration();
     throw;
   }

@@ -376,6 +376,59 @@ TEST(DataParallel, ClippingUsesTheGlobalNormOnEveryRank) {
   }
 }
 
+// One rank cannot take a step (a 4 MiB temporary in its forward, on a 64 KiB device: its step's
+// trace check rejects the iteration): every rank discards the iteration instead of waiting for it,
+// weights stay as they were everywhere, and training goes on as a run without the failure.
+TEST(DataParallel, AStepOneRankCannotTakeIsDiscardedOnEveryRank) {
+  auto losses_of = [&](bool fail_first) {
+    torch::manual_seed(5);
+    Net model;
+    auto engine = std::make_shared<Engine>(model.ptr(), small_device(), comm());
+    std::vector<double> losses;
+    for (int s = 0; s < (fail_first ? 4 : 3); ++s) {
+      const bool fail = fail_first && s == 0;
+      const int data = fail_first ? std::max(0, s - 1) : s;
+      engine->zero_grad();
+      at::Tensor loss;
+      {
+        auto active = engine->activate();
+        at::Tensor h = patrickstar::call(model->fc1, my_rows(input_of(data)));
+        if (fail && me() == ranks() - 1) {
+          at::Tensor big = torch::ones({1 << 20});
+          h = h + big.sum() * 0;
+        }
+        h = patrickstar::call(model->fc2, torch::relu(h));
+        loss = torch::mse_loss(h, my_rows(target_of(data)));
+      }
+      engine->backward(loss);
+      if (!fail) {
+        engine->step();
+        losses.push_back(mean_over_ranks(loss.item<double>()));
+        continue;
+      }
+      const auto before = engine->fp32_state_dict();
+      std::string error = "<no error>";
+      try {
+        engine->step();
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+      }
+      const bool failing_rank = me() == ranks() - 1;
+      EXPECT_NE(error.find(failing_rank ? "non-model data" : "another rank could not take this step"),
+                std::string::npos) << error;
+      EXPECT_NE(error.find("the step was not taken"), std::string::npos) << error;
+      const auto after = engine->fp32_state_dict();
+      for (size_t i = 0; i < before.size(); ++i) {
+        EXPECT_TRUE(torch::equal(before[i].second, after[i].second)) << before[i].first;
+      }
+    }
+    return losses;
+  };
+  const std::vector<double> clean = losses_of(false);
+  const std::vector<double> recovered = losses_of(true);
+  EXPECT_EQ(recovered, clean);
+}
+
 // fp16: one rank's gradients overflow; every rank skips the step and lowers the scale alike.
 TEST(DataParallel, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
   torch::manual_seed(5);

@@ -6,6 +6,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+
+#include <unistd.h>
 
 #include "patrickstar/memtracer/simulator.h"
 #include "gpt_training.h"
@@ -239,7 +242,9 @@ TEST(EngineTraining, Fp16WithDynamicLossScalingTracksFp32) {
 }
 
 TEST(EngineTraining, ResumedRunContinuesBitExactly) {
-  const std::string path = ::testing::TempDir() + "/ps_engine_resume.pt";
+  // Per process: ctest runs this test and its CPU-capability reruns at the same time.
+  const std::string path =
+      ::testing::TempDir() + "/ps_engine_resume_" + std::to_string(::getpid()) + ".pt";
   const EngineRun full = train_engine(tight_config(), kSteps, 0, nullptr, path);
 
   Gpt fresh = make_model(999);  // other initial weights: the checkpoint must replace them
@@ -253,7 +258,8 @@ TEST(EngineTraining, ResumedRunContinuesBitExactly) {
 }
 
 TEST(EngineTraining, WeightsSaveAsAPlainLibTorchArchive) {
-  const std::string path = ::testing::TempDir() + "/ps_engine_weights.pt";
+  const std::string path =
+      ::testing::TempDir() + "/ps_engine_weights_" + std::to_string(::getpid()) + ".pt";
   Gpt model = make_model(1);
   Engine engine(model.ptr(), tight_config());
   train_engine(tight_config(), 2, 0, &engine);
