@@ -27,7 +27,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 
 int64_t Engine::comm_group_of(TensorId id) const {
-  return store_->layout().placement(id).chunk_index / world_;
+  return store_->layout().comm_group(store_->layout().placement(id).chunk_index);
 }
 
 void Engine::broadcast_initial_state(

@@ -55,29 +55,6 @@ double max_over_ranks(double value) {
   return t.item<double>();
 }
 
-struct PlainRun {
-  std::vector<double> losses;
-  models::Gpt model{nullptr};
-};
-
-// Plain LibTorch, fp32, on the whole global batch (the same as train_plain, keeping the model).
-PlainRun train_plain_gpt(int steps) {
-  PlainRun run;
-  run.model = make_model(1);
-  torch::optim::AdamW adamw(
-      run.model->parameters(),
-      torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
-  for (int s = 0; s < steps; ++s) {
-    auto batch = batch_of_step(s);
-    adamw.zero_grad();
-    at::Tensor loss = run.model->loss(batch.tokens, batch.targets);
-    loss.backward();
-    adamw.step();
-    run.losses.push_back(loss.item<double>());
-  }
-  return run;
-}
-
 struct EngineRun {
   std::vector<double> losses;  // the global batch's loss (mean over ranks)
   std::vector<IterationReport> reports;
@@ -152,10 +129,10 @@ double weight_difference(const EngineRun& a, const EngineRun& b) {
 constexpr int kSteps = 20;
 
 TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
-  const PlainRun plain = train_plain_gpt(kSteps);
+  const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_gpt(tight_config(), kSteps);
   const EngineRun one = train_gpt(tight_config(), kSteps, /*sharded=*/false);
-  const double losses = max_relative_difference(run.losses, plain.losses);
+  const double losses = max_relative_difference(run.losses, plain);
   const double losses_one = max_relative_difference(run.losses, one.losses);
   const double weights = weight_difference(run, one);
   if (me() == 0) {
@@ -184,14 +161,14 @@ TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
 // CPU embeddings are sharded like the rest (their comm groups hold only embedding chunks, gathered
 // and reduced on the host).
 TEST(DataParallel, Fp32WithHybridAdamOffAccumulationAndCpuEmbeddingMatches) {
-  const PlainRun plain = train_plain_gpt(kSteps / 2);
+  const std::vector<double> plain = train_plain(kSteps / 2);
   for (const std::string extra : {R"({"optimizer": {"params": {"use_hybrid_adam": false}}})",
                                    R"({"gradient_accumulation_steps": 2})",
                                    R"({"use_cpu_embedding": true})"}) {
     if (ranks() == 4 && extra.find("accumulation") != std::string::npos) continue;  // 1 row each
     const EngineRun run = train_gpt(tight_config(extra), kSteps / 2);
     const EngineRun one = train_gpt(tight_config(extra), kSteps / 2, /*sharded=*/false);
-    const double losses = max_relative_difference(run.losses, plain.losses);
+    const double losses = max_relative_difference(run.losses, plain);
     if (me() == 0) {
       std::printf("%s, %d rank(s): max relative loss difference %.3g\n", extra.c_str(), ranks(),
                   losses);
@@ -206,11 +183,11 @@ TEST(DataParallel, Fp32WithHybridAdamOffAccumulationAndCpuEmbeddingMatches) {
 // fp32 reference. The reduction sums the ranks' bf16 gradients in fp32, so sharding adds no
 // rounding of its own beyond the per-rank gradients'.
 TEST(DataParallel, Bf16TracksFp32WithinTwoPercent) {
-  const PlainRun plain = train_plain_gpt(kSteps);
+  const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_gpt(
       tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 700000}}})"),
       kSteps);
-  const double losses = max_relative_difference(run.losses, plain.losses);
+  const double losses = max_relative_difference(run.losses, plain);
   if (me() == 0) {
     std::printf("bf16, %d rank(s): max relative loss difference to fp32 %.3g over %d steps\n",
                 ranks(), losses, kSteps);
@@ -356,20 +333,11 @@ TEST(DataParallel, SaveAndResumeWithTheSameRanksContinuesIdentically) {
 // Clipping: every rank clips with the global norm, the one a single process computes.
 TEST(DataParallel, ClippingUsesTheGlobalNormOnEveryRank) {
   const Config config = tight_config(R"({"gradient_clipping": 0.05})");
-  models::Gpt one = make_model(1);
-  Engine single(one.ptr(), config);
+  const EngineRun one = train_gpt(config, 3, /*sharded=*/false);
   const EngineRun run = train_gpt(config, 3);
-  for (int s = 0; s < 3; ++s) {
-    auto batch = batch_of_step(s);
-    single.zero_grad();
-    at::Tensor loss;
-    {
-      auto active = single.activate();
-      loss = one->loss(batch.tokens, batch.targets);
-    }
-    single.backward(loss);
-    const double norm = single.step().grad_norm;
-    const double mine = run.reports[static_cast<size_t>(s)].grad_norm;
+  for (size_t s = 0; s < 3; ++s) {
+    const double norm = one.reports[s].grad_norm;
+    const double mine = run.reports[s].grad_norm;
     EXPECT_NEAR(mine, norm, 1e-5 * norm) << "step " << s;
     EXPECT_GT(norm, 0.05) << "the test must clip";
     EXPECT_EQ(max_over_ranks(mine), mine) << "every rank has the same norm";

@@ -18,6 +18,8 @@ namespace {
 using test::compute_loss;
 using test::input_of;
 using test::Net;
+using test::plain_adam;
+using test::seeded_net;
 using test::small_device;
 using test::target_of;
 
@@ -31,9 +33,8 @@ double evaluate(Net& model) {
 
 TEST(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
   // The plain trainer.
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
   std::vector<double> expected, expected_eval;
   for (int s = 0; s < 8; ++s) {
     adam.zero_grad();
@@ -44,8 +45,7 @@ TEST(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
     expected_eval.push_back(evaluate(plain));
   }
   // Its port: the doors (in NetImpl) and initialize_engine; the loop and the helpers unchanged.
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   auto [engine_model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   for (int s = 0; s < 8; ++s) {
     optimizer.zero_grad();
@@ -63,11 +63,9 @@ TEST(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
 
 TEST(EngineLoop, SeveralBackwardCallsBeforeAStepAccumulate) {
   // fp32 keeps a gradient space: two backward passes add up before the step, as in LibTorch.
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1);
-  Net net;
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   for (int s = 0; s < 5; ++s) {
     adam.zero_grad();
@@ -164,7 +162,7 @@ TEST(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
   };
   torch::manual_seed(5);
   auto plain = std::make_shared<TaggerImpl>();
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam adam = plain_adam(plain->parameters());
   torch::manual_seed(5);
   auto model = std::make_shared<TaggerImpl>();
   Engine engine(model, small_device());
@@ -182,8 +180,7 @@ TEST(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
 }
 
 TEST(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   std::vector<std::pair<std::string, at::Tensor>> weights;
   {
     Engine engine(net.ptr(), small_device(R"({"bf16": {"enabled": true}})"));
@@ -212,10 +209,8 @@ TEST(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
 
 TEST(EngineLoop, FloatInputsAreCastToTheComputeDtype) {
   for (const std::string precision : {"bf16", "fp16"}) {
-    torch::manual_seed(1);
-    Net plain;
-    torch::manual_seed(1);
-    Net net;
+    Net plain = seeded_net();
+    Net net = seeded_net();
     const std::string extra = "{\"" + precision + "\": {\"enabled\": true}}";
     auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device(extra));
     optimizer.zero_grad();
@@ -232,8 +227,7 @@ TEST(EngineLoop, FloatInputsAreCastToTheComputeDtype) {
 }
 
 TEST(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIteration) {
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   net->fc2->weight.requires_grad_(false);  // frozen at registration
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   auto fc2_weight = [&] {
@@ -266,11 +260,9 @@ TEST(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
     model->train();
     return value;
   };
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1);
-  Net net;
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   for (int s = 0; s < 6; ++s) {
     adam.zero_grad();

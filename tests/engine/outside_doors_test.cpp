@@ -22,6 +22,8 @@ using test::compute_loss;
 using test::error_of;
 using test::input_of;
 using test::Net;
+using test::plain_adam;
+using test::seeded_net;
 using test::small_device;
 using test::target_of;
 
@@ -57,8 +59,7 @@ void expect_contains(const std::string& text, const std::string& part) {
 }
 
 TEST(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDoor) {
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   Engine engine(net.ptr(), small_device());
   // A Linear called directly, and a forward that forgets one door.
   std::string m = error_of([&] { net->fc1(input_of(0)); });
@@ -94,12 +95,10 @@ TEST(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDo
 }
 
 TEST(OutsideDoors, AnL2PenaltyOutsideTheDoorsIsAnErrorNotZero) {
-  torch::manual_seed(1);
-  Net plain;
+  Net plain = seeded_net();
   const double expected = l2_penalty(*plain).item<double>();
   ASSERT_GT(expected, 1.0);
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   Engine engine(net.ptr(), small_device());
   const std::string m = error_of([&] { l2_penalty(*net); });
   expect_contains(m, "outside its door");
@@ -111,11 +110,9 @@ TEST(OutsideDoors, AnL2PenaltyOutsideTheDoorsIsAnErrorNotZero) {
 
 TEST(OutsideDoors, APenaltyBehindTheDoorTrainsAsInLibTorch) {
   constexpr double kWeight = 1e-2;
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1);
-  Net net;
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   for (int s = 0; s < 6; ++s) {
     adam.zero_grad();
@@ -135,8 +132,7 @@ TEST(OutsideDoors, APenaltyBehindTheDoorTrainsAsInLibTorch) {
 TEST(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
-    torch::manual_seed(1);
-    Net net;
+    Net net = seeded_net();
     const std::string extra = precision == "bf16" ? R"({"bf16": {"enabled": true}})" : "{}";
     Engine engine(net.ptr(), small_device(extra));
     for (int s = 0; s < 3; ++s) {
@@ -182,12 +178,10 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
     fc->weight.copy_(torch::randn(fc->weight.sizes()) * 0.5);
     fc->bias.fill_(0.25);
   };
-  torch::manual_seed(1);
-  Net plain;
+  Net plain = seeded_net();
   reinit(plain->fc1);
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1);
-  Net net;
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   {
     GatheredParameters gathered(*net->fc1);
@@ -207,15 +201,13 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   }
 
   // In bf16 both copies take the values: the fp32 master and the half weights the forward reads.
-  torch::manual_seed(1);
-  Net half_net;
+  Net half_net = seeded_net();
   Engine engine(half_net.ptr(), small_device(R"({"bf16": {"enabled": true}})"));
   {
     GatheredParameters gathered(*half_net->fc1);
     reinit(half_net->fc1);
   }
-  torch::manual_seed(1);
-  Net reference;
+  Net reference = seeded_net();
   reinit(reference->fc1);
   for (const auto& [name, value] : engine.fp32_state_dict()) {
     EXPECT_TRUE(torch::equal(value, reference->named_parameters()[name])) << name;
@@ -228,8 +220,7 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
 }
 
 TEST(GatheredParameters, RefusesWhatItCannotDoAndChangesNothing) {
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   Engine engine(net.ptr(), small_device());
   const auto before = engine.fp32_state_dict();
   auto unchanged = [&] {
@@ -294,12 +285,10 @@ double train_step(Net& model, torch::optim::Optimizer& optimizer, int step) {
 }
 
 TEST(EngineOptimizerBase, HelpersTakingTorchOptimOptimizerAndLrSchedulersTrainAsLibTorch) {
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
   torch::optim::StepLR plain_schedule(adam, /*step_size=*/2, /*gamma=*/0.5);
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   torch::optim::StepLR schedule(optimizer, /*step_size=*/2, /*gamma=*/0.5);
   EXPECT_EQ(optimizer.param_groups()[0].params().size(), net->parameters().size());
@@ -319,11 +308,9 @@ TEST(EngineOptimizerBase, HelpersTakingTorchOptimOptimizerAndLrSchedulersTrainAs
 TEST(EngineOptimizerBase, ZeroGradThroughTheBaseDiscardsGradients) {
   // A GAN's discriminator: the generator's backward leaves gradients in it, which its next
   // zero_grad() discards; here through torch::optim::Optimizer& (LibTorch's non-virtual zero_grad).
-  torch::manual_seed(1);
-  Net plain;
-  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::manual_seed(1);
-  Net net;
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
   auto [model, engine_optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   torch::optim::Optimizer& optimizer = engine_optimizer;
   for (int s = 0; s < 5; ++s) {
@@ -346,11 +333,9 @@ TEST(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndChec
   // opens doors inside the backward; and zero_grad(false), which zeroes the marker in place.
   for (const std::string variant : {"engine backward", "checkpoint", "set_to_none false"}) {
     SCOPED_TRACE(variant);
-    torch::manual_seed(1);
-    Net plain;
-    torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(1e-2));
-    torch::manual_seed(1);
-    Net net;
+    Net plain = seeded_net();
+    torch::optim::Adam adam = plain_adam(plain->parameters());
+    Net net = seeded_net();
     auto [model, engine_optimizer] = initialize_engine([&] { return net; }, 0, small_device());
     torch::optim::Optimizer& optimizer = engine_optimizer;
     auto forward = [&](Net& m, int s) {
@@ -412,8 +397,7 @@ TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoad
 }
 
 TEST(GatheredParameters, AStepInsideAReadWriteScopeIsRefusedAndAScopeMayOutliveItsEngine) {
-  torch::manual_seed(1);
-  Net net;
+  Net net = seeded_net();
   auto engine = std::make_unique<Engine>(net.ptr(), small_device());
   const auto master = engine->fp32_state_dict();
   auto scope = std::make_unique<GatheredParameters>(*engine, std::vector<at::Tensor>{net->fc1->weight});

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -33,6 +35,17 @@ inline at::Tensor input_of(int step) {
 inline at::Tensor target_of(int step) {
   torch::manual_seed(700 + step);
   return torch::randn({8, 4});
+}
+
+// The same initial weights every time (seed 1): the engine's model and its plain twin.
+inline Net seeded_net() {
+  torch::manual_seed(1);
+  return Net();
+}
+
+// The plain LibTorch optimizer the engine's small_device() config stands for: Adam at lr 1e-2.
+inline torch::optim::Adam plain_adam(std::vector<at::Tensor> parameters) {
+  return torch::optim::Adam(std::move(parameters), torch::optim::AdamOptions(1e-2));
 }
 
 // Adam at lr 1e-2, chunks of 600 elements, a 64 KiB emulated device; `extra` is merged in.

@@ -197,7 +197,9 @@ class Engine final : public ModuleHookHandler {
   // index i (keeps its optimizer state; always true with one process).
   int rank() const { return rank_; }
   int world_size() const { return world_; }
-  bool owns(int64_t chunk_index) const { return chunk_index % world_ == rank_; }
+  bool owns(int64_t chunk_index) const {
+    return store_->layout().owner_rank(chunk_index) == rank_;
+  }
   const Communicator& communicator() const { return *comm_; }
 
   // ModuleHookHandler (called by the doors).
