@@ -36,6 +36,7 @@ ChunkStore::ChunkStore(Layout layout, std::vector<ChunkKindSpec> kinds, MemoryTi
 
   const int64_t per_kind = layout_.chunk_count();
   chunks_.resize(kinds_.size() * static_cast<size_t>(per_kind));
+  block_of_.assign(chunks_.size(), -1);
   for (size_t s = 0; s < kinds_.size(); ++s) {
     for (int64_t i = 0; i < per_kind; ++i) {
       const ChunkId id = static_cast<int64_t>(s) * per_kind + i;
@@ -57,7 +58,12 @@ ChunkStore::ChunkStore(Layout layout, std::vector<ChunkKindSpec> kinds, MemoryTi
 
 ChunkStore::~ChunkStore() {
   for (Chunk& c : chunks_) {
-    if (c.payload != nullptr) memory(c.tier).deallocate(c.payload);
+    if (c.payload != nullptr && block_of_[static_cast<size_t>(c.id)] < 0) {
+      memory(c.tier).deallocate(c.payload);
+    }
+  }
+  for (Block& b : blocks_) {
+    if (b.memory != nullptr) memory(b.tier).deallocate(b.memory);
   }
 }
 
@@ -153,6 +159,10 @@ void ChunkStore::allocate(ChunkId id, Tier tier, Fill fill) {
   if (fill == Fill::kZero) target.fill_zero(payload, c.bytes);
   c.payload = payload;
   c.tier = tier;
+  hold_free_tensors(c);
+}
+
+void ChunkStore::hold_free_tensors(Chunk& c) {
   auto& states = states_[static_cast<size_t>(slot(c.kind))];
   for (TensorId t : layout_.tensors_in_chunk(c.index)) {
     auto& s = states[static_cast<size_t>(t)];
@@ -164,6 +174,63 @@ void ChunkStore::allocate(ChunkId id, Tier tier, Fill fill) {
   }
 }
 
+at::Tensor ChunkStore::allocate_block(std::span<const ChunkId> ids, Tier tier) {
+  const Chunk* first = nullptr;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (ids[k] < 0) continue;
+    const Chunk& c = chunk(ids[k]);
+    TORCH_CHECK(c.tier == Tier::kNone, "ChunkStore: cannot allocate ", describe(c.id),
+                " in a block: it already has a payload on ", to_string(c.tier));
+    TORCH_CHECK(first == nullptr || c.kind == first->kind, "ChunkStore: a block holds chunks of one kind; ",
+                describe(c.id), " and ", describe(first->id), " differ");
+    for (size_t j = 0; j < k; ++j) {
+      TORCH_CHECK(ids[j] != ids[k], "ChunkStore: ", describe(c.id), " appears twice in a block");
+    }
+    if (first == nullptr) first = &c;
+  }
+  TORCH_CHECK(first != nullptr, "ChunkStore: a block needs at least one chunk");
+  MemoryTier& target = memory(tier);
+  const int64_t slots = static_cast<int64_t>(ids.size());
+  void* block = target.allocate(slots * first->bytes);  // may throw OOM: nothing changed yet
+  size_t entry = 0;
+  while (entry < blocks_.size() && blocks_[entry].memory != nullptr) ++entry;
+  if (entry == blocks_.size()) blocks_.emplace_back();
+  Block& b = blocks_[entry];
+  b = Block{block, tier, 0};
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (ids[k] < 0) continue;
+    Chunk& c = mutable_chunk(ids[k]);
+    c.payload = static_cast<char*>(block) + static_cast<int64_t>(k) * c.bytes;
+    c.tier = tier;
+    block_of_[static_cast<size_t>(c.id)] = static_cast<int64_t>(entry);
+    ++b.refs;
+    hold_free_tensors(c);
+  }
+  return at::from_blob(block, {slots * first->capacity_elems},
+                       at::TensorOptions().dtype(first->dtype).device(target.device()));
+}
+
+int64_t ChunkStore::live_blocks() const {
+  int64_t n = 0;
+  for (const Block& b : blocks_) n += b.memory != nullptr ? 1 : 0;
+  return n;
+}
+
+void ChunkStore::free_payload(Chunk& c) {
+  int64_t& entry = block_of_[static_cast<size_t>(c.id)];
+  if (entry < 0) {
+    memory(c.tier).deallocate(c.payload);
+  } else {
+    Block& b = blocks_[static_cast<size_t>(entry)];
+    if (--b.refs == 0) {
+      memory(b.tier).deallocate(b.memory);
+      b.memory = nullptr;
+    }
+    entry = -1;
+  }
+  c.payload = nullptr;
+}
+
 bool ChunkStore::move(ChunkId id, Tier tier) {
   Chunk& c = mutable_chunk(id);
   TORCH_CHECK(tier != Tier::kNone, "ChunkStore: cannot move ", describe(id),
@@ -172,7 +239,6 @@ bool ChunkStore::move(ChunkId id, Tier tier) {
               to_string(tier), ": it has no payload; allocate() it first");
   if (c.tier == tier) return false;
   check_not_in_compute(c, "move");
-  MemoryTier& from = memory(c.tier);
   MemoryTier& to = memory(tier);
   void* payload = to.allocate(c.bytes);  // may throw OOM: nothing changed yet
   const CopyDirection direction =
@@ -183,7 +249,7 @@ bool ChunkStore::move(ChunkId id, Tier tier) {
     to.deallocate(payload);
     throw;
   }
-  from.deallocate(c.payload);
+  free_payload(c);
   c.payload = payload;
   c.tier = tier;
   if (direction == CopyDirection::kHostToDevice) {
@@ -200,8 +266,7 @@ void ChunkStore::release(ChunkId id) {
   Chunk& c = mutable_chunk(id);
   if (c.tier == Tier::kNone) return;
   check_not_in_compute(c, "release");
-  memory(c.tier).deallocate(c.payload);
-  c.payload = nullptr;
+  free_payload(c);
   c.tier = Tier::kNone;
   auto& states = states_[static_cast<size_t>(slot(c.kind))];
   for (TensorId t : layout_.tensors_in_chunk(c.index))

@@ -42,6 +42,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
   auto probe = std::make_unique<CpuMemoryProbe>(counter);
   cpu_probe_ = probe.get();
   probe_ = std::move(probe);
+  if (world_ > 1) {
+    auto gathered = std::make_unique<GatheredBytesProbe>(std::move(probe_));
+    gathered_probe_ = gathered.get();
+    probe_ = std::move(gathered);
+  }
   report_config_warnings();
   // A module belongs to one engine: refuse before anything moves.
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
@@ -317,8 +322,15 @@ void Engine::register_parameters() {
   }
 
   // 4. Scheduler, tracer, optimizer.
+  // Data parallel: other ranks' param chunks on the device are the doors' (gathered with their
+  // group, dropped after use), not the scheduler's; their bytes reach its budgets as non-model
+  // bytes of the trace. Other ranks' gradient chunks are scheduled (they carry gradients).
   std::map<int64_t, ChunkInfo> chunk_table;
   for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
+    if (store_->kind_of(id) == ChunkKind::kParam && !owns(store_->index_of(id)) &&
+        !host_only_[store_->index_of(id)]) {
+      continue;
+    }
     chunk_table[id] = ChunkInfo{store_->chunk_bytes(id), store_->kind_of(id) == ChunkKind::kParam &&
                                                               !host_only_[store_->index_of(id)]};
   }
@@ -331,7 +343,7 @@ void Engine::register_parameters() {
   options.prefetch_depth = config_.scheduler.prefetch_depth;
   scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
-  mover_ = std::make_unique<Mover>(*store_, /*skip_absent=*/distributed());
+  mover_ = std::make_unique<Mover>(*store_, /*lazy_grads=*/distributed());
 
   AdamOptions adam_options;
   adam_options.lr(config_.optimizer.lr)

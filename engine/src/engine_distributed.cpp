@@ -5,9 +5,11 @@
 // model runs the same graph everywhere), never a rank's own memory decisions:
 // - Rank r owns chunk index i when i % world_size == r, and keeps that index's payloads of every
 //   kind. A comm group is world_size consecutive chunk indices.
-// - A door that needs a parameter whose group is not present gathers the group: each owner
-//   broadcasts its param chunk into the others' payloads (allocated on the host; the scheduler
-//   brings what the moment needs to the device as any load).
+// - A door that needs a parameter whose group is not present gathers the group: one all-gather of
+//   the owners' param chunks into one buffer of world_size chunks on the device (on the host for a
+//   CPU embedding's group). The doors place these buffers, not the scheduler: their bytes are
+//   non-model bytes to the trace (GatheredBytesProbe), so the budgets of every later iteration leave
+//   room for them at the moments they are present, and dropping them costs no copy.
 // - Outside a backward, a group's remote chunks are dropped when every tensor of the group was used
 //   since the gather and none is in use (so a forward gathers each group once).
 // - In a backward, a group is reduced when each of its trainable tensors got its gradients (one per
@@ -20,6 +22,10 @@
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "engine_internal.h"
 
 namespace patrickstar {
@@ -50,12 +56,39 @@ void Engine::broadcast_initial_state(
 }
 
 void Engine::gather_group(int64_t group) {
-  CollectiveTimer timer(collective_seconds_);
+  // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
+  // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
+  // the other ranks' chunks, freed with the last of them (release_group).
+  std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
   for (int r = 0; r < world_; ++r) {
-    const int64_t index = group * world_ + r;
-    const ChunkId c = store_->chunk_id(ChunkKind::kParam, index);
-    if (r != rank_) store_->allocate(c, Tier::kHost, Fill::kUninitialized);
-    comm_->broadcast(store_->chunk_view(c), r);
+    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, group * world_ + r);
+  }
+  const ChunkId own = store_->chunk_id(ChunkKind::kParam, group * world_ + rank_);
+  const bool on_host = host_only_[static_cast<size_t>(group * world_)];
+  const int64_t bytes = world_ * store_->chunk_bytes(own);
+  at::Tensor buffer;
+  try {
+    if (!on_host) {
+      // The trace's budgets leave room for the groups the doors gather; in the warm-up, or when
+      // this moment's compute holds more than measured, chunks the scheduler placed make room.
+      const int64_t free = device_->capacity_bytes() - device_->used_bytes();
+      if (bytes > free) scheduler_->make_room(bytes - free, *mover_);
+    }
+    buffer = store_->allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
+  } catch (c10::Error& e) {
+    e.add_context(absl::StrCat("while gathering comm group ", group, " (", world_,
+                               " param chunks, ", bytes, " bytes) onto the ",
+                               on_host ? "host" : "device", "; chunks pinned by tensors in use: ",
+                               describe_pinned()));
+    throw;
+  }
+  {
+    CollectiveTimer timer(collective_seconds_);
+    comm_->all_gather(store_->chunk_view(own), buffer);
+  }
+  if (!on_host) {
+    gathered_probe_->add(bytes);
+    gathered_peak_bytes_ = std::max(gathered_peak_bytes_, gathered_probe_->gathered_bytes());
   }
   group_gathered_[static_cast<size_t>(group)] = 1;
   group_touched_[static_cast<size_t>(group)] = 0;
@@ -75,14 +108,21 @@ void Engine::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_ch
       p.touched = true;
       ++group_touched_[static_cast<size_t>(g)];
     }
-    if (!with_grad_chunks || !grad_space_ || !p.trainable) continue;
+    // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the
+    // Mover allocates it on the device); a CPU embedding's, which is never scheduled, on the host.
     const int64_t index = store_->layout().placement(id).chunk_index;
+    if (!with_grad_chunks || !grad_space_ || !p.trainable || !host_only_[static_cast<size_t>(index)]) {
+      continue;
+    }
     const ChunkId grad = store_->chunk_id(ChunkKind::kGrad, index);
     if (store_->tier(grad) == Tier::kNone) store_->allocate(grad, Tier::kHost);  // zeros
   }
 }
 
 void Engine::release_group(int64_t group) {
+  if (group_gathered_[static_cast<size_t>(group)] && !host_only_[static_cast<size_t>(group * world_)]) {
+    gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, group * world_)));
+  }
   for (int64_t index = group * world_; index < (group + 1) * world_; ++index) {
     if (owns(index)) continue;
     store_->release(store_->chunk_id(ChunkKind::kParam, index));

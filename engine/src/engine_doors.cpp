@@ -103,6 +103,7 @@ void Engine::begin_iteration_if_needed() {
   comm_at_iteration_start_ = comm_->counters();
   group_gathers_at_iteration_start_ = group_gathers_;
   group_reduces_at_iteration_start_ = group_reduces_;
+  gathered_peak_bytes_ = gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0;
   collective_seconds_at_iteration_start_ = collective_seconds_;
   device_->reset_peak();
   recorder_->begin_iteration();
@@ -115,6 +116,8 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
   std::vector<int64_t> chunk_ids;
   auto add_chunk = [&](ChunkId c) {
     if (host_only_[store_->index_of(c)]) return;  // a CPU embedding's: read on the host
+    // Data parallel: another rank's param chunk is on the device with its gathered group.
+    if (store_->kind_of(c) == ChunkKind::kParam && !owns(store_->index_of(c))) return;
     if (std::find(chunk_ids.begin(), chunk_ids.end(), c) == chunk_ids.end()) chunk_ids.push_back(c);
   };
   for (TensorId id : module.params) {

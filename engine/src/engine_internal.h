@@ -2,8 +2,10 @@
 // pointed at a chunk, and the mover that carries out the scheduler's decisions).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -15,6 +17,7 @@
 #include "patrickstar/chunk/chunk_store.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/engine.h"
+#include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/scheduler.h"
 
 namespace patrickstar {
@@ -70,6 +73,31 @@ class CollectiveTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// Data parallel: the device memory of gathered comm groups (other ranks' param chunks, placed by
+// the doors, not by the scheduler) read as non-model memory on top of `base`, so the warm-up trace
+// measures them at every moment and the scheduler's budgets leave room for them. The peak is an
+// upper bound: base's peak plus the gathered bytes' peak in the same window.
+class GatheredBytesProbe final : public MemoryProbe {
+ public:
+  explicit GatheredBytesProbe(std::unique_ptr<MemoryProbe> base) : base_(std::move(base)) {}
+  int64_t live_bytes() const override { return base_->live_bytes() + now_; }
+  int64_t peak_bytes() const override { return base_->peak_bytes() + peak_; }
+  void reset_peak() override {
+    base_->reset_peak();
+    peak_ = now_;
+  }
+  void add(int64_t bytes) {
+    now_ += bytes;
+    peak_ = std::max(peak_, now_);
+  }
+  int64_t gathered_bytes() const { return now_; }
+
+ private:
+  std::unique_ptr<MemoryProbe> base_;
+  int64_t now_ = 0;
+  int64_t peak_ = 0;
+};
+
 inline at::ScalarType param_dtype(Precision precision) {
   switch (precision) {
     case Precision::kFp32: return at::kFloat;
@@ -82,26 +110,31 @@ inline at::ScalarType param_dtype(Precision precision) {
 
 }  // namespace engine_detail
 
-// Carries out the scheduler's decisions on the chunk store. Data parallel (`skip_absent`): a chunk
-// without a payload (another rank's, not gathered) stays where it is: only a door gathers it, the
-// same way on every rank, so a prefetch of it is skipped (the scheduler sees it absent at its next
-// moment; its statistics count the skipped prefetch). With one process every chunk has a payload
-// and a move of one without is the chunk store's error.
+// Carries out the scheduler's decisions on the chunk store. Data parallel (`lazy_grads`): another
+// rank's gradient chunk without a payload (its group holds no gradients now) starts as zeros on
+// the device when the scheduler first wants it there (no copy: a backward is about to fill it), and
+// is left alone when the scheduler would send it to the host. Other ranks' param chunks are not the
+// scheduler's at all (the doors gather them onto the device). With one process every chunk has a
+// payload and a move of one without is the chunk store's error.
 class Engine::Mover final : public ChunkMover {
  public:
-  Mover(ChunkStore& store, bool skip_absent) : store_(store), skip_absent_(skip_absent) {}
+  Mover(ChunkStore& store, bool lazy_grads) : store_(store), lazy_grads_(lazy_grads) {}
   bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }
   bool movable(int64_t id) override { return store_.is_movable(id); }
   void to_device(int64_t id) override {
-    if (!skip_absent_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kDevice);
+    if (lazy_grads_ && store_.tier(id) == Tier::kNone && store_.kind_of(id) == ChunkKind::kGrad) {
+      store_.allocate(id, Tier::kDevice);  // zeros
+      return;
+    }
+    store_.move(id, Tier::kDevice);
   }
   void to_host(int64_t id) override {
-    if (!skip_absent_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
+    if (!lazy_grads_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
   }
 
  private:
   ChunkStore& store_;
-  bool skip_absent_;
+  bool lazy_grads_;
 };
 
 }  // namespace patrickstar

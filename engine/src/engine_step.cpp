@@ -289,7 +289,8 @@ IterationReport Engine::step() {
   const CollectiveCounters& comm = comm_->counters();
   report.group_gathers = group_gathers_ - group_gathers_at_iteration_start_;
   report.group_reduces = group_reduces_ - group_reduces_at_iteration_start_;
-  report.gather_bytes = comm.broadcast_bytes - comm_at_iteration_start_.broadcast_bytes;
+  report.gather_bytes = comm.all_gather_bytes - comm_at_iteration_start_.all_gather_bytes;
+  report.gathered_peak_bytes = gathered_peak_bytes_;
   report.reduce_bytes = comm.reduce_bytes - comm_at_iteration_start_.reduce_bytes;
   report.all_reduce_bytes = comm.all_reduce_bytes - comm_at_iteration_start_.all_reduce_bytes;
   report.collective_seconds = collective_seconds_ - collective_seconds_at_iteration_start_;

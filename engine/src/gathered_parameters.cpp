@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <map>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -20,9 +21,6 @@ TensorId Engine::id_of(const at::Tensor& t) const {
 }
 
 void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
-  TORCH_CHECK(!distributed(), "patrickstar: GatheredParameters with ", world_, " ranks is not "
-              "supported yet; fp32_state_dict() and save_weights() gather the weights from every "
-              "rank");
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check, changing nothing.
   if (write_back) {
@@ -48,8 +46,23 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   std::vector<at::Tensor> values;
   values.reserve(ids.size());
-  for (TensorId id : ids) {
-    values.push_back(store_->view(id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  if (!distributed()) {
+    for (TensorId id : ids) {
+      values.push_back(store_->view(id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    }
+  } else {
+    // Data parallel: every rank takes every value. The chunks holding them are broadcast from their
+    // owners in index order (the same collectives on every rank: every rank opens the same scope).
+    std::map<int64_t, at::Tensor> chunks;
+    for (TensorId id : ids) chunks[store_->layout().placement(id).chunk_index] = at::Tensor();
+    for (auto& [index, chunk] : chunks) chunk = master_chunk_everywhere(index);
+    for (TensorId id : ids) {
+      const TensorPlacement& where = store_->layout().placement(id);
+      values.push_back(chunks[where.chunk_index]
+                           .narrow(0, where.offset_elems, where.numel)
+                           .view(store_->layout().sizes(id))
+                           .clone());
+    }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     Param& p = params_[ids[i]];
@@ -92,12 +105,22 @@ void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
     }
   };
   try {
+    // Data parallel: rank 0's values are written (as DeepSpeed's modifier rank), each by its owner;
+    // a change of shape on any rank writes nothing on every rank.
+    if (write_back && distributed() && !all_ranks_agree(changed.empty()) && changed.empty()) {
+      changed = "a parameter on another rank";
+    }
     if (write_back && changed.empty()) {
       for (TensorId id : ids) {
         const at::Tensor& t = params_[id].tensor;
+        if (distributed()) {
+          comm_->broadcast(t, 0);
+          if (!owns(store_->layout().placement(id).chunk_index)) continue;
+        }
         if (mixed_) store_->view(id, ChunkKind::kParamFp32).copy_(t);
         store_->view(id, ChunkKind::kParam).copy_(t);
       }
+      release_remote(/*discard=*/false);  // no gathered copy keeps the old weights
     }
   } catch (...) {
     restore();

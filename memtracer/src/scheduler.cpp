@@ -350,6 +350,12 @@ bool Scheduler::evict_to_fit(int64_t bytes_to_add, int64_t budget, int64_t m,
   return true;
 }
 
+bool Scheduler::make_room(int64_t bytes, ChunkMover& mover) {
+  refresh_residency(mover);
+  if (bytes <= 0) return true;
+  return evict_to_fit(0, resident_bytes_ - bytes, last_moment_, {}, -1, mover);
+}
+
 void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
                           ChunkMover& mover, int64_t live_non_model_bytes,
                           const std::vector<int64_t>& to_host) {
@@ -359,6 +365,7 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
               " is outside the warm-up trace of ", trace_.size(),
               " moments: the model's control flow changed; record a new trace");
   refresh_residency(mover);
+  last_moment_ = m;
   warmup_non_model_bytes_ = has_trace_ ? 0 : std::max<int64_t>(live_non_model_bytes, 0);
   warmup_floor_bytes_ = 0;
   if (!has_trace_) {

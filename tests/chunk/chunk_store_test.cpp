@@ -2,6 +2,7 @@
 // that alias chunk memory, COMPUTE pinning, and out-of-memory without leaks.
 #include "patrickstar/chunk/chunk_store.h"
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace patrickstar {
@@ -299,6 +301,62 @@ TEST_F(ChunkStoreTest, OwnerRankFollowsCommGroups) {
   EXPECT_EQ(store.owner_rank(store.chunk_id(ChunkKind::kParam, 3)), 1);
   EXPECT_EQ(store.comm_group(store.chunk_id(ChunkKind::kParam, 3)), 1);
   EXPECT_EQ(store.chunk_state(store.chunk_id(ChunkKind::kParam, 3)).total(), 0);
+}
+
+// A group buffer: chunks side by side in one block, one slot left to the caller; the block's
+// bytes are the chunks' payloads; it goes back to its tier with the last chunk that leaves it
+// (released or moved away), and bad requests change nothing.
+TEST_F(ChunkStoreTest, ABlockHoldsChunksSideBySideUntilTheLastLeaves) {
+  Layout layout;
+  for (int i = 0; i < 4; ++i) layout.add_tensor("t" + std::to_string(i), {64});
+  layout.finalize(64);
+  ChunkStore store(std::move(layout), {{ChunkKind::kParam, at::kHalf}, {ChunkKind::kMomentum, at::kFloat}},
+                   host_, device_);
+  const ChunkId c0 = store.chunk_id(ChunkKind::kParam, 0);
+  const ChunkId c1 = store.chunk_id(ChunkKind::kParam, 1);
+  const ChunkId c3 = store.chunk_id(ChunkKind::kParam, 3);
+  store.allocate(c1, Tier::kHost);  // this rank's own chunk: its slot stays the caller's
+  const std::vector<ChunkId> slots{c0, -1, store.chunk_id(ChunkKind::kParam, 2), c3};
+  at::Tensor block = store.allocate_block(slots, Tier::kDevice);
+  ASSERT_EQ(block.numel(), 4 * 64);
+  EXPECT_EQ(block.scalar_type(), at::kHalf);
+  EXPECT_EQ(device_.used_bytes(), 4 * 128);
+  EXPECT_EQ(store.live_blocks(), 1);
+  EXPECT_EQ(store.tier(c0), Tier::kDevice);
+  EXPECT_EQ(store.state(3, ChunkKind::kParam), TensorState::kHold);
+  // The block's bytes are the payloads: what a collective writes into slot k is chunk k.
+  block.copy_(at::arange(4 * 64, at::kFloat).to(at::kHalf));
+  EXPECT_TRUE(at::equal(store.chunk_view(c3), block.narrow(0, 3 * 64, 64)));
+  EXPECT_EQ(store.view(0, ChunkKind::kParam)[0].item<float>(), 0.0f);
+  // A move copies the chunk out of the block; the block stays while chunks remain in it.
+  const at::Tensor expected = store.chunk_view(c3).clone();
+  EXPECT_TRUE(store.move(c3, Tier::kHost));
+  EXPECT_TRUE(at::equal(store.chunk_view(c3), expected));
+  EXPECT_EQ(store.live_blocks(), 1);
+  store.release(c0);
+  EXPECT_EQ(store.live_blocks(), 1);
+  EXPECT_EQ(device_.used_bytes(), 4 * 128);
+  store.release(store.chunk_id(ChunkKind::kParam, 2));
+  EXPECT_EQ(store.live_blocks(), 0);
+  EXPECT_EQ(device_.used_bytes(), 0);
+  // Refused, nothing changed: a chunk with a payload, mixed kinds, a repeat, no chunk, no room.
+  EXPECT_THROW(store.allocate_block(std::vector<ChunkId>{c0, c1}, Tier::kDevice), c10::Error);
+  EXPECT_THROW(store.allocate_block(
+                   std::vector<ChunkId>{c0, store.chunk_id(ChunkKind::kMomentum, 0)}, Tier::kDevice),
+               c10::Error);
+  EXPECT_THROW(store.allocate_block(std::vector<ChunkId>{c0, c0}, Tier::kDevice), c10::Error);
+  EXPECT_THROW(store.allocate_block(std::vector<ChunkId>{-1, -1}, Tier::kDevice), c10::Error);
+  EmulatedDeviceTier small(3 * 128);
+  ChunkStore tight(small_layout(), {{ChunkKind::kParam, at::kHalf}}, host_, small);
+  EXPECT_THROW(tight.allocate_block(std::vector<ChunkId>{0, 1, -1, -1}, Tier::kDevice),
+               c10::OutOfMemoryError);
+  EXPECT_EQ(tight.tier(0), Tier::kNone);
+  EXPECT_EQ(small.used_bytes(), 0);
+  EXPECT_EQ(store.live_blocks(), 0);
+  EXPECT_EQ(store.tier(c0), Tier::kNone);
+  // A block is reused after it was freed, and the store's destructor frees one still alive.
+  store.allocate_block(std::vector<ChunkId>{c0, -1}, Tier::kHost);
+  EXPECT_EQ(store.live_blocks(), 1);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "engine/gpt_training.h"
 #include "engine/small_net.h"
 #include "patrickstar/comm/communicator.h"
+#include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -67,7 +69,8 @@ struct EngineRun {
 
 // The engine on this rank's rows (`sharded`; else one process on the whole global batch);
 // gradient_accumulation_steps micro-batches per step split those rows further.
-EngineRun train_gpt(const Config& config, int steps, bool sharded = true) {
+EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
+                    const std::function<void(Engine&)>& at_end = nullptr) {
   // Every rank builds its model from another seed: the engine starts all of them from rank 0's.
   models::Gpt model = make_model(sharded ? 1 + static_cast<uint64_t>(me()) * 17 : 1);
   auto engine = sharded ? std::make_shared<Engine>(model.ptr(), config, comm())
@@ -100,6 +103,7 @@ EngineRun train_gpt(const Config& config, int steps, bool sharded = true) {
     run.losses.push_back(sharded ? mean_over_ranks(loss_sum / micro) : loss_sum / micro);
   }
   run.weights = engine->fp32_state_dict();
+  if (at_end) at_end(*engine);
   return run;
 }
 
@@ -158,6 +162,61 @@ TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
   }
 }
 
+// The doors gather a comm group into one buffer of N param chunks on the device; the scheduler
+// places only this rank's chunks (and the gradient chunks a backward fills), and its budgets leave
+// room for the gathered buffers because the warm-up trace measured them as non-model bytes. So:
+// gathered buffers on the device every iteration (N param chunks at least), no scheduled chunk is
+// another rank's param chunk, chunks + non-model bytes within the capacity at every scheduled
+// moment, and the traffic within 2% of the OPT bound of this rank's trace, as with one process.
+TEST(DataParallel, GatheredGroupsSitOnTheDeviceInsideTheSchedulersBudget) {
+  const Config config = tight_config();
+  constexpr int kIterations = 10;
+  TrafficBound bound;
+  int64_t peak_device = 0;
+  int64_t other_ranks_param_chunks_scheduled = 0;
+  const EngineRun run = train_gpt(config, kIterations, /*sharded=*/true, [&](Engine& engine) {
+    bound = opt_traffic_bound(engine.tracer().warmup_trace(), engine.scheduler().chunks(),
+                              engine.scheduler().options());
+    const ChunkStore& store = engine.chunks();
+    for (const auto& entry : engine.scheduler().chunks()) {
+      const int64_t index = store.index_of(entry.first);
+      if (store.kind_of(entry.first) == ChunkKind::kParam && index % ranks() != me() &&
+          !engine.host_only(index)) {
+        ++other_ranks_param_chunks_scheduled;
+      }
+    }
+    for (const IterationStats& stats : engine.scheduler().history()) {
+      if (!stats.warmup) peak_device = std::max(peak_device, stats.peak_device_bytes);
+    }
+  });
+  double traffic = 0;
+  for (size_t i = 2; i < run.reports.size(); ++i) {
+    traffic += static_cast<double>(run.reports[i].h2d_bytes + run.reports[i].d2h_bytes);
+  }
+  traffic /= static_cast<double>(run.reports.size() - 2);
+  const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes) /
+                             static_cast<double>(std::max<int64_t>(1, bound.period_iterations));
+  std::printf("rank %d of %d: traffic %.0f bytes per iteration, OPT bound %.0f (ratio %.4f); "
+              "gathered buffers at most %lld bytes on the device; scheduled peak %lld of %lld\n",
+              me(), ranks(), traffic, bound_bytes, traffic / std::max(1.0, bound_bytes),
+              static_cast<long long>(run.reports.back().gathered_peak_bytes),
+              static_cast<long long>(peak_device),
+              static_cast<long long>(config.device.capacity_bytes));
+  EXPECT_EQ(other_ranks_param_chunks_scheduled, 0);
+  EXPECT_LE(peak_device, config.device.capacity_bytes);
+  EXPECT_GT(bound_bytes, 0) << "the device should force moves";
+  EXPECT_LE(traffic, 1.02 * bound_bytes);
+  for (const IterationReport& r : run.reports) {
+    if (ranks() == 1) {
+      EXPECT_EQ(r.gathered_peak_bytes, 0);
+      continue;
+    }
+    EXPECT_GE(r.gathered_peak_bytes, ranks() * run.param_chunk_bytes) << "iteration " << r.iteration;
+    EXPECT_LE(r.gathered_peak_bytes, r.non_model_peak_bytes) << "iteration " << r.iteration;
+    EXPECT_LE(r.device_chunk_peak_bytes, config.device.capacity_bytes);
+  }
+}
+
 // CPU embeddings are sharded like the rest (their comm groups hold only embedding chunks, gathered
 // and reduced on the host).
 TEST(DataParallel, Fp32WithHybridAdamOffAccumulationAndCpuEmbeddingMatches) {
@@ -185,7 +244,7 @@ TEST(DataParallel, Fp32WithHybridAdamOffAccumulationAndCpuEmbeddingMatches) {
 TEST(DataParallel, Bf16TracksFp32WithinTwoPercent) {
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_gpt(
-      tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 700000}}})"),
+      tight_config(R"({"bf16": {"enabled": true}, "client": {"device": {"capacity_bytes": 1100000}}})"),
       kSteps);
   const double losses = max_relative_difference(run.losses, plain);
   if (me() == 0) {
@@ -261,6 +320,65 @@ TEST(DataParallel, CollectiveBytesPerIterationEqualTheFormula) {
       EXPECT_EQ(r.all_reduce_bytes, 4 + 8) << extra << " step " << s;
       EXPECT_GE(r.collective_seconds, 0.0);
     }
+  }
+}
+
+// GatheredParameters with N ranks: a read-only scope shows every rank every parameter, equal to
+// the consolidated fp32 weights; a read-write scope writes rank 0's values everywhere (each rank
+// writes its own rank number), each owner keeping its share, and the next forward on every rank
+// computes with them: the same output as plain LibTorch with those weights.
+TEST(DataParallel, GatheredParametersReadEveryRanksWeightsAndWriteRankZeros) {
+  for (const char* extra : {"{}", R"({"bf16": {"enabled": true}})"}) {
+    torch::manual_seed(5);
+    Net model;
+    auto engine = std::make_shared<Engine>(model.ptr(), small_device(extra), comm());
+    for (int s = 0; s < 2; ++s) {
+      engine->zero_grad();
+      at::Tensor loss;
+      {
+        auto active = engine->activate();
+        loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
+      }
+      engine->backward(loss);
+      engine->step();
+    }
+    const auto before = engine->fp32_state_dict();
+    {
+      GatheredParameters read(*model, GatheredParameters::Mode::kReadOnly);
+      const auto named = model->named_parameters();
+      ASSERT_EQ(named.size(), before.size());
+      for (size_t i = 0; i < before.size(); ++i) {
+        EXPECT_EQ(named[i].key(), before[i].first);
+        EXPECT_TRUE(at::equal(named[i].value(), before[i].second)) << extra << " " << before[i].first;
+      }
+    }
+    {
+      GatheredParameters write(*model);
+      torch::NoGradGuard no_grad;
+      model->fc1->weight.fill_(0.01 * (me() + 1));
+    }
+    const auto after = engine->fp32_state_dict();
+    Net plain;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < after.size(); ++i) {
+        if (after[i].first == "fc1.weight") {
+          EXPECT_TRUE(at::all(after[i].second == 0.01f).item<bool>()) << extra << ": rank 0's values";
+        } else {
+          EXPECT_TRUE(at::equal(after[i].second, before[i].second)) << extra << " " << after[i].first;
+        }
+        plain->named_parameters()[after[i].first].copy_(after[i].second);
+      }
+    }
+    at::Tensor out;
+    {
+      torch::NoGradGuard no_grad;
+      auto active = engine->activate();
+      out = model->forward(input_of(7)).to(at::kFloat);
+    }
+    const at::Tensor expected = plain->forward(input_of(7));
+    const double tolerance = std::string(extra) == "{}" ? 1e-6 : 2e-2;
+    EXPECT_LE(((out - expected).norm() / expected.norm()).item<double>(), tolerance) << extra;
   }
 }
 

@@ -277,6 +277,29 @@ TEST(Scheduler, NeverEvictsAChunkThatMayNotMove) {
   EXPECT_EQ(scheduler.current_stats().evictions, 1);
 }
 
+// Room for memory the scheduler does not place (a gathered comm group): at least the bytes asked
+// are evicted, least recently used first in the warm-up, never a chunk that may not move; when the
+// movable chunks are not enough nothing moves.
+TEST(Scheduler, MakeRoomEvictsMovableChunksOrNothing) {
+  SchedulerOptions options;
+  options.capacity_bytes = 400;
+  options.warmup_ratio = 1.0;
+  Scheduler scheduler(options, equal_chunks(4, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {0, 1}, mover);
+  scheduler.at_moment(1, MomentKind::kPreForward, {2, 3}, mover);
+  EXPECT_TRUE(scheduler.make_room(0, mover));
+  EXPECT_EQ(mover.resident.size(), 4u);
+  EXPECT_TRUE(scheduler.make_room(150, mover));  // 1 is the least recent of the movable ones
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{0, 3}));
+  EXPECT_EQ(scheduler.current_stats().evictions, 2);
+  EXPECT_FALSE(scheduler.make_room(200, mover));  // only chunk 3 may go
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{0, 3}));
+  EXPECT_TRUE(scheduler.make_room(100, mover));
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{0}));
+}
+
 // During the warm-up the budget is the warm-up ratio's, capped by the live non-model reading.
 TEST(Scheduler, WarmupBudgetFollowsTheRatioAndTheLiveReading) {
   SchedulerOptions options;

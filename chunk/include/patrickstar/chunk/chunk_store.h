@@ -109,6 +109,17 @@ class ChunkStore {
   // otherwise; its FREE tensors become HOLD. Throws c10::OutOfMemoryError from the tier (nothing
   // changes then) or c10::Error when the chunk already has a payload.
   void allocate(ChunkId id, Tier tier, Fill fill = Fill::kZero);
+  // Gives released chunks of one kind payloads side by side in one new block of `tier` (a group
+  // buffer a collective fills in one call): slot k of the block, chunk_bytes each, is ids[k]'s
+  // payload; an id of -1 leaves its slot to the caller (what this rank sends, gathered in place).
+  // Contents are uninitialized; the chunks' FREE tensors become HOLD. Returns the whole block as a
+  // flat tensor of ids.size() x chunk_elems() elements of the kind's dtype, valid while the block
+  // lives: it goes back to its tier when the last of its chunks is released or moved away. Throws
+  // c10::OutOfMemoryError from the tier (nothing changes) or c10::Error for a chunk that has a
+  // payload, chunks of different kinds, a repeated id, or no chunk at all.
+  at::Tensor allocate_block(std::span<const ChunkId> ids, Tier tier);
+  // Blocks from allocate_block() still alive.
+  int64_t live_blocks() const;
   // Moves the payload to `tier`, bytes preserved; returns false (no copy) when it is already
   // there. Throws c10::Error naming the chunk and the tensor when a tensor of it is COMPUTE, or
   // when it has no payload; c10::OutOfMemoryError when the target tier is full (nothing changes).
@@ -147,6 +158,18 @@ class ChunkStore {
   // Throws when a tensor of the chunk is COMPUTE; `action` is "move" or "release".
   void check_not_in_compute(const Chunk& c, const char* action) const;
   at::Tensor make_view(const Chunk& c, int64_t offset_elems, c10::IntArrayRef sizes) const;
+  // FREE tensors of a chunk that just got a payload become HOLD.
+  void hold_free_tensors(Chunk& c);
+  // Gives the chunk's payload back: to its tier, or to its block (freed with its last chunk).
+  void free_payload(Chunk& c);
+
+  // A block of chunk payloads from allocate_block(): freed when `refs` (its chunks still in it)
+  // reaches 0.
+  struct Block {
+    void* memory = nullptr;
+    Tier tier = Tier::kNone;
+    int64_t refs = 0;
+  };
 
   Layout layout_;
   std::vector<ChunkKindSpec> kinds_;
@@ -155,6 +178,8 @@ class ChunkStore {
   MemoryTier& device_;
   std::vector<Chunk> chunks_;                     // id = slot * chunks_per_kind + index
   std::vector<std::vector<TensorState>> states_;  // [slot][tensor]
+  std::vector<Block> blocks_;                     // entries with memory == nullptr are free
+  std::vector<int64_t> block_of_;                 // per chunk id: its block in blocks_, or -1
 
   std::atomic<int64_t> h2d_bytes_{0};
   std::atomic<int64_t> d2h_bytes_{0};

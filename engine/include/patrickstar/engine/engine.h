@@ -59,6 +59,9 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar {
+namespace engine_detail {
+class GatheredBytesProbe;  // engine/src/engine_internal.h
+}  // namespace engine_detail
 
 class GatheredParameters;
 
@@ -84,11 +87,15 @@ struct IterationReport {
   int64_t retraces = 0;
   PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
   // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
-  // a group gather broadcasts each of its world_size param chunks from its owner (world_size x a
-  // param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to its owner
-  // (world_size x chunk_elems x 4); all-reduces agree on the loss's finiteness and the gradient norm.
+  // a group gather is one all-gather of the group's world_size param chunks into one buffer
+  // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to
+  // its owner (world_size x chunk_elems x 4); all-reduces agree on the loss's finiteness and the
+  // gradient norm.
   int64_t group_gathers = 0;      // comm groups gathered (forward and backward)
   int64_t group_reduces = 0;      // comm groups whose gradients were reduced into their owners
+  // The most device bytes that gathered group buffers held at once (the doors place them, not the
+  // scheduler; the trace counts them as non-model bytes, so non_model_peak_bytes includes them).
+  int64_t gathered_peak_bytes = 0;
   int64_t gather_bytes = 0;
   int64_t reduce_bytes = 0;
   int64_t all_reduce_bytes = 0;
@@ -352,6 +359,9 @@ class Engine final : public ModuleHookHandler {
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<MemoryProbe> probe_;
   CpuMemoryProbe* cpu_probe_ = nullptr;  // probe_, on the emulated device
+  // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.
+  engine_detail::GatheredBytesProbe* gathered_probe_ = nullptr;
+  int64_t gathered_peak_bytes_ = 0;  // this iteration's (IterationReport::gathered_peak_bytes)
   bool probe_floor_set_ = false;
   std::unique_ptr<TraceRecorder> recorder_;
   std::unique_ptr<Scheduler> scheduler_;

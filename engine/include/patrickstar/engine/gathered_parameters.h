@@ -26,6 +26,11 @@
 // done()), or is the optimizer's weight_decay. A door over a gathered parameter, or a gradient
 // reaching one, throws c10::Error. A scope that outlives its engine writes nothing back (the engine
 // warns and gives the model its fp32 master weights).
+//
+// Data parallel (several ranks): every rank opens and closes the same scopes in the same order
+// (each gathers the chunks holding the parameters from their owners). Every rank reads every
+// value; a read-write scope writes rank 0's values on every rank (as DeepSpeed's modifier rank), so
+// a re-initialization needs no common seed; a shape changed on any rank writes nothing anywhere.
 #pragma once
 
 #include <utility>

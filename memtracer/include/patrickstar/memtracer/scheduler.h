@@ -173,6 +173,12 @@ class Scheduler {
   // begin_iteration starts the same iteration number again. A no-op outside an iteration.
   void abort_iteration();
 
+  // Makes room on the device for memory the scheduler does not place (data parallel: a comm
+  // group's gathered chunks, whose bytes the trace counts as non-model): evicts at least `bytes`
+  // of resident chunks, choosing as at the moment last scheduled, chunks that may move only.
+  // Returns false, evicting nothing, when the movable chunks are not enough.
+  bool make_room(int64_t bytes, ChunkMover& mover);
+
   // Chunk bytes allowed on the device at moment m (the warm-up budget before set_trace).
   int64_t budget_bytes(int64_t m) const;
 
@@ -218,6 +224,7 @@ class Scheduler {
   int64_t warmup_floor_bytes_ = 0;  // warm-up: the accessed chunks' bytes at this moment
   int64_t warmup_non_model_bytes_ = 0;  // the live reading of the warm-up moment in progress
   int64_t iteration_ = -1;
+  int64_t last_moment_ = 0;  // the moment at_moment scheduled last
   bool in_iteration_ = false;
   IterationStats stats_;
   std::vector<IterationStats> history_;
