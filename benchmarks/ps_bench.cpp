@@ -42,6 +42,7 @@ ABSL_FLAG(std::string, policy, "", "chunk eviction policy: opt, lru or static");
 ABSL_FLAG(std::string, chunk_size, "", "elements per chunk, or auto");
 ABSL_FLAG(std::string, config, "", "a patrickstar JSON config; the flags above override it");
 ABSL_FLAG(bool, baseline, false, "also train with plain LibTorch + torch::optim::AdamW");
+ABSL_FLAG(std::string, moves, "", "chunk moves: async (a copy thread overlaps compute) or sync (default: the config's, else async)");
 ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
 ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
 ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
@@ -100,6 +101,11 @@ ps::Config build_config() {
   if (!absl::GetFlag(FLAGS_host_memory).empty()) {
     j["client"]["device"]["host_capacity_bytes"] =
         ps::parse_byte_size(absl::GetFlag(FLAGS_host_memory), "--host-memory");
+  }
+  if (!absl::GetFlag(FLAGS_moves).empty()) {
+    const std::string moves = absl::GetFlag(FLAGS_moves);
+    TORCH_CHECK(moves == "async" || moves == "sync", "--moves: expected async or sync, got '", moves, "'");
+    j["client"]["scheduler"]["async_moves"] = moves == "async";
   }
   if (!absl::GetFlag(FLAGS_policy).empty()) {
     j["client"]["scheduler"]["policy"] = absl::GetFlag(FLAGS_policy);
@@ -442,18 +448,20 @@ int run() {
 
   // Traffic over the steady iterations: after the warm-up and after the first scheduled iteration,
   // which still moves the warm-up's placement into the schedule's (when there are enough steps).
-  double h2d = 0, d2h = 0, forced = 0;
+  double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
   int64_t device_peak = 0;
   const size_t first_steady = reports.size() > 2 ? 2 : 1;
   for (size_t i = first_steady; i < reports.size(); ++i) {
     h2d += static_cast<double>(reports[i].h2d_bytes);
     d2h += static_cast<double>(reports[i].d2h_bytes);
     forced += static_cast<double>(reports[i].adam_host_d2h_bytes);
+    copy_wait += reports[i].copy_wait_seconds;
   }
   const double after = static_cast<double>(reports.size() - first_steady);
   h2d /= after;
   d2h /= after;
   forced /= after;
+  copy_wait /= after;
   for (const auto& stats : engine.scheduler().history()) {
     if (!stats.warmup) device_peak = std::max(device_peak, stats.peak_device_bytes);
   }
@@ -501,6 +509,8 @@ int run() {
   out["init_goal_bytes"] = reg.init_goal_bytes;  // model data + the largest module's fp32 weights
   out["h2d_bytes_per_iter"] = h2d;
   out["d2h_bytes_per_iter"] = d2h;
+  out["async_moves"] = config.scheduler.async_moves;
+  out["copy_wait_s_per_iter"] = copy_wait;  // compute waiting for chunk copies (async moves)
   out["adam_host_d2h_bytes_per_iter"] = forced;
   out["opt_bound_bytes_per_iter"] = bound_bytes;
   out["opt_bound_proven"] = bound.proven;

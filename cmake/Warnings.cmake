@@ -12,6 +12,14 @@ if(PATRICKSTAR_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
+if(PATRICKSTAR_TSAN)
+  if(PATRICKSTAR_SANITIZE)
+    message(FATAL_ERROR "PATRICKSTAR_TSAN and PATRICKSTAR_SANITIZE cannot be combined (use two build folders)")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=thread> $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=thread)
+endif()
+
 # One precompiled header of the LibTorch pieces nearly every translation unit uses; targets reuse it.
 add_library(ps_pch STATIC cmake/pch.cpp)
 ps_link_torch(ps_pch)

@@ -3,6 +3,8 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <exception>
 #include <utility>
 
 namespace patrickstar {
@@ -57,6 +59,15 @@ ChunkStore::ChunkStore(Layout layout, std::vector<ChunkKindSpec> kinds, MemoryTi
 }
 
 ChunkStore::~ChunkStore() {
+  if (queue_ != nullptr) {
+    try {
+      queue_->drain();
+    } catch (const std::exception&) {
+      // A failed copy was reported at its wait, or nobody waits any more: the memory goes anyway.
+    }
+  }
+  for (const PendingFree& f : pending_frees_) free_now(f.tier, f.memory, f.block);
+  pending_frees_.clear();
   for (Chunk& c : chunks_) {
     if (c.payload != nullptr && block_of_[static_cast<size_t>(c.id)] < 0) {
       memory(c.tier).deallocate(c.payload);
@@ -155,10 +166,12 @@ void ChunkStore::allocate(ChunkId id, Tier tier, Fill fill) {
   TORCH_CHECK(c.tier == Tier::kNone, "ChunkStore: cannot allocate ", describe(id),
               ": it already has a payload on ", to_string(c.tier));
   MemoryTier& target = memory(tier);
-  void* payload = target.allocate(c.bytes);  // may throw OOM: nothing changed yet
+  collect_pending_frees(/*wait=*/false);
+  void* payload = allocate_in(tier, c.bytes);  // may throw OOM: nothing changed yet
   if (fill == Fill::kZero) target.fill_zero(payload, c.bytes);
   c.payload = payload;
   c.tier = tier;
+  c.ready = 0;
   hold_free_tensors(c);
 }
 
@@ -191,7 +204,8 @@ at::Tensor ChunkStore::allocate_block(std::span<const ChunkId> ids, Tier tier) {
   TORCH_CHECK(first != nullptr, "ChunkStore: a block needs at least one chunk");
   MemoryTier& target = memory(tier);
   const int64_t slots = static_cast<int64_t>(ids.size());
-  void* block = target.allocate(slots * first->bytes);  // may throw OOM: nothing changed yet
+  collect_pending_frees(/*wait=*/false);
+  void* block = allocate_in(tier, slots * first->bytes);  // may throw OOM: nothing changed yet
   size_t entry = 0;
   while (entry < blocks_.size() && blocks_[entry].memory != nullptr) ++entry;
   if (entry == blocks_.size()) blocks_.emplace_back();
@@ -202,6 +216,7 @@ at::Tensor ChunkStore::allocate_block(std::span<const ChunkId> ids, Tier tier) {
     Chunk& c = mutable_chunk(ids[k]);
     c.payload = static_cast<char*>(block) + static_cast<int64_t>(k) * c.bytes;
     c.tier = tier;
+    c.ready = 0;
     block_of_[static_cast<size_t>(c.id)] = static_cast<int64_t>(entry);
     ++b.refs;
     hold_free_tensors(c);
@@ -216,19 +231,89 @@ int64_t ChunkStore::live_blocks() const {
   return n;
 }
 
-void ChunkStore::free_payload(Chunk& c) {
-  int64_t& entry = block_of_[static_cast<size_t>(c.id)];
-  if (entry < 0) {
-    memory(c.tier).deallocate(c.payload);
-  } else {
-    Block& b = blocks_[static_cast<size_t>(entry)];
-    if (--b.refs == 0) {
-      memory(b.tier).deallocate(b.memory);
-      b.memory = nullptr;
-    }
-    entry = -1;
+void ChunkStore::free_now(Tier tier, void* memory_ptr, int64_t block) {
+  if (block < 0) {
+    memory(tier).deallocate(memory_ptr);
+    return;
   }
+  Block& b = blocks_[static_cast<size_t>(block)];
+  if (--b.refs == 0) {
+    memory(b.tier).deallocate(b.memory);
+    b.memory = nullptr;
+  }
+}
+
+void ChunkStore::free_payload(Chunk& c, CopyEvent after) {
+  int64_t& entry = block_of_[static_cast<size_t>(c.id)];
+  after = std::max(after, c.ready);
+  if (queue_ != nullptr && after > 0 && !queue_->done(after)) {
+    pending_frees_.push_back(PendingFree{after, c.tier, entry < 0 ? c.payload : nullptr, entry});
+  } else {
+    free_now(c.tier, c.payload, entry);
+  }
+  entry = -1;
   c.payload = nullptr;
+  c.ready = 0;
+}
+
+void ChunkStore::collect_pending_frees(bool wait) {
+  if (pending_frees_.empty()) return;
+  if (wait) {
+    CopyEvent last = 0;
+    for (const PendingFree& f : pending_frees_) last = std::max(last, f.event);
+    queue_->wait(last);
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_frees_.size(); ++i) {
+    const PendingFree& f = pending_frees_[i];
+    if (queue_->done(f.event)) {
+      free_now(f.tier, f.memory, f.block);
+    } else {
+      pending_frees_[kept++] = f;
+    }
+  }
+  pending_frees_.resize(kept);
+}
+
+void* ChunkStore::allocate_in(Tier tier, int64_t bytes) {
+  MemoryTier& target = memory(tier);
+  try {
+    return target.allocate(bytes);
+  } catch (const c10::OutOfMemoryError&) {
+    bool waiting = false;
+    for (const PendingFree& f : pending_frees_) waiting = waiting || f.tier == tier;
+    if (!waiting) throw;
+  }
+  collect_pending_frees(/*wait=*/true);  // the copies reading them finish; their memory returns
+  return target.allocate(bytes);
+}
+
+void ChunkStore::set_copy_queue(CopyQueue* queue) {
+  if (queue == queue_) return;
+  finish_copies();
+  queue_ = queue;
+}
+
+void ChunkStore::finish_copies() {
+  if (queue_ == nullptr) return;
+  queue_->drain();
+  collect_pending_frees(/*wait=*/false);
+  for (Chunk& c : chunks_) c.ready = 0;
+}
+
+void ChunkStore::wait_ready(const Chunk& c) const {
+  if (queue_ == nullptr || c.ready == 0) return;
+  queue_->wait(c.ready);
+  const_cast<Chunk&>(c).ready = 0;  // an element of the (non-const) chunk list
+}
+
+void ChunkStore::wait_ready(ChunkId id) const {
+  wait_ready(chunk(id));
+}
+
+bool ChunkStore::copy_complete(ChunkId id) const {
+  const Chunk& c = chunk(id);
+  return queue_ == nullptr || c.ready == 0 || queue_->done(c.ready);
 }
 
 bool ChunkStore::move(ChunkId id, Tier tier) {
@@ -240,17 +325,32 @@ bool ChunkStore::move(ChunkId id, Tier tier) {
   if (c.tier == tier) return false;
   check_not_in_compute(c, "move");
   MemoryTier& to = memory(tier);
-  void* payload = to.allocate(c.bytes);  // may throw OOM: nothing changed yet
+  collect_pending_frees(/*wait=*/false);
+  void* payload = allocate_in(tier, c.bytes);  // may throw OOM: nothing changed yet
   const CopyDirection direction =
       tier == Tier::kDevice ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost;
+  CopyEvent event = 0;
   try {
-    device_.copy(payload, c.payload, c.bytes, direction);
+    if (queue_ == nullptr) {
+      device_.copy(payload, c.payload, c.bytes, direction);
+    } else {
+      // After the copy writing the source, if any (the queue runs copies in order).
+      MemoryTier* copier = &device_;
+      const void* source = c.payload;
+      const int64_t bytes = c.bytes;
+      event = queue_->submit(
+          [copier, payload, source, bytes, direction] {
+            copier->copy(payload, source, bytes, direction);
+          },
+          describe(id) + (tier == Tier::kDevice ? " to the device" : " to the host"));
+    }
   } catch (...) {
     to.deallocate(payload);
     throw;
   }
-  free_payload(c);
+  free_payload(c, event);  // the source goes back once the copy reading it completed
   c.payload = payload;
+  c.ready = event;
   c.tier = tier;
   if (direction == CopyDirection::kHostToDevice) {
     h2d_bytes_.fetch_add(c.bytes, std::memory_order_relaxed);
@@ -266,6 +366,7 @@ void ChunkStore::release(ChunkId id) {
   Chunk& c = mutable_chunk(id);
   if (c.tier == Tier::kNone) return;
   check_not_in_compute(c, "release");
+  collect_pending_frees(/*wait=*/false);
   free_payload(c);
   c.tier = Tier::kNone;
   auto& states = states_[static_cast<size_t>(slot(c.kind))];
@@ -289,6 +390,7 @@ at::Tensor ChunkStore::view(TensorId tensor, ChunkKind kind) const {
   TORCH_CHECK(c.payload != nullptr, "ChunkStore: no view of tensor '", layout_.name(tensor),
               "' (id ", tensor, "): its ", describe(c.id),
               " has no payload (released); allocate or move it first");
+  wait_ready(c);
   return make_view(c, p.offset_elems, layout_.sizes(tensor));
 }
 
@@ -296,6 +398,7 @@ at::Tensor ChunkStore::chunk_view(ChunkId id) const {
   const Chunk& c = chunk(id);
   TORCH_CHECK(c.payload != nullptr, "ChunkStore: no view of ", describe(id),
               ": it has no payload (released); allocate or move it first");
+  wait_ready(c);
   return make_view(c, 0, {c.capacity_elems});
 }
 
@@ -315,6 +418,7 @@ void ChunkStore::set_state(TensorId tensor, ChunkKind kind, TensorState to) {
   TORCH_CHECK(to != TensorState::kCompute || c.payload != nullptr, "ChunkStore: tensor '",
               layout_.name(tensor), "' (id ", tensor, ") cannot enter COMPUTE from ",
               to_string(from), ": its ", describe(c.id), " has no payload");
+  if (to == TensorState::kCompute) wait_ready(c);  // compute reads what the copy wrote
   states_[static_cast<size_t>(slot(kind))][static_cast<size_t>(tensor)] = to;
   --c.states.counts[state_index(from)];
   ++c.states.counts[state_index(to)];

@@ -312,6 +312,9 @@ Config Config::from_json(const json& document) {
                       {"static", EvictionPolicy::kStatic}});
     scheduler.integer("prefetch_depth", c.scheduler.prefetch_depth, 0, 64);
     scheduler.byte_size("reserve_bytes", c.scheduler.reserve_bytes);
+    scheduler.boolean("async_moves", c.scheduler.async_moves);
+    scheduler.integer("copy_delay_max_us", c.scheduler.copy_delay_max_us, 0, 1000000);
+    scheduler.integer("copy_delay_seed", c.scheduler.copy_delay_seed, 0, 2147483647);
     scheduler.finish();
     client.finish();
   }
@@ -396,7 +399,10 @@ json Config::to_json() const {
                            {"host_capacity_bytes", device.host_capacity_bytes}};
   j["client"]["scheduler"] = {{"policy", std::string(eviction_policy_name(scheduler.policy))},
                               {"prefetch_depth", scheduler.prefetch_depth},
-                              {"reserve_bytes", scheduler.reserve_bytes}};
+                              {"reserve_bytes", scheduler.reserve_bytes},
+                              {"async_moves", scheduler.async_moves},
+                              {"copy_delay_max_us", scheduler.copy_delay_max_us},
+                              {"copy_delay_seed", scheduler.copy_delay_seed}};
   return j;
 }
 

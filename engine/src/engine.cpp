@@ -225,6 +225,13 @@ void Engine::register_parameters() {
   host_ = std::make_unique<HostTier>(host_capacity);
   device_ = std::make_unique<EmulatedDeviceTier>(config_.device.capacity_bytes);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
+  if (config_.scheduler.async_moves) {
+    CopyQueueOptions queue_options;
+    queue_options.max_delay_us = config_.scheduler.copy_delay_max_us;
+    queue_options.delay_seed = static_cast<uint64_t>(config_.scheduler.copy_delay_seed);
+    copy_queue_ = std::make_unique<CopyQueue>(queue_options);
+    store_->set_copy_queue(copy_queue_.get());
+  }
   const Layout* placed = &store_->layout();
   host_only_.assign(static_cast<size_t>(placed->chunk_count()), false);
   for (int64_t i = 0; i < placed->chunk_count(); ++i) host_only_[i] = placed->chunk_group(i) == 1;

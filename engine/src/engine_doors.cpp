@@ -37,7 +37,13 @@ Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
 }
 
 void Engine::point_at_chunk(const Param& p) {
-  repoint(p.live, store_->view(p.id, ChunkKind::kParam).data_ptr());
+  // The invariant of asynchronous moves: compute reads a chunk whose last copy has completed.
+  // view() waits for that copy; this checks it did.
+  const ChunkId c = store_->chunk_of(p.id, ChunkKind::kParam);
+  const at::Tensor slot = store_->view(p.id, ChunkKind::kParam);
+  TORCH_INTERNAL_ASSERT(store_->copy_complete(c), "parameter ", p.name, " points into ",
+                        store_->describe(c), " while a copy of it is in flight");
+  repoint(p.live, slot.data_ptr());
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.live);
 }
 
@@ -104,6 +110,7 @@ void Engine::begin_iteration_if_needed() {
   group_gathers_at_iteration_start_ = group_gathers_;
   group_reduces_at_iteration_start_ = group_reduces_;
   gathered_peak_bytes_ = gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0;
+  copy_wait_at_iteration_start_ = copy_queue_ != nullptr ? copy_queue_->waited_seconds() : 0;
   collective_seconds_at_iteration_start_ = collective_seconds_;
   device_->reset_peak();
   recorder_->begin_iteration();
@@ -145,6 +152,11 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
     if (with_grad_chunks && grad_space_ && p.trainable) {
       store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     }
+    // A scheduled moment computes on the device (a CPU embedding's chunks stay on the host).
+    const ChunkId c = store_->chunk_of(id, ChunkKind::kParam);
+    TORCH_INTERNAL_ASSERT(store_->tier(c) == Tier::kDevice || host_only_[store_->index_of(c)],
+                          "parameter ", p.name, " is used at moment ", m, " from ",
+                          store_->describe(c), " on the ", to_string(store_->tier(c)));
     point_at_chunk(p);
   }
   return module.params;

@@ -286,6 +286,9 @@ IterationReport Engine::step() {
   report.h2d_bytes = now.h2d_bytes - counters_at_iteration_start_.h2d_bytes;
   report.d2h_bytes = now.d2h_bytes - counters_at_iteration_start_.d2h_bytes;
   report.device_chunk_peak_bytes = device_->peak_bytes();
+  if (copy_queue_ != nullptr) {
+    report.copy_wait_seconds = copy_queue_->waited_seconds() - copy_wait_at_iteration_start_;
+  }
   const CollectiveCounters& comm = comm_->counters();
   report.group_gathers = group_gathers_ - group_gathers_at_iteration_start_;
   report.group_reduces = group_reduces_ - group_reduces_at_iteration_start_;

@@ -1,6 +1,7 @@
 // ChunkStore: ids, allocation, moves that keep bytes for every dtype, exact traffic counters, views
 // that alias chunk memory, COMPUTE pinning, and out-of-memory without leaks.
 #include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/chunk/copy_queue.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
@@ -9,14 +10,19 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "error_message.h"
 
 namespace patrickstar {
 namespace {
 
 using ::testing::HasSubstr;
+using test::error_of;
 
 // Three tensors in chunks of 64 elements: w (6x8 = 48) and b (8) share chunk 0, e (40) chunk 1.
 Layout small_layout() {
@@ -357,6 +363,102 @@ TEST_F(ChunkStoreTest, ABlockHoldsChunksSideBySideUntilTheLastLeaves) {
   // A block is reused after it was freed, and the store's destructor frees one still alive.
   store.allocate_block(std::vector<ChunkId>{c0, -1}, Tier::kHost);
   EXPECT_EQ(store.live_blocks(), 1);
+}
+
+// An emulated device whose copies can be made to fail (a link that goes down).
+class FlakyDevice final : public MemoryTier {
+ public:
+  explicit FlakyDevice(int64_t capacity) : MemoryTier(Tier::kDevice, "flaky_device", capacity, false) {}
+  ~FlakyDevice() override { release_all(); }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  void copy(void* dst, const void* src, int64_t bytes, CopyDirection direction) override {
+    TORCH_CHECK(!fail.load(), "the link went down");
+    MemoryTier::copy(dst, src, bytes, direction);
+  }
+  std::atomic<bool> fail{false};
+
+ protected:
+  void* raw_allocate(int64_t bytes, int64_t alignment) override {
+    return std::aligned_alloc(static_cast<size_t>(alignment),
+                              static_cast<size_t>((bytes + alignment - 1) / alignment * alignment));
+  }
+  void raw_deallocate(void* ptr, int64_t, int64_t) override { std::free(ptr); }
+};
+
+// Asynchronous moves: the copy runs on the queue's thread (held back by seeded delays here), the
+// chunk's views wait for it and see the bytes, the source stays allocated until the copy that reads
+// it completed, and a release while the copy still writes waits too. Every seed gives the same bytes.
+TEST_F(ChunkStoreTest, AsynchronousMovesKeepBytesAndFreeSourcesAfterTheirCopies) {
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    CopyQueue queue(CopyQueueOptions{true, 3000, seed});
+    ChunkStore store(small_layout(), {{ChunkKind::kParam, at::kFloat}}, host_, device_);
+    store.set_copy_queue(&queue);
+    const ChunkId c0 = store.chunk_id(ChunkKind::kParam, 0);
+    const ChunkId c1 = store.chunk_id(ChunkKind::kParam, 1);
+    store.allocate(c0, Tier::kHost);
+    store.allocate(c1, Tier::kHost);
+    const at::Tensor expected0 = at::randn({64});
+    const at::Tensor expected1 = at::randn({64});
+    store.chunk_view(c0).copy_(expected0);
+    store.chunk_view(c1).copy_(expected1);
+    // There and back and there again, without waiting in between: the copies run in order.
+    EXPECT_TRUE(store.move(c0, Tier::kDevice));
+    EXPECT_TRUE(store.move(c1, Tier::kDevice));
+    EXPECT_TRUE(store.move(c0, Tier::kHost));
+    EXPECT_TRUE(store.move(c0, Tier::kDevice));
+    EXPECT_EQ(store.tier(c0), Tier::kDevice);
+    EXPECT_EQ(store.move_counters().h2d_bytes, 3 * 256);
+    store.set_state(0, ChunkKind::kParam, TensorState::kCompute);  // waits for c0's last copy
+    EXPECT_TRUE(store.copy_complete(c0));
+    EXPECT_TRUE(at::equal(store.chunk_view(c0), expected0)) << "seed " << seed;
+    EXPECT_TRUE(at::equal(store.chunk_view(c1), expected1)) << "seed " << seed;
+    store.set_state(0, ChunkKind::kParam, TensorState::kHold);
+    // A release while the copy writing the payload is queued: the memory waits for it.
+    store.move(c1, Tier::kHost);
+    store.release(c1);
+    store.finish_copies();
+    EXPECT_EQ(store.pending_frees(), 0);
+    EXPECT_EQ(host_.used_bytes(), 0);
+    EXPECT_EQ(device_.used_bytes(), 256);
+  }
+}
+
+TEST_F(ChunkStoreTest, AMoveWaitsForTheSourceItFreesWhenTheTierIsFull) {
+  // Room for one chunk on the device: moving c1 there right after c0 left needs c0's payload,
+  // which its (slow) copy to the host still reads; the store waits for that copy and goes on.
+  EmulatedDeviceTier one_chunk(256);
+  CopyQueue queue(CopyQueueOptions{true, 20000, 7});
+  ChunkStore store(small_layout(), {{ChunkKind::kParam, at::kFloat}}, host_, one_chunk);
+  store.set_copy_queue(&queue);
+  const ChunkId c0 = store.chunk_id(ChunkKind::kParam, 0);
+  const ChunkId c1 = store.chunk_id(ChunkKind::kParam, 1);
+  store.allocate(c0, Tier::kDevice);
+  store.allocate(c1, Tier::kHost);
+  store.chunk_view(c0).fill_(3.0f);
+  store.chunk_view(c1).fill_(5.0f);
+  store.move(c0, Tier::kHost);
+  store.move(c1, Tier::kDevice);
+  EXPECT_EQ(store.chunk_view(c0)[10].item<float>(), 3.0f);
+  EXPECT_EQ(store.chunk_view(c1)[10].item<float>(), 5.0f);
+  EXPECT_EQ(one_chunk.used_bytes(), 256);
+}
+
+TEST_F(ChunkStoreTest, AFailedCopyIsReportedWhereTheChunkIsNextUsedNamingIt) {
+  FlakyDevice flaky(1 << 20);
+  {
+    CopyQueue queue;
+    ChunkStore store(small_layout(), {{ChunkKind::kParam, at::kFloat}}, host_, flaky);
+    store.set_copy_queue(&queue);
+    const ChunkId c1 = store.chunk_id(ChunkKind::kParam, 1);
+    store.allocate(c1, Tier::kHost);
+    flaky.fail = true;
+    EXPECT_TRUE(store.move(c1, Tier::kDevice));  // returns at once; the copy fails on the thread
+    const std::string message = error_of([&] { store.chunk_view(c1); });
+    EXPECT_THAT(message, HasSubstr("param chunk 1 (id 1) to the device"));
+    EXPECT_THAT(message, HasSubstr("the link went down"));
+  }
+  EXPECT_EQ(flaky.used_bytes(), 0);
+  EXPECT_EQ(host_.used_bytes(), 0);
 }
 
 }  // namespace

@@ -286,6 +286,18 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
   }
 }
 
+// One step of the two-layer MLP on this rank's rows of step s's batch.
+IterationReport mlp_step(Engine& engine, Net& model, int s) {
+  engine.zero_grad();
+  at::Tensor loss;
+  {
+    auto active = engine.activate();
+    loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
+  }
+  engine.backward(loss);
+  return engine.step();
+}
+
 // The two-layer MLP: its chunks form one comm group, gathered for the forward, dropped after it,
 // gathered again for the backward and reduced once. Per iteration: gather bytes 2 x N x param chunk
 // bytes x groups; reduce bytes N x chunk_elems x 4 x groups; all-reduce 4 (the loss's finiteness)
@@ -299,14 +311,7 @@ TEST(DataParallel, CollectiveBytesPerIterationEqualTheFormula) {
     const int64_t groups = store.chunks_per_kind() / ranks();
     const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
     for (int s = 0; s < 3; ++s) {
-      engine->zero_grad();
-      at::Tensor loss;
-      {
-        auto active = engine->activate();
-        loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
-      }
-      engine->backward(loss);
-      const IterationReport r = engine->step();
+      const IterationReport r = mlp_step(*engine, model, s);
       if (ranks() == 1) {
         EXPECT_EQ(r.group_gathers + r.group_reduces + r.gather_bytes + r.reduce_bytes +
                       r.all_reduce_bytes,
@@ -332,16 +337,7 @@ TEST(DataParallel, GatheredParametersReadEveryRanksWeightsAndWriteRankZeros) {
     torch::manual_seed(5);
     Net model;
     auto engine = std::make_shared<Engine>(model.ptr(), small_device(extra), comm());
-    for (int s = 0; s < 2; ++s) {
-      engine->zero_grad();
-      at::Tensor loss;
-      {
-        auto active = engine->activate();
-        loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
-      }
-      engine->backward(loss);
-      engine->step();
-    }
+    for (int s = 0; s < 2; ++s) mlp_step(*engine, model, s);
     const auto before = engine->fp32_state_dict();
     {
       GatheredParameters read(*model, GatheredParameters::Mode::kReadOnly);

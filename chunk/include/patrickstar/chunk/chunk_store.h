@@ -1,7 +1,11 @@
 // ChunkStore: the chunks of every kind over one Layout, their payloads in the tiers, moves between
 // host and device, zero-copy tensor views and the per-tensor state machine.
 // NOT thread-safe: one thread (the engine's) drives it; only move_counters() may be read from
-// any thread. The store owns the payloads (freed on release() and in the destructor) but only
+// any thread. With a CopyQueue (set_copy_queue), moves are asynchronous: move() allocates the
+// destination, queues the copy and returns; the chunk's payload is the destination from then on,
+// and every access to its bytes through the store (view, chunk_view, entering COMPUTE) first waits
+// for that copy (an error in it surfaces there, naming the chunk). A payload a queued copy reads
+// or writes goes back to its tier only once that copy completed. The store owns the payloads (freed on release() and in the destructor) but only
 // refers to the tiers, which the caller owns and which must outlive the store. Usage:
 //
 //   patrickstar::HostTier host;
@@ -15,6 +19,7 @@
 //   at::Tensor weight = store.view(w, ChunkKind::kParam);           // aliases the payload
 #pragma once
 
+#include "patrickstar/chunk/copy_queue.h"
 #include "patrickstar/chunk/layout.h"
 #include "patrickstar/chunk/memory_tier.h"
 #include "patrickstar/chunk/tensor_state.h"
@@ -49,6 +54,7 @@ struct Chunk {
   Tier tier = Tier::kNone;
   void* payload = nullptr;  // nullptr exactly when tier == kNone
   ChunkStateCounts states;  // its tensors per state, kept in step with set_state()
+  CopyEvent ready = 0;      // the queued copy writing the payload (0: none not yet waited for)
 };
 
 // Exact traffic since construction or the last reset_move_counters().
@@ -120,6 +126,20 @@ class ChunkStore {
   at::Tensor allocate_block(std::span<const ChunkId> ids, Tier tier);
   // Blocks from allocate_block() still alive.
   int64_t live_blocks() const;
+
+  // --- asynchronous moves --------------------------------------------------------------------
+  // Moves go through `queue` from now on (nullptr: synchronous, the default). The queue must
+  // outlive the store; switching needs no copy in flight (finish_copies() first).
+  void set_copy_queue(CopyQueue* queue);
+  CopyQueue* copy_queue() const { return queue_; }
+  // Blocks until the chunk's last queued copy completed (throws that copy's error).
+  void wait_ready(ChunkId id) const;
+  // True when no queued copy writes the chunk's payload any more.
+  bool copy_complete(ChunkId id) const;
+  // Waits for every queued copy and gives back the payloads they were holding.
+  void finish_copies();
+  // Payloads waiting for a queued copy before they go back to their tier.
+  int64_t pending_frees() const { return static_cast<int64_t>(pending_frees_.size()); }
   // Moves the payload to `tier`, bytes preserved; returns false (no copy) when it is already
   // there. Throws c10::Error naming the chunk and the tensor when a tensor of it is COMPUTE, or
   // when it has no payload; c10::OutOfMemoryError when the target tier is full (nothing changes).
@@ -160,8 +180,24 @@ class ChunkStore {
   at::Tensor make_view(const Chunk& c, int64_t offset_elems, c10::IntArrayRef sizes) const;
   // FREE tensors of a chunk that just got a payload become HOLD.
   void hold_free_tensors(Chunk& c);
-  // Gives the chunk's payload back: to its tier, or to its block (freed with its last chunk).
-  void free_payload(Chunk& c);
+  // Gives the chunk's payload back: to its tier, or to its block (freed with its last chunk); once
+  // copy `after` (and the copy writing it) completed when they are still queued.
+  void free_payload(Chunk& c, CopyEvent after = 0);
+  // Returns the memory of a payload or a block entry now.
+  void free_now(Tier tier, void* memory, int64_t block);
+  // Frees what waited for copies that have completed (all of them when `wait`, waiting first).
+  void collect_pending_frees(bool wait);
+  // tier.allocate(bytes); when the tier is full and payloads wait for copies, waits for those and
+  // tries once more.
+  void* allocate_in(Tier tier, int64_t bytes);
+  void wait_ready(const Chunk& c) const;
+
+  struct PendingFree {
+    CopyEvent event = 0;
+    Tier tier = Tier::kNone;
+    void* memory = nullptr;  // a payload of its own, or
+    int64_t block = -1;      // its chunk's block entry (one reference)
+  };
 
   // A block of chunk payloads from allocate_block(): freed when `refs` (its chunks still in it)
   // reaches 0.
@@ -180,6 +216,8 @@ class ChunkStore {
   std::vector<std::vector<TensorState>> states_;  // [slot][tensor]
   std::vector<Block> blocks_;                     // entries with memory == nullptr are free
   std::vector<int64_t> block_of_;                 // per chunk id: its block in blocks_, or -1
+  CopyQueue* queue_ = nullptr;                    // asynchronous moves (not owned)
+  std::vector<PendingFree> pending_frees_;
 
   std::atomic<int64_t> h2d_bytes_{0};
   std::atomic<int64_t> d2h_bytes_{0};

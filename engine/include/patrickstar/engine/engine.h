@@ -74,6 +74,9 @@ struct IterationReport {
   double grad_norm = 0.0;
   int64_t h2d_bytes = 0;          // every chunk move this iteration, both directions
   int64_t d2h_bytes = 0;
+  // Asynchronous moves: how long compute waited for chunk copies this iteration (the copy time
+  // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed.
+  double copy_wait_seconds = 0;
   int64_t device_chunk_peak_bytes = 0;  // the device tier's peak during the iteration
   int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
   int64_t evictions = 0;
@@ -354,6 +357,8 @@ class Engine final : public ModuleHookHandler {
   std::unordered_map<const torch::nn::Module*, std::string> module_names_;
   std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
 
+  std::unique_ptr<CopyQueue> copy_queue_;  // asynchronous moves; outlives the store (declared first)
+  double copy_wait_at_iteration_start_ = 0;
   std::unique_ptr<MemoryTier> host_;
   std::unique_ptr<MemoryTier> device_;
   std::unique_ptr<ChunkStore> store_;

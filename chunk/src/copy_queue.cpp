@@ -1,0 +1,148 @@
+#include "patrickstar/chunk/copy_queue.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <utility>
+
+#include <c10/util/Exception.h>
+
+namespace patrickstar {
+
+CopyQueue::CopyQueue(CopyQueueOptions options)
+    : options_(options), delays_(options.delay_seed) {
+  TORCH_CHECK(options_.max_delay_us >= 0, "CopyQueue: max_delay_us must be >= 0, got ",
+              options_.max_delay_us);
+  if (options_.threaded) thread_ = std::thread([this] { run_thread(); });
+}
+
+CopyQueue::~CopyQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  if (thread_.joinable()) thread_.join();  // the thread finishes every queued copy first
+}
+
+CopyEvent CopyQueue::submit(std::function<void()> copy, std::string label) {
+  Task task;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stop_, "CopyQueue: submit after the queue was stopped");
+    task = Task{++submitted_, std::move(copy), std::move(label)};
+    if (options_.threaded) {
+      const CopyEvent event = task.event;
+      tasks_.push_back(std::move(task));
+      work_.notify_one();
+      return event;
+    }
+  }
+  run(task);
+  return task.event;
+}
+
+void CopyQueue::run(Task& task) {
+  bool skip = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    skip = failed_ != 0;
+  }
+  std::string error;
+  if (!skip) {
+    try {
+      task.copy();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    } catch (...) {
+      error = "an unknown exception";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error.empty() && failed_ == 0) {
+      failed_ = task.event;
+      failure_ = task.label + ": " + error;
+    }
+    completed_ = std::max(completed_, task.event);
+  }
+  completed_cv_.notify_all();
+}
+
+void CopyQueue::run_thread() {
+  for (;;) {
+    Task task;
+    int64_t delay_us = 0;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopped, and nothing left to copy
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      if (options_.max_delay_us > 0) {
+        delay_us = static_cast<int64_t>(delays_() % static_cast<uint64_t>(options_.max_delay_us + 1));
+      }
+    }
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    run(task);
+  }
+}
+
+void CopyQueue::check_failure(CopyEvent event) const {
+  if (failed_ == 0 || event < failed_) return;
+  TORCH_CHECK(event == failed_, "CopyQueue: copy ", event, " did not run: an earlier copy failed (",
+              failure_, ")");
+  TORCH_CHECK(false, "CopyQueue: ", failure_);
+}
+
+void CopyQueue::wait(CopyEvent event) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(event >= 0 && event <= submitted_, "CopyQueue: wait on event ", event,
+              ", which was never submitted (last ", submitted_, ")");
+  if (completed_ < event) {
+    const auto start = std::chrono::steady_clock::now();
+    completed_cv_.wait(lock, [&] { return completed_ >= event; });
+    waited_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  check_failure(event);
+}
+
+bool CopyQueue::done(CopyEvent event) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ >= event;
+}
+
+void CopyQueue::drain() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const CopyEvent last = submitted_;
+  if (completed_ < last) {
+    const auto start = std::chrono::steady_clock::now();
+    completed_cv_.wait(lock, [&] { return completed_ >= last; });
+    waited_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  if (failed_ != 0 && failure_reported_ != failed_) {
+    failure_reported_ = failed_;
+    TORCH_CHECK(false, "CopyQueue: ", failure_);
+  }
+}
+
+CopyEvent CopyQueue::last_submitted() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return submitted_;
+}
+
+double CopyQueue::waited_seconds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return waited_seconds_;
+}
+
+void CopyQueue::reset_waited_seconds() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waited_seconds_ = 0;
+}
+
+}  // namespace patrickstar
