@@ -9,6 +9,17 @@
 
 namespace patrickstar {
 
+namespace {
+// Blocks (lock held) until `completed` reaches `event`; returns the seconds blocked.
+double wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                const CopyEvent& completed, CopyEvent event) {
+  if (completed >= event) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  cv.wait(lock, [&] { return completed >= event; });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+}  // namespace
+
 CopyQueue::CopyQueue(CopyQueueOptions options)
     : options_(options), delays_(options.delay_seed) {
   TORCH_CHECK(options_.max_delay_us >= 0, "CopyQueue: max_delay_us must be >= 0, got ",
@@ -101,12 +112,7 @@ void CopyQueue::wait(CopyEvent event) {
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(event >= 0 && event <= submitted_, "CopyQueue: wait on event ", event,
               ", which was never submitted (last ", submitted_, ")");
-  if (completed_ < event) {
-    const auto start = std::chrono::steady_clock::now();
-    completed_cv_.wait(lock, [&] { return completed_ >= event; });
-    waited_seconds_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
+  waited_seconds_ += wait_for(completed_cv_, lock, completed_, event);
   check_failure(event);
 }
 
@@ -118,12 +124,7 @@ bool CopyQueue::done(CopyEvent event) const {
 void CopyQueue::drain() {
   std::unique_lock<std::mutex> lock(mutex_);
   const CopyEvent last = submitted_;
-  if (completed_ < last) {
-    const auto start = std::chrono::steady_clock::now();
-    completed_cv_.wait(lock, [&] { return completed_ >= last; });
-    waited_seconds_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
+  waited_seconds_ += wait_for(completed_cv_, lock, completed_, last);
   if (failed_ != 0 && failure_reported_ != failed_) {
     failure_reported_ = failed_;
     TORCH_CHECK(false, "CopyQueue: ", failure_);
