@@ -56,6 +56,13 @@ ABSL_FLAG(int64_t, hidden, 0, "--find-max-model: hidden size (0: the model's)");
 ABSL_FLAG(int64_t, max_layers, 4096, "--find-max-model: the most layers tried");
 ABSL_FLAG(std::string, search_policies, "opt,static", "--find-max-model: policies to compare");
 ABSL_FLAG(int64_t, search_steps, 3, "--find-max-model: steps a trial must complete (warm-up included)");
+ABSL_FLAG(bool, compare_moves, false,
+          "train the model three ways in one run, one step of each per round: everything "
+          "resident, and --device with synchronous and with asynchronous moves; print the median "
+          "step times as ratios to the resident run and the copy time compute waited for");
+ABSL_FLAG(int64_t, threads, 0,
+          "LibTorch intra-op threads (0: LibTorch's default); e.g. one fewer than the cores "
+          "leaves a core to the emulated device's copy thread, as a GPU's copy engine is its own");
 
 namespace ps = patrickstar;
 namespace {
@@ -71,6 +78,12 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0 : sum / static_cast<double>(v.size());
 }
 
 std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
@@ -356,6 +369,120 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
   return 0;
 }
 
+// --compare-moves: the same model trained three ways in one process, one step of each per round
+// (the order rotating), on the same data: everything resident (a device that holds the whole
+// model), and --device with synchronous and with asynchronous moves. Medians over the steady
+// rounds (after the warm-up and the first scheduled step), as ratios to the resident run.
+int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
+                  int64_t seq, int64_t steps, uint64_t seed) {
+  TORCH_CHECK(steps >= 4, "--compare-moves needs --steps >= 4 (warm-up, first scheduled step, and "
+              "at least two steady rounds)");
+  struct Mode {
+    std::string name;
+    ps::Config config;
+    std::vector<double> times, waits, losses;
+    double h2d = 0, d2h = 0;
+  };
+  std::vector<Mode> modes(3);
+  modes[0].name = "resident";
+  modes[1].name = "sync";
+  modes[2].name = "async";
+  for (Mode& m : modes) {
+    nlohmann::json j = base.to_json();
+    j["client"]["scheduler"]["async_moves"] = m.name != "sync";
+    if (m.name == "resident") {
+      j["client"]["device"]["capacity_bytes"] = int64_t{64} << 30;  // holds any model here
+    }
+    m.config = ps::Config::from_json(j);
+  }
+  std::printf("compare-moves: %s, %lld parameters, %s, batch %lld, seq %lld, %lld rounds, device "
+              "%s (resident: 64 GiB), %d intra-op threads\n",
+              spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
+              std::string(ps::to_string(base.precision())).c_str(), static_cast<long long>(batch),
+              static_cast<long long>(seq), static_cast<long long>(steps),
+              mib(static_cast<double>(base.device.capacity_bytes)).c_str(),
+              torch::get_num_threads());
+  std::fflush(stdout);
+  // Three engines side by side (each registers its own copy of the model).
+  std::vector<decltype(build_engine(spec, base, seed))> engines;
+  for (const Mode& m : modes) engines.push_back(build_engine(spec, m.config, seed));
+  const size_t first_steady = 2;
+  for (int64_t r = 0; r < steps; ++r) {
+    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(r));
+    std::string line;
+    for (size_t k = 0; k < modes.size(); ++k) {
+      const size_t i = (static_cast<size_t>(r) + k) % modes.size();
+      auto& [model, optimizer] = engines[i];
+      const auto start = Clock::now();
+      optimizer.zero_grad();
+      at::Tensor loss = model->loss(data.tokens, data.targets);
+      model.backward(loss);
+      const ps::IterationReport report = optimizer.step();
+      const double t = seconds_since(start);
+      Mode& m = modes[i];
+      m.losses.push_back(loss.item<double>());
+      if (static_cast<size_t>(r) >= first_steady) {
+        m.times.push_back(t);
+        m.waits.push_back(report.copy_wait_seconds);
+        m.h2d += static_cast<double>(report.h2d_bytes);
+        m.d2h += static_cast<double>(report.d2h_bytes);
+      }
+    }
+    for (const Mode& m : modes) {
+      absl::StrAppendFormat(&line, "  %s loss %.5f", m.name, m.losses.back());
+    }
+    std::printf("round %lld/%lld%s\n", static_cast<long long>(r + 1), static_cast<long long>(steps),
+                line.c_str());
+    std::fflush(stdout);
+  }
+  const double rounds = static_cast<double>(steps) - static_cast<double>(first_steady);
+  nlohmann::json out;
+  out["model"] = spec.name;
+  out["params"] = spec.parameter_count();
+  out["dtype"] = std::string(ps::to_string(base.precision()));
+  out["batch"] = batch;
+  out["seq"] = seq;
+  out["rounds"] = steps;
+  out["steady_rounds"] = rounds;
+  out["device_capacity_bytes"] = base.device.capacity_bytes;
+  out["intra_op_threads"] = torch::get_num_threads();
+  const double resident = median(modes[0].times);
+  for (const Mode& m : modes) {
+    const double step = median(m.times);
+    out[m.name + "_step_s"] = step;
+    out[m.name + "_to_resident"] = step / resident;
+    out[m.name + "_copy_wait_s_per_iter"] = mean(m.waits);
+    out[m.name + "_h2d_bytes_per_iter"] = m.h2d / rounds;
+    out[m.name + "_d2h_bytes_per_iter"] = m.d2h / rounds;
+  }
+  // Asynchronous moves change when bytes cross, never what is computed.
+  out["async_losses_equal_sync"] = modes[2].losses == modes[1].losses;
+  double worst = 0;
+  for (size_t i = 0; i < modes[0].losses.size(); ++i) {
+    worst = std::max(worst, std::abs(modes[1].losses[i] - modes[0].losses[i]) /
+                                std::max(1e-12, std::abs(modes[0].losses[i])));
+  }
+  out["moved_vs_resident_max_relative_loss_difference"] = worst;
+  std::printf("\nmedian step times; copy wait: the mean time compute waited for copies\n");
+  std::printf("%-8s %12s %12s %14s %14s %14s\n", "moves", "step (s)", "x resident",
+              "copy wait (s)", "h2d/iter", "d2h/iter");
+  for (const Mode& m : modes) {
+    std::printf("%-8s %12.5f %12.3f %14.5f %14s %14s\n", m.name.c_str(), median(m.times),
+                median(m.times) / resident, mean(m.waits), mib(m.h2d / rounds).c_str(),
+                mib(m.d2h / rounds).c_str());
+  }
+  std::printf("async losses equal sync bit for bit: %s; moved vs resident losses: max relative "
+              "difference %.3g\n",
+              modes[2].losses == modes[1].losses ? "yes" : "NO", worst);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
+  }
+  TORCH_CHECK(modes[2].losses == modes[1].losses,
+              "compare-moves: asynchronous moves changed the losses");
+  return 0;
+}
+
 int run() {
   if (absl::GetFlag(FLAGS_list_models)) {
     for (const std::string& name : ps::models::gpt_spec_names()) {
@@ -365,6 +492,11 @@ int run() {
                   static_cast<long long>(s.heads), static_cast<long long>(s.parameter_count()));
     }
     return 0;
+  }
+  TORCH_CHECK(absl::GetFlag(FLAGS_threads) >= 0, "--threads must be 0 (LibTorch's default) or "
+              "positive, got ", absl::GetFlag(FLAGS_threads));
+  if (absl::GetFlag(FLAGS_threads) > 0) {
+    torch::set_num_threads(static_cast<int>(absl::GetFlag(FLAGS_threads)));
   }
   const ps::Config config = build_config();
   auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
@@ -391,6 +523,10 @@ int run() {
     for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
   }
   if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
+  if (absl::GetFlag(FLAGS_compare_moves)) {
+    TORCH_CHECK(world == 1, "--compare-moves runs in one process (not under mpirun)");
+    return compare_moves(config, spec, batch, seq, steps, seed);
+  }
 
   if (lead) std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
               "policy %s, %d rank(s)\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
@@ -403,6 +539,9 @@ int run() {
 
   auto [model, optimizer] = build_engine(spec, config, seed);
   ps::Engine& engine = model.engine();
+  if (!absl::GetFlag(FLAGS_trace).empty() && engine.chunks().copy_queue() != nullptr) {
+    engine.chunks().copy_queue()->set_record_spans(true);  // the copy thread's track in the trace
+  }
   const auto& reg = engine.registration();
   if (lead) std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "
               "%.2f model-data bytes per parameter\n",
@@ -510,6 +649,7 @@ int run() {
   out["h2d_bytes_per_iter"] = h2d;
   out["d2h_bytes_per_iter"] = d2h;
   out["async_moves"] = config.scheduler.async_moves;
+  out["intra_op_threads"] = torch::get_num_threads();
   out["copy_wait_s_per_iter"] = copy_wait;  // compute waiting for chunk copies (async moves)
   out["adam_host_d2h_bytes_per_iter"] = forced;
   out["opt_bound_bytes_per_iter"] = bound_bytes;
@@ -617,10 +757,15 @@ int run() {
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
   }
   if (!absl::GetFlag(FLAGS_trace).empty()) {
+    std::vector<ps::CopySpan> copies;
+    if (ps::CopyQueue* queue = engine.chunks().copy_queue(); queue != nullptr) {
+      queue->drain();  // the last step's prefetches complete, so every issued move has its copy
+      copies = queue->spans();
+    }
     ps::write_text_file(absl::GetFlag(FLAGS_trace),
                         ps::chrome_trace_json(engine.scheduler().moves(),
                                               engine.scheduler().moment_records(),
-                                              config.device.capacity_bytes));
+                                              config.device.capacity_bytes, copies));
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_trace).c_str());
   }
   if (!absl::GetFlag(FLAGS_plot).empty()) {

@@ -9,19 +9,14 @@
 
 namespace patrickstar {
 
-namespace {
-// Blocks (lock held) until `completed` reaches `event`; returns the seconds blocked.
-double wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-                const CopyEvent& completed, CopyEvent event) {
-  if (completed >= event) return 0;
-  const auto start = std::chrono::steady_clock::now();
-  cv.wait(lock, [&] { return completed >= event; });
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-}  // namespace
-
 CopyQueue::CopyQueue(CopyQueueOptions options)
     : options_(options), delays_(options.delay_seed) {
+  const auto start = std::chrono::steady_clock::now();
+  now_us_ = [start] {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                                 start)
+        .count();
+  };
   TORCH_CHECK(options_.max_delay_us >= 0, "CopyQueue: max_delay_us must be >= 0, got ",
               options_.max_delay_us);
   if (options_.threaded) thread_ = std::thread([this] { run_thread(); });
@@ -55,10 +50,15 @@ CopyEvent CopyQueue::submit(std::function<void()> copy, std::string label) {
 
 void CopyQueue::run(Task& task) {
   bool skip = false;
+  bool record = false;
+  std::function<int64_t()> now_us;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     skip = failed_ != 0;
+    record = record_spans_;
+    if (record) now_us = now_us_;
   }
+  const int64_t start_us = record ? now_us() : 0;
   std::string error;
   if (!skip) {
     try {
@@ -78,6 +78,9 @@ void CopyQueue::run(Task& task) {
       failure_ = task.label + ": " + error;
     }
     completed_ = std::max(completed_, task.event);
+    if (record && !skip) {
+      spans_.push_back(CopySpan{task.event, false, task.label, start_us, now_us() - start_us});
+    }
   }
   completed_cv_.notify_all();
 }
@@ -108,11 +111,21 @@ void CopyQueue::check_failure(CopyEvent event) const {
   TORCH_CHECK(false, "CopyQueue: ", failure_);
 }
 
+void CopyQueue::block_until(std::unique_lock<std::mutex>& lock, CopyEvent event) {
+  if (completed_ >= event) return;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t start_us = record_spans_ ? now_us_() : 0;
+  completed_cv_.wait(lock, [&] { return completed_ >= event; });
+  waited_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (record_spans_) spans_.push_back(CopySpan{event, true, {}, start_us, now_us_() - start_us});
+}
+
 void CopyQueue::wait(CopyEvent event) {
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(event >= 0 && event <= submitted_, "CopyQueue: wait on event ", event,
               ", which was never submitted (last ", submitted_, ")");
-  waited_seconds_ += wait_for(completed_cv_, lock, completed_, event);
+  block_until(lock, event);
   check_failure(event);
 }
 
@@ -123,8 +136,7 @@ bool CopyQueue::done(CopyEvent event) const {
 
 void CopyQueue::drain() {
   std::unique_lock<std::mutex> lock(mutex_);
-  const CopyEvent last = submitted_;
-  waited_seconds_ += wait_for(completed_cv_, lock, completed_, last);
+  block_until(lock, submitted_);
   if (failed_ != 0 && failure_reported_ != failed_) {
     failure_reported_ = failed_;
     TORCH_CHECK(false, "CopyQueue: ", failure_);
@@ -144,6 +156,27 @@ double CopyQueue::waited_seconds() const {
 void CopyQueue::reset_waited_seconds() {
   std::lock_guard<std::mutex> lock(mutex_);
   waited_seconds_ = 0;
+}
+
+void CopyQueue::set_clock(std::function<int64_t()> now_us) {
+  TORCH_CHECK(now_us, "CopyQueue::set_clock: empty clock");
+  std::lock_guard<std::mutex> lock(mutex_);
+  now_us_ = std::move(now_us);
+}
+
+void CopyQueue::set_record_spans(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  record_spans_ = on;
+}
+
+std::vector<CopySpan> CopyQueue::spans() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return spans_;
+}
+
+void CopyQueue::clear_spans() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  spans_.clear();
 }
 
 }  // namespace patrickstar

@@ -1,6 +1,7 @@
 #include "patrickstar/engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -349,6 +350,18 @@ void Engine::register_parameters() {
   options.policy = config_.scheduler.policy;
   options.prefetch_depth = config_.scheduler.prefetch_depth;
   scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
+  if (copy_queue_ != nullptr) {
+    // One clock for the scheduler's moves and the copy thread's spans (chunks().copy_queue()'s
+    // set_record_spans), so that a trace shows both on one time line.
+    const auto epoch = std::chrono::steady_clock::now();
+    auto now_us = [epoch] {
+      return std::chrono::duration_cast<std::chrono::microseconds>(
+                 std::chrono::steady_clock::now() - epoch)
+          .count();
+    };
+    scheduler_->set_clock(now_us);
+    copy_queue_->set_clock(now_us);
+  }
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
   mover_ = std::make_unique<Mover>(*store_, /*lazy_grads=*/distributed());
 

@@ -156,6 +156,9 @@ IterationReport Engine::run_adam() {
   IterationReport report;
   report.adam_host_d2h_bytes = adam_host_d2h_bytes;
   StepReport step = adam_->step(runs, plan);
+  // The step's compute is done: the scheduler may load what the next iteration's first moments
+  // need (with asynchronous moves, while the trainer prepares the next batch).
+  if (!warmup && scheduler_->has_trace()) scheduler_->after_moment(m, *mover_);
   report.skipped = step.skipped;
   report.loss_scale = step.loss_scale;
   report.grad_norm = step.grad_norm;

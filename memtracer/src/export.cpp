@@ -40,11 +40,14 @@ std::string bound_to_json(const TrafficBound& bound) {
 }
 
 std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
-                              const std::vector<MomentRecord>& moments, int64_t capacity_bytes) {
+                              const std::vector<MomentRecord>& moments, int64_t capacity_bytes,
+                              const std::vector<CopySpan>& copies) {
   constexpr int kPid = 1;
   constexpr int kComputeTid = 1;
   constexpr int kH2dTid = 2;
   constexpr int kD2hTid = 3;
+  constexpr int kCopyTid = 4;
+  constexpr int kWaitTid = 5;
   nlohmann::json events = nlohmann::json::array();
   auto thread_name = [&](int tid, const char* name) {
     events.push_back({{"name", "thread_name"},
@@ -58,8 +61,23 @@ std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
                     {"pid", kPid},
                     {"args", {{"name", "patrickstar device"}}}});
   thread_name(kComputeTid, "moments");
-  thread_name(kH2dTid, "h2d");
-  thread_name(kD2hTid, "d2h");
+  thread_name(kH2dTid, "h2d issued");
+  thread_name(kD2hTid, "d2h issued");
+  if (!copies.empty()) {
+    thread_name(kCopyTid, "copy thread");
+    thread_name(kWaitTid, "compute waits for copies");
+  }
+  for (const CopySpan& span : copies) {
+    events.push_back({{"name", span.wait ? "wait for copy " + std::to_string(span.event)
+                                         : span.label},
+                      {"cat", span.wait ? "copy wait" : "copy"},
+                      {"ph", "X"},
+                      {"ts", span.start_us},
+                      {"dur", std::max<int64_t>(span.duration_us, 1)},
+                      {"pid", kPid},
+                      {"tid", span.wait ? kWaitTid : kCopyTid},
+                      {"args", {{"event", span.event}}}});
+  }
   for (const MoveEvent& move : moves) {
     const std::string name =
         std::string(move.to_device ? "h2d" : "d2h") + " chunk " + std::to_string(move.chunk_id);

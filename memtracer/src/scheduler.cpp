@@ -446,13 +446,16 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
 void Scheduler::after_moment(int64_t m, ChunkMover& mover) {
   TORCH_CHECK(in_iteration_, "Scheduler::after_moment(", m,
               ") outside an iteration (call begin_iteration first)");
-  if (!has_trace_ || options_.policy == EvictionPolicy::kStatic || options_.prefetch_depth == 0) {
-    return;
-  }
+  if (!has_trace_ || options_.policy == EvictionPolicy::kStatic) return;
   TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::after_moment: moment ", m,
               " is outside the warm-up trace of ", trace_.size(), " moments");
   refresh_residency(mover);
-  prefetch_after(m, {}, mover);
+  if (options_.prefetch_depth > 0) prefetch_after(m, {}, mover);
+  // Early offload: chunks whose device copy has no more use before the host needs them.
+  const std::vector<int64_t> resident(resident_.begin(), resident_.end());
+  for (int64_t id : resident) {
+    if (index_.host_before_use(id, m) && mover.movable(id)) evict(id, m, mover);
+  }
   const int64_t budget = budget_bytes(m);
   TORCH_INTERNAL_ASSERT(resident_bytes_ <= budget, "scheduler exceeded its budget after ",
                         describe_moment(m), ": ", resident_bytes_, " > ", budget);

@@ -73,6 +73,20 @@ int64_t NextUseIndex::next_use(int64_t chunk_id, int64_t m) const {
   return position;
 }
 
+bool NextUseIndex::host_before_use(int64_t chunk_id, int64_t m) const {
+  auto host = host_moments_.find(chunk_id);
+  if (host == host_moments_.end()) return false;
+  const auto& at = host->second;
+  auto next_host = std::upper_bound(at.begin(), at.end(), m);
+  const int64_t host_moment = next_host != at.end() ? *next_host : at.front() + moments_;
+  auto it = uses_.find(chunk_id);
+  if (it == uses_.end()) return true;
+  const auto& uses = it->second;
+  auto later = std::upper_bound(uses.begin(), uses.end(), std::make_pair(m, kNever));
+  const int64_t use_moment = later != uses.end() ? later->first : uses.front().first + moments_;
+  return host_moment < use_moment;
+}
+
 std::vector<int64_t> NextUseIndex::accessed_chunks() const {
   std::vector<int64_t> ids;
   for (const auto& [id, list] : uses_) ids.push_back(id);

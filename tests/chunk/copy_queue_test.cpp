@@ -81,6 +81,50 @@ TEST(CopyQueue, SubmitReturnsAtOnceAndTheWaitIsCounted) {
   EXPECT_THAT(error_of([&] { queue.wait(e + 1); }), HasSubstr("never submitted"));
 }
 
+// The timeline: with recording on, every copy that ran is a span on the copy thread (its label, its
+// event, timed by the queue's clock) and every wait that blocked is a wait span covering the copy it
+// waited for; nothing is recorded with recording off; clear_spans empties it.
+TEST(CopyQueue, RecordsCopiesAndBlockingWaitsOnItsClock) {
+  CopyQueue queue;
+  std::atomic<int64_t> clock{1000};
+  queue.set_clock([&] { return clock.fetch_add(10); });  // strictly increasing, any thread
+  queue.wait(queue.submit([] {}, "unrecorded"));
+  EXPECT_TRUE(queue.spans().empty());
+  queue.set_record_spans(true);
+  std::atomic<bool> release{false};
+  const CopyEvent slow = queue.submit(
+      [&] {
+        while (!release.load()) std::this_thread::yield();
+      },
+      "slow copy");
+  const CopyEvent fast = queue.submit([] {}, "fast copy");
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    release = true;
+  });
+  queue.wait(fast);
+  opener.join();
+  queue.wait(slow);  // already complete: no wait span
+  const std::vector<CopySpan> spans = queue.spans();
+  std::vector<CopySpan> copies, waits;
+  for (const CopySpan& s : spans) (s.wait ? waits : copies).push_back(s);
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0].event, slow);
+  EXPECT_EQ(copies[0].label, "slow copy");
+  EXPECT_EQ(copies[1].event, fast);
+  EXPECT_EQ(copies[1].label, "fast copy");
+  EXPECT_GE(copies[1].start_us, copies[0].start_us + copies[0].duration_us);  // in order
+  ASSERT_EQ(waits.size(), 1u);
+  EXPECT_EQ(waits[0].event, fast);
+  EXPECT_TRUE(waits[0].label.empty());
+  // The wait began before the slow copy ended and ended after the fast copy did.
+  EXPECT_LT(waits[0].start_us, copies[0].start_us + copies[0].duration_us);
+  EXPECT_GE(waits[0].start_us + waits[0].duration_us, copies[1].start_us + copies[1].duration_us);
+  queue.clear_spans();
+  EXPECT_TRUE(queue.spans().empty());
+  EXPECT_THAT(error_of([&] { queue.set_clock({}); }), HasSubstr("empty clock"));
+}
+
 // A failing copy: its wait names it and the cause; later copies do not run and say why; drain
 // reports the failure once.
 TEST(CopyQueue, AFailedCopyIsReportedAtItsWaitAndStopsTheCopiesAfterIt) {

@@ -132,6 +132,14 @@ double weight_difference(const EngineRun& a, const EngineRun& b) {
 
 constexpr int kSteps = 20;
 
+// fp32 weights after training, data parallel against one process: the ranks sum the gradient in
+// another order (rounding, ~1e-7 relative), and Adam divides each update by sqrt(v), so where a
+// gradient is small the rounding becomes a visible part of the step; over 20 steps it compounds to
+// 1e-6..1.5e-5 relative per tensor, depending on the CPU's kernels (1.42e-5 on an AMD EPYC with
+// AVX-512 at 4 ranks, under 1e-5 on an earlier machine). The bound leaves a CPU 7x that; the
+// losses beside it are held to 1e-5.
+constexpr double kWeightTolerance = 1e-4;
+
 TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_gpt(tight_config(), kSteps);
@@ -146,7 +154,7 @@ TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
   }
   EXPECT_LE(losses, 1e-5);
   EXPECT_LE(losses_one, 1e-5);
-  EXPECT_LE(weights, 1e-5);
+  EXPECT_LE(weights, kWeightTolerance);
   EXPECT_LT(run.losses.back(), run.losses.front());
   for (const IterationReport& r : run.reports) {
     EXPECT_GT(r.h2d_bytes, 0) << "iteration " << r.iteration << ": chunks move every iteration";
@@ -233,7 +241,7 @@ TEST(DataParallel, Fp32WithHybridAdamOffAccumulationAndCpuEmbeddingMatches) {
                   losses);
     }
     EXPECT_LE(losses, 1e-5) << extra;
-    EXPECT_LE(weight_difference(run, one), 1e-5) << extra;
+    EXPECT_LE(weight_difference(run, one), kWeightTolerance) << extra;
   }
 }
 

@@ -35,16 +35,9 @@ EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
   Engine engine(model.ptr(), config);
   EngineRun run;
   for (int s = 0; s < steps; ++s) {
-    auto batch = batch_of_step(s);
-    engine.zero_grad();
-    at::Tensor loss;
-    {
-      auto active = engine.activate();
-      loss = model->loss(batch.tokens, batch.targets);
-    }
-    engine.backward(loss);
-    run.reports.push_back(engine.step());
-    run.losses.push_back(loss.item<double>());
+    double loss = 0;
+    run.reports.push_back(train_step(engine, model, s, &loss));
+    run.losses.push_back(loss);
   }
   for (const MomentRecord& m : engine.scheduler().moment_records()) {
     if (m.non_model_bytes < 0) continue;

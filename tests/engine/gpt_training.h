@@ -48,6 +48,51 @@ inline Config tight_config(const std::string& extra = "{}") {
   return Config::from_json(j);
 }
 
+// One training step of `model` through `engine` on the batch of `step`: the forward under the
+// engine's doors, backward, step. Returns the step's report; the loss goes to *loss when given.
+inline IterationReport train_step(Engine& engine, models::Gpt& model, int step,
+                                  double* loss = nullptr) {
+  auto batch = batch_of_step(step);
+  engine.zero_grad();
+  at::Tensor out;
+  {
+    auto active = engine.activate();
+    out = model->loss(batch.tokens, batch.targets);
+  }
+  engine.backward(out);
+  IterationReport report = engine.step();
+  if (loss != nullptr) *loss = out.item<double>();
+  return report;
+}
+
+// The non-model peak (activations and temporaries, the most over the warm-up's moments and its
+// tail) of one training step under tight_config(extra), the whole batch in one backward, on a device
+// that holds everything, measured on this machine. It is not a constant across x86-64 CPUs: a bf16 matmul goes through oneDNN and
+// its scratch buffers on a CPU with AVX512-BF16 and through ATen's own kernels elsewhere (bf16
+// gpt_tiny needed 627716 bytes at one moment on an AMD EPYC with AVX512-BF16, where a fixed
+// 700000-byte device had passed on an earlier machine). Tests that want a device "just big enough
+// to force moves" size it from this figure.
+inline int64_t non_model_peak_bytes(const std::string& extra = "{}") {
+  Config config = tight_config(extra);
+  config.device.capacity_bytes = int64_t{1} << 30;
+  config.gradient_accumulation_steps = 1;  // the whole batch at once: at least a micro-batch's peak
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), config);
+  train_step(engine, model, 0);
+  const Trace& trace = engine.tracer().warmup_trace();
+  int64_t peak = trace.tail_non_model_bytes;
+  for (const Moment& moment : trace.moments) peak = std::max(peak, moment.non_model_bytes);
+  return peak;
+}
+
+// tight_config(extra) with a device of the measured non-model peak plus `chunk_room` bytes for
+// chunks: moves every iteration on every CPU, whatever its kernels allocate.
+inline Config config_with_chunk_room(const std::string& extra, int64_t chunk_room) {
+  Config config = tight_config(extra);
+  config.device.capacity_bytes = non_model_peak_bytes(extra) + chunk_room;
+  return config;
+}
+
 // The reference: plain LibTorch and torch::optim::AdamW (the same hyperparameters), fp32, no
 // checkpointing. Returns the loss of every step.
 inline std::vector<double> train_plain(int steps) {

@@ -1,6 +1,7 @@
 // Export: statistics JSON, Chrome trace-event JSON and the SVG memory timeline, parsed back.
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -89,6 +90,48 @@ TEST(Export, ChromeTraceHasMovesAndCounters) {
   size_t loads = 0;
   for (const IterationStats& s : result.iterations) loads += static_cast<size_t>(s.loads);
   EXPECT_EQ(h2d, loads);
+}
+
+// A copy queue's timeline goes onto two more tracks: copies on "copy thread", blocking waits on
+// "compute waits for copies", each an "X" event at the span's time; none without spans.
+TEST(Export, ChromeTraceHasCopyAndWaitTracks) {
+  int64_t capacity = 0;
+  const SimulationResult result = small_run(&capacity);
+  const std::vector<CopySpan> copies = {{1, false, "param chunk 0 (id 0) to device", 5, 40},
+                                        {2, false, "grad chunk 3 (id 9) to host", 45, 0},
+                                        {2, true, "", 30, 15}};
+  auto threads_and_events = [&](const std::vector<CopySpan>& spans) {
+    const nlohmann::json parsed =
+        nlohmann::json::parse(chrome_trace_json(result.moves, result.moments, capacity, spans));
+    std::map<int, std::string> names;
+    std::vector<nlohmann::json> on_copy_tracks;
+    for (const nlohmann::json& event : parsed["traceEvents"]) {
+      if (event["name"] == "thread_name") names[event["tid"].get<int>()] = event["args"]["name"];
+    }
+    for (const nlohmann::json& event : parsed["traceEvents"]) {
+      if (event["ph"] != "X") continue;
+      const std::string track = names.at(event["tid"].get<int>());
+      if (track == "copy thread" || track == "compute waits for copies") {
+        on_copy_tracks.push_back(event);
+        on_copy_tracks.back()["track"] = track;
+      }
+    }
+    return std::make_pair(names, on_copy_tracks);
+  };
+  const auto [names, events] = threads_and_events(copies);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0]["track"], "copy thread");
+  EXPECT_EQ(events[0]["name"], "param chunk 0 (id 0) to device");
+  EXPECT_EQ(events[0]["ts"].get<int64_t>(), 5);
+  EXPECT_EQ(events[0]["dur"].get<int64_t>(), 40);
+  EXPECT_EQ(events[1]["dur"].get<int64_t>(), 1);  // a zero-length copy stays visible
+  EXPECT_EQ(events[2]["track"], "compute waits for copies");
+  EXPECT_EQ(events[2]["name"], "wait for copy 2");
+  EXPECT_EQ(events[2]["ts"].get<int64_t>(), 30);
+  EXPECT_EQ(events[2]["args"]["event"].get<int64_t>(), 2);
+  const auto [plain_names, plain_events] = threads_and_events({});
+  EXPECT_TRUE(plain_events.empty());
+  for (const auto& [tid, name] : plain_names) EXPECT_NE(name, "copy thread");
 }
 
 TEST(Export, SvgPlotAndFile) {

@@ -361,6 +361,54 @@ TEST(Scheduler, HostMomentsSendChunksHomeAndCountInTheBound) {
   }
 }
 
+// Early offload: with the trace above (0 and 1 go home at the step m3), each leaves the device right
+// after the moment that last uses it (0 after m0, 1 after m1), not at m3; prefetch depth and policy
+// change nothing of that, and the bytes moved stay those of the bound. Chunk 2, used at the step, is
+// never moved. The static policy keeps its own rule (home at the step).
+TEST(Scheduler, ChunksGoingHomeLeaveRightAfterTheirLastUse) {
+  Trace trace = make_trace({{0}, {1}, {2}, {2}});
+  trace.moments[3].kind = MomentKind::kStep;
+  trace.moments[3].host_chunk_ids = {0, 1};
+  const auto chunks = equal_chunks(3, 100);
+  for (int64_t depth : {0, 2, 4}) {
+    for (EvictionPolicy policy : {EvictionPolicy::kOpt, EvictionPolicy::kLru}) {
+      const auto options = sim_options(300, policy, depth);
+      const SimulationResult result = simulate(trace, chunks, options);
+      std::vector<std::pair<int64_t, int64_t>> evictions;  // (moment, chunk), last iteration
+      for (const MoveEvent& move : result.moves) {
+        if (move.iteration == options.iterations && !move.to_device) {
+          evictions.emplace_back(move.moment, move.chunk_id);
+        }
+      }
+      EXPECT_EQ(evictions, (std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {1, 1}}))
+          << eviction_policy_name(policy) << " depth " << depth;
+      EXPECT_EQ(result.mean_d2h_bytes, 200);
+      EXPECT_EQ(result.mean_h2d_bytes, 200);
+    }
+  }
+  const SimulationResult static_run =
+      simulate(trace, chunks, sim_options(300, EvictionPolicy::kStatic, 2));
+  for (const MoveEvent& move : static_run.moves) {
+    if (move.iteration == 3 && !move.to_device) {
+      EXPECT_EQ(move.moment, 3);
+    }
+  }
+}
+
+// host_before_use: the chunk's next event after moment m is its trip home, not an access.
+TEST(NextUseIndex, HostBeforeUseIsTheTripHomeComingFirst) {
+  Trace trace = make_trace({{0}, {1}, {0, 2}, {2}});
+  trace.moments[3].host_chunk_ids = {0, 1};
+  const NextUseIndex index(trace);
+  EXPECT_FALSE(index.host_before_use(0, 0));  // used again at m2
+  EXPECT_TRUE(index.host_before_use(0, 2));   // home at m3, then needed at the next m0
+  EXPECT_TRUE(index.host_before_use(1, 1));
+  EXPECT_TRUE(index.host_before_use(1, 2));
+  EXPECT_FALSE(index.host_before_use(1, 3));  // after m3 the next event is the next m1's access
+  EXPECT_FALSE(index.host_before_use(2, 0));  // never sent home
+  EXPECT_FALSE(index.host_before_use(7, 0));  // unknown chunk
+}
+
 // Next uses: positions in the flattened access sequence (0: m0's chunk 0, 1: m1's chunk 1, 2: m2's
 // chunk 2, 3: m3's chunk 2; 4 per iteration); a chunk sent home before its next access is "never".
 TEST(NextUseIndex, HostMomentsEndAChunksUsefulStay) {

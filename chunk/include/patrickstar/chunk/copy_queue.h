@@ -14,6 +14,11 @@
 // every copy after it fails too, unrun ("an earlier copy failed: ..."), because its source may be
 // what the failed copy should have written. The destructor waits for every copy (errors are not
 // rethrown there). Thread-safe: any thread may submit and wait.
+//
+// Timeline: with set_record_spans(true) the queue keeps one CopySpan per copy it ran (on the copy
+// thread, from its start to its end) and one per wait that blocked (on the waiting thread), timed
+// by the clock of set_clock (microseconds; by default since the queue was built), so a trace can
+// show copies and compute on separate tracks.
 #pragma once
 
 #include <condition_variable>
@@ -24,11 +29,21 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace patrickstar {
 
 // The position of a copy in its queue's order (1, 2, ...); 0 is "no copy" (always complete).
 using CopyEvent = int64_t;
+
+// One interval of the timeline: a copy that ran, or a caller blocked waiting for copies.
+struct CopySpan {
+  CopyEvent event = 0;  // the copy; for a wait, the event waited for
+  bool wait = false;    // true: a caller blocked in wait()/drain() for `event`
+  std::string label;    // the copy's label (empty for a wait)
+  int64_t start_us = 0;
+  int64_t duration_us = 0;
+};
 
 struct CopyQueueOptions {
   // false: submit() runs the copy in the calling thread before it returns (synchronous moves).
@@ -65,6 +80,12 @@ class CopyQueue {
   double waited_seconds() const;
   void reset_waited_seconds();
 
+  // Timeline (off by default). The clock must be callable from any thread.
+  void set_clock(std::function<int64_t()> now_us);
+  void set_record_spans(bool on);
+  std::vector<CopySpan> spans() const;
+  void clear_spans();
+
  private:
   struct Task {
     CopyEvent event = 0;
@@ -75,6 +96,9 @@ class CopyQueue {
   // Runs one task (any thread); records a failure under the lock.
   void run(Task& task);
   void check_failure(CopyEvent event) const;  // lock held
+  // Blocks (lock held) until every event <= `event` completed; adds the time to waited_seconds_
+  // and, when recording, a wait span.
+  void block_until(std::unique_lock<std::mutex>& lock, CopyEvent event);
 
   CopyQueueOptions options_;
   mutable std::mutex mutex_;
@@ -88,6 +112,9 @@ class CopyQueue {
   CopyEvent failure_reported_ = 0;  // drain(): the failure was thrown once already
   bool stop_ = false;
   double waited_seconds_ = 0;
+  std::function<int64_t()> now_us_;
+  bool record_spans_ = false;
+  std::vector<CopySpan> spans_;
   std::mt19937_64 delays_;
   std::thread thread_;            // last: starts after everything above exists
 };

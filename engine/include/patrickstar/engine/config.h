@@ -73,7 +73,7 @@ struct DeviceConfig {
 // "client": {"scheduler": {...}}: how chunks move once the warm-up trace exists.
 struct SchedulerConfig {
   EvictionPolicy policy = EvictionPolicy::kOpt;
-  int prefetch_depth = 2;      // moments ahead to prefetch; 0 turns prefetching off
+  int prefetch_depth = 4;      // moments ahead to prefetch; 0 turns prefetching off
   int64_t reserve_bytes = 0;   // device bytes kept free at every moment
   // Chunk moves on a copy queue (a copy thread on the emulated device) that overlap compute;
   // false: every move completes before the call that made it returns.

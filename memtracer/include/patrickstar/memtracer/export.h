@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "patrickstar/chunk/copy_queue.h"
 #include "patrickstar/memtracer/scheduler.h"
 #include "patrickstar/memtracer/simulator.h"
 
@@ -19,11 +20,14 @@ std::string stats_to_json(const std::vector<IterationStats>& iterations);
 // {"h2d_bytes", "d2h_bytes", "loads", "evictions", "proven", "method"}
 std::string bound_to_json(const TrafficBound& bound);
 
-// Chrome trace-event JSON ({"traceEvents": [...]}): one "X" event per move (thread "h2d" or "d2h"),
-// one "i" instant per moment, and a "C" counter "device memory" per moment with chunk, non-model
-// and budget bytes.
+// Chrome trace-event JSON ({"traceEvents": [...]}): one "X" event per move as the scheduler issued
+// it (thread "h2d issued" or "d2h issued": with asynchronous moves only the queueing), one "i"
+// instant per moment, a "C" counter "device memory" per moment with chunk, non-model and budget
+// bytes, and, from a copy queue's timeline (same clock as the moves), one "X" event per copy
+// (thread "copy thread") and per wait that blocked compute (thread "compute waits for copies").
 std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
-                              const std::vector<MomentRecord>& moments, int64_t capacity_bytes);
+                              const std::vector<MomentRecord>& moments, int64_t capacity_bytes,
+                              const std::vector<CopySpan>& copies = {});
 
 // SVG plot over the moment sequence: capacity, budget, chunk bytes, non-model bytes and their sum,
 // with axis labels (bytes in MiB) and a legend.

@@ -37,6 +37,12 @@
 //   use is later than the prefetched chunk's and than that of every chunk accessed at m .. t-1
 //   (those stay until t, and Belady might pick one of them at t). Otherwise the chunk waits for its
 //   demand load. kLru prefetches into free budget only.
+// - Early offload (kOpt and kLru, after the warm-up, in after_moment). A resident chunk that the
+//   trace sends to the host (host_chunk_ids, a host-side optimizer's) before its next access leaves
+//   the device as soon as a moment's compute is done with it, instead of at the step: the same
+//   bytes cross either way, but with asynchronous moves the copy runs during the rest of the
+//   backward instead of holding up the step. Issued after the moment's prefetches, which are
+//   needed sooner.
 // - Host moments. Chunks a moment needs on the host (the host-side Adam's gradients and weights)
 //   are moved there before the moment's loads, whatever the policy; prefetch never loads a chunk
 //   that must go to the host before its use.
@@ -67,7 +73,7 @@ struct SchedulerOptions {
   int64_t reserve_bytes = 0;   // kept free (fragmentation, library workspaces)
   double warmup_ratio = 0.5;   // share of capacity*overall_ratio for chunks during the warm-up
   EvictionPolicy policy = EvictionPolicy::kOpt;
-  int64_t prefetch_depth = 2;  // K moments of look-ahead; 0 disables prefetch
+  int64_t prefetch_depth = 4;  // K moments of look-ahead; 0 disables prefetch
   // true: the engine calls after_moment(m) when moment m's compute is done (its chunks may move
   // again) and the prefetch runs there; false: at_moment prefetches, with m's chunks still pinned.
   bool prefetch_after_compute = true;
@@ -166,7 +172,8 @@ class Scheduler {
                  ChunkMover& mover, int64_t live_non_model_bytes = 0,
                  const std::vector<int64_t>& to_host = {});
   // Prefetches after moment m's compute (prefetch_after_compute): m's chunks are movable again, so
-  // the prefetch may evict them as Belady would. A no-op during the warm-up and for kStatic.
+  // the prefetch may evict them as Belady would; then offloads early the chunks that go to the host
+  // before their next use (also with prefetch_depth 0). A no-op during the warm-up and for kStatic.
   void after_moment(int64_t m, ChunkMover& mover);
   void end_iteration();
   // Forgets the iteration in progress (its statistics; the moves it made stand). The next

@@ -58,6 +58,9 @@ class NextUseIndex {
   // The flattened position of `chunk_id`'s first access after moment m, in this iteration's frame
   // (positions >= accesses_per_iteration() are in the next iteration), or kNever.
   int64_t next_use(int64_t chunk_id, int64_t m) const;
+  // True when `chunk_id` is sent to the host (host_chunk_ids) after moment m before it is accessed
+  // again: its device copy has no more use, and moving it now costs no more than moving it then.
+  bool host_before_use(int64_t chunk_id, int64_t m) const;
   int64_t accesses_per_iteration() const { return accesses_per_iteration_; }
   // Chunks accessed somewhere in the trace.
   std::vector<int64_t> accessed_chunks() const;
