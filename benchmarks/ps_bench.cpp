@@ -86,6 +86,15 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : sum / static_cast<double>(v.size());
 }
 
+// The largest |a[i] - b[i]| / |b[i]| over the steps both ran.
+double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
+  }
+  return worst;
+}
+
 std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
 
 ps::Config build_config() {
@@ -457,11 +466,7 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
   }
   // Asynchronous moves change when bytes cross, never what is computed.
   out["async_losses_equal_sync"] = modes[2].losses == modes[1].losses;
-  double worst = 0;
-  for (size_t i = 0; i < modes[0].losses.size(); ++i) {
-    worst = std::max(worst, std::abs(modes[1].losses[i] - modes[0].losses[i]) /
-                                std::max(1e-12, std::abs(modes[0].losses[i])));
-  }
+  const double worst = max_relative_difference(modes[1].losses, modes[0].losses);
   out["moved_vs_resident_max_relative_loss_difference"] = worst;
   std::printf("\nmedian step times; copy wait: the mean time compute waited for copies\n");
   std::printf("%-8s %12s %12s %14s %14s %14s\n", "moves", "step (s)", "x resident",
@@ -734,12 +739,7 @@ int run() {
   if (baseline) {
     out["baseline_step_time_s"] = baseline->step_time_s;
     out["baseline_losses"] = baseline->losses;
-    double worst = 0;
-    for (size_t i = 0; i < losses.size(); ++i) {
-      worst = std::max(worst, std::abs(losses[i] - baseline->losses[i]) /
-                                  std::max(1e-12, std::abs(baseline->losses[i])));
-    }
-    out["max_relative_loss_difference"] = worst;
+    out["max_relative_loss_difference"] = max_relative_difference(losses, baseline->losses);
     out["step_time_ratio_to_baseline"] = step_time / baseline->step_time_s;
   }
 

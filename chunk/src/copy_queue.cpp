@@ -9,14 +9,17 @@
 
 namespace patrickstar {
 
-CopyQueue::CopyQueue(CopyQueueOptions options)
-    : options_(options), delays_(options.delay_seed) {
+std::function<int64_t()> microseconds_since_now() {
   const auto start = std::chrono::steady_clock::now();
-  now_us_ = [start] {
+  return [start] {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
                                                                  start)
         .count();
   };
+}
+
+CopyQueue::CopyQueue(CopyQueueOptions options)
+    : options_(options), now_us_(microseconds_since_now()), delays_(options.delay_seed) {
   TORCH_CHECK(options_.max_delay_us >= 0, "CopyQueue: max_delay_us must be >= 0, got ",
               options_.max_delay_us);
   if (options_.threaded) thread_ = std::thread([this] { run_thread(); });

@@ -1,7 +1,6 @@
 #include "patrickstar/engine/engine.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -11,6 +10,7 @@
 #include <torch/nn/modules/embedding.h>
 
 #include "absl/strings/str_cat.h"
+#include "patrickstar/chunk/copy_queue.h"
 #include "patrickstar/chunk/memory_tier.h"
 #include "patrickstar/memtracer/counting_allocator.h"
 #include "patrickstar/memtracer/memory_probe.h"
@@ -353,12 +353,7 @@ void Engine::register_parameters() {
   if (copy_queue_ != nullptr) {
     // One clock for the scheduler's moves and the copy thread's spans (chunks().copy_queue()'s
     // set_record_spans), so that a trace shows both on one time line.
-    const auto epoch = std::chrono::steady_clock::now();
-    auto now_us = [epoch] {
-      return std::chrono::duration_cast<std::chrono::microseconds>(
-                 std::chrono::steady_clock::now() - epoch)
-          .count();
-    };
+    const std::function<int64_t()> now_us = microseconds_since_now();
     scheduler_->set_clock(now_us);
     copy_queue_->set_clock(now_us);
   }

@@ -1,12 +1,13 @@
 #include "patrickstar/memtracer/scheduler.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <sstream>
 
 #include <c10/util/Exception.h>
+
+#include "patrickstar/chunk/copy_queue.h"
 
 namespace patrickstar {
 namespace {
@@ -54,12 +55,7 @@ Scheduler::Scheduler(SchedulerOptions options, std::map<int64_t, ChunkInfo> chun
     TORCH_CHECK(chunk.bytes > 0, "Scheduler: chunk ", id, " has ", chunk.bytes,
                 " bytes; chunk sizes must be positive");
   }
-  const auto start = std::chrono::steady_clock::now();
-  now_us_ = [start] {
-    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
-                                                                 start)
-        .count();
-  };
+  now_us_ = microseconds_since_now();
 }
 
 void Scheduler::set_chunk(int64_t chunk_id, ChunkInfo info) {

@@ -33,6 +33,10 @@
 
 namespace patrickstar {
 
+// A clock in microseconds since this call (steady_clock), callable from any thread: the default
+// timeline clock of CopyQueue and Scheduler; the engine gives both the same one.
+std::function<int64_t()> microseconds_since_now();
+
 // The position of a copy in its queue's order (1, 2, ...); 0 is "no copy" (always complete).
 using CopyEvent = int64_t;
 
