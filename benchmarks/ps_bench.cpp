@@ -579,11 +579,15 @@ int run() {
                   static_cast<long long>(r.group_reduces), mib(static_cast<double>(r.reduce_bytes)).c_str(),
                   r.collective_seconds);
     }
-    std::printf("step %lld/%lld%s  loss %.5f  %.3f s  %.2f samples/s  h2d %s  d2h %s  adam "
+    const std::string warm_start =
+        r.warm_start_h2d_bytes > 0
+            ? " (warm start " + mib(static_cast<double>(r.warm_start_h2d_bytes)) + ")"
+            : std::string();
+    std::printf("step %lld/%lld%s  loss %.5f  %.3f s  %.2f samples/s  h2d %s%s  d2h %s  adam "
                 "device/host chunks %lld/%lld%s\n",
                 static_cast<long long>(s + 1), static_cast<long long>(steps),
                 r.warmup ? " (warm-up)" : "", losses.back(), t, static_cast<double>(batch) / t,
-                mib(static_cast<double>(r.h2d_bytes)).c_str(),
+                mib(static_cast<double>(r.h2d_bytes)).c_str(), warm_start.c_str(),
                 mib(static_cast<double>(r.d2h_bytes)).c_str(),
                 static_cast<long long>(r.adam.chunks_device),
                 static_cast<long long>(r.adam.chunks_host), r.skipped ? "  (overflow: skipped)" : "");
@@ -652,6 +656,14 @@ int run() {
   out["init_host_peak_bytes"] = reg.host_peak_bytes_during_init;
   out["init_goal_bytes"] = reg.init_goal_bytes;  // model data + the largest module's fp32 weights
   out["h2d_bytes_per_iter"] = h2d;
+  // The warm-up's loads: its own (forward, backward and step under the warm-up budget) and the warm
+  // start that places chunks for the first scheduled iteration; its own against a steady iteration.
+  const ps::IterationReport& warmup_report = reports.front();
+  const double warmup_own =
+      static_cast<double>(warmup_report.h2d_bytes - warmup_report.warm_start_h2d_bytes);
+  out["warmup_h2d_bytes"] = warmup_report.h2d_bytes;
+  out["warmup_warm_start_h2d_bytes"] = warmup_report.warm_start_h2d_bytes;
+  out["warmup_own_h2d_to_steady"] = h2d > 0 ? warmup_own / h2d : 0.0;
   out["d2h_bytes_per_iter"] = d2h;
   out["async_moves"] = config.scheduler.async_moves;
   out["intra_op_threads"] = torch::get_num_threads();

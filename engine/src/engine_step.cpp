@@ -279,6 +279,7 @@ IterationReport Engine::step() {
   const IterationStats& stats = scheduler_->current_stats();
   report.evictions = stats.evictions;
   report.prefetches = stats.prefetches;
+  report.warm_start_h2d_bytes = stats.warm_start_h2d_bytes;
   scheduler_->end_iteration();
 
   const MoveCounters now = store_->move_counters();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <sstream>
 
@@ -13,6 +14,10 @@ namespace patrickstar {
 namespace {
 
 constexpr int64_t kNever = NextUseIndex::kNever;  // what next_use() says of a chunk not needed again
+
+// During the warm-up the chunk budget keeps, next to the moment's own chunks, this many of the
+// chunks used most recently before it, where they fit.
+constexpr size_t kWarmupRecentChunks = 3;
 
 int64_t scaled_bytes(int64_t bytes, double ratio) {
   return static_cast<int64_t>(std::floor(static_cast<double>(bytes) * ratio));
@@ -101,13 +106,17 @@ int64_t Scheduler::budget_bytes(int64_t m) const {
   const int64_t usable = scaled_bytes(options_.capacity_bytes, options_.overall_ratio);
   if (!has_trace_) {
     // The warm-up ratio is a floor, not a wall: a moment whose chunks alone need more gets what
-    // the device has left next to the live non-model bytes.
+    // the device has left next to the live non-model bytes. The chunks of the last few moments
+    // may stay too, in what is left once the largest growth of the non-model bytes from one
+    // moment to the next seen so far is set aside.
     // kStatic keeps its chunks wherever they land, so it has no use for a conservative share.
+    const int64_t cap = usable - warmup_non_model_bytes_;
+    const int64_t window = std::min(warmup_window_bytes_, cap - warmup_growth_bytes_);
     const int64_t share =
         options_.policy == EvictionPolicy::kStatic
             ? usable
-            : std::max(scaled_bytes(usable, options_.warmup_ratio), warmup_floor_bytes_);
-    return std::min(share, usable - warmup_non_model_bytes_) - options_.reserve_bytes;
+            : std::max({scaled_bytes(usable, options_.warmup_ratio), warmup_floor_bytes_, window});
+    return std::min(share, cap) - options_.reserve_bytes;
   }
   TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::budget_bytes: moment ", m,
               " is outside the trace of ", trace_.size(), " moments");
@@ -130,6 +139,7 @@ void Scheduler::drop_trace() {
   has_trace_ = false;
   index_ = NextUseIndex();
   prefetched_.clear();
+  warmup_previous_non_model_bytes_ = -1;
   if (in_iteration_) stats_.warmup = true;
 }
 
@@ -196,6 +206,7 @@ void Scheduler::install_trace(const Trace& trace, ChunkMover* mover) {
     for (int64_t id : trace_.moments[m].chunk_ids) {
       if (resident_.count(id) == 0 && resident_bytes_ + info(id).bytes <= smallest_budget) {
         load(id, last, /*prefetch=*/true, *mover);
+        stats_.warm_start_h2d_bytes += info(id).bytes;
       }
     }
   }
@@ -364,10 +375,32 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
   last_moment_ = m;
   warmup_non_model_bytes_ = has_trace_ ? 0 : std::max<int64_t>(live_non_model_bytes, 0);
   warmup_floor_bytes_ = 0;
+  warmup_window_bytes_ = 0;
   if (!has_trace_) {
-    std::set<int64_t> distinct(accessed.begin(), accessed.end());
+    if (warmup_previous_non_model_bytes_ >= 0) {
+      warmup_growth_bytes_ = std::max(warmup_growth_bytes_,
+                                      warmup_non_model_bytes_ - warmup_previous_non_model_bytes_);
+    }
+    warmup_previous_non_model_bytes_ = warmup_non_model_bytes_;
+    const std::set<int64_t> distinct(accessed.begin(), accessed.end());
     for (int64_t id : distinct) warmup_floor_bytes_ += info(id).bytes;
     warmup_floor_bytes_ += options_.reserve_bytes;
+    // The working set of the last few chunks used, not of this moment alone: a GPT block straddles
+    // two chunks and neighbouring moments alternate between them (and a chunk of small shared
+    // parameters), so keeping one moment's chunks sends chunks back and forth at every moment
+    // (megatron_1.3B on a 2 GiB device: the warm-up's own loads were 11x a steady iteration's).
+    // Recency rather than a window of moments: with one moment per submodule, a block's moments
+    // can go several in a row without touching a chunk it comes back to.
+    std::vector<std::pair<int64_t, int64_t>> recent;  // (last access, chunk), other chunks
+    for (const auto& [id, clock] : last_access_) {
+      if (distinct.count(id) == 0) recent.emplace_back(clock, id);
+    }
+    const size_t keep = std::min(recent.size(), kWarmupRecentChunks);
+    std::partial_sort(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(keep), recent.end(),
+                      std::greater<>());
+    warmup_window_bytes_ = warmup_floor_bytes_ - options_.reserve_bytes;
+    for (size_t i = 0; i < keep; ++i) warmup_window_bytes_ += info(recent[i].second).bytes;
+    warmup_window_bytes_ += options_.reserve_bytes;
   }
   const int64_t budget = budget_bytes(m);
   stats_.budget_bytes.push_back(budget);

@@ -57,18 +57,23 @@ TEST(EmulatedDevice, TensorsHeldBeforeTheFirstForwardAreHostMemory) {
   }
 }
 
+// Six layers of one chunk each (4160 elements) under an outer door over the whole module, which
+// keeps all six chunks in use while the inner doors run. The warm-up budget covers the chunks of
+// the last four moments, so by the fifth layer the six pinned chunks need more than it gives.
 struct NestedImpl : torch::nn::Module {
   NestedImpl() {
     torch::manual_seed(9);
-    a = register_module("a", torch::nn::Linear(64, 64));
-    b = register_module("b", torch::nn::Linear(64, 64));
+    for (int i = 0; i < 6; ++i) {
+      layers.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(64, 64)));
+    }
   }
-  // An outer door over the whole module keeps both layers' chunks in use while the inner doors run.
   at::Tensor forward(const at::Tensor& x) {
     ModuleScope scope(*this);
-    return scope.done(patrickstar::call(b, torch::relu(patrickstar::call(a, x))));
+    at::Tensor h = x;
+    for (auto& layer : layers) h = torch::relu(patrickstar::call(layer, h));
+    return scope.done(h);
   }
-  torch::nn::Linear a{nullptr}, b{nullptr};
+  std::vector<torch::nn::Linear> layers;
 };
 
 Config nested_config(double warmup_ratio) {

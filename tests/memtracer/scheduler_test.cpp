@@ -540,11 +540,62 @@ TEST(Scheduler, WarmupErrorNamesTheRatioThatFits) {
   Scheduler scheduler(options, equal_chunks(3, 100));
   PinnedMover mover;  // chunk 0 stays in COMPUTE
   scheduler.begin_iteration();
-  scheduler.at_moment(0, MomentKind::kPreForward, {0, 1}, mover);
+  scheduler.at_moment(0, MomentKind::kPreForward, {0}, mover, 0);
+  // 700 bytes of activations: no room for more than the moment's own chunks (200 bytes), but
+  // chunk 0 cannot leave.
   const std::string error =
-      error_of([&] { scheduler.at_moment(1, MomentKind::kPreForward, {1}, mover); });
-  // Chunks 0 (pinned) and 1 need 200 of 1000 bytes: a ratio of 0.2.
-  EXPECT_THAT(error, HasSubstr("set client.mem_tracer.warmup_gpu_chunk_mem_ratio to 0.2 or more"));
+      error_of([&] { scheduler.at_moment(1, MomentKind::kPreForward, {1, 2}, mover, 700); });
+  // Chunks 0 (pinned), 1 and 2 need 300 of 1000 bytes: a ratio of 0.3.
+  EXPECT_THAT(error, HasSubstr("set client.mem_tracer.warmup_gpu_chunk_mem_ratio to 0.3 or more"));
+}
+
+// A block whose parameters straddle two chunks makes neighbouring warm-up moments alternate between
+// them, and a chunk of small shared parameters comes back in between. The warm-up budget keeps the
+// three chunks used most recently next to the moment's own, so with a ratio that gives one chunk
+// the three stay on the device: each is loaded once.
+TEST(Scheduler, WarmupKeepsTheChunksUsedLast) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.1;  // one chunk of 100 bytes
+  Scheduler scheduler(options, equal_chunks(6, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  const std::vector<std::vector<int64_t>> moments = {{1}, {2}, {1}, {1}, {3}, {2}, {1}, {3}};
+  for (size_t m = 0; m < moments.size(); ++m) {
+    scheduler.at_moment(static_cast<int64_t>(m), MomentKind::kPreForward, moments[m], mover, 0);
+  }
+  EXPECT_EQ(scheduler.current_stats().loads, 3);  // 1, 2, 3 once each
+  EXPECT_EQ(scheduler.current_stats().evictions, 0);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes,
+            (std::vector<int64_t>{100, 200, 200, 200, 300, 300, 300, 300}));
+  // 4 joins them (three others are kept); 5 takes the place of the one used longest ago, 2.
+  scheduler.at_moment(8, MomentKind::kPreForward, {4}, mover, 0);
+  scheduler.at_moment(9, MomentKind::kPreForward, {5}, mover, 0);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes.back(), 400);
+  EXPECT_EQ(scheduler.current_stats().evictions, 1);
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{1, 3, 4, 5}));
+}
+
+// The chunks kept from before give way to the live non-model bytes, with room set aside for the
+// largest rise of the reading from one moment to the next so far; the moment's own chunks do not.
+TEST(Scheduler, WarmupWindowLeavesRoomForTheNonModelGrowth) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.warmup_ratio = 0.1;
+  Scheduler scheduler(options, equal_chunks(4, 100));
+  PinnedMover mover;
+  scheduler.begin_iteration();
+  scheduler.at_moment(0, MomentKind::kPreForward, {1}, mover, 0);
+  scheduler.at_moment(1, MomentKind::kPreForward, {2}, mover, 100);  // rise 100: 900 - 100 left
+  scheduler.at_moment(2, MomentKind::kPreForward, {3}, mover, 600);  // rise 500: 400 - 500 left
+  EXPECT_EQ(scheduler.current_stats().budget_bytes, (std::vector<int64_t>{100, 200, 100}));
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{3}));
+  // The rise stays the largest seen: with 100 bytes of non-model data, 900 - 500 is left, enough
+  // for the window (2, 3 and 1).
+  scheduler.at_moment(3, MomentKind::kPreForward, {2}, mover, 100);
+  scheduler.at_moment(4, MomentKind::kPreForward, {1}, mover, 100);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes.back(), 300);
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{1, 2, 3}));
 }
 
 }  // namespace

@@ -10,9 +10,12 @@
 //   resident after moment m stay through the interval up to moment m+1, whose peak non_model[m+1]
 //   measured, so chunk bytes + non-model bytes never exceed the capacity. During the warm-up (no
 //   trace yet) the budget is floor(capacity_bytes * overall_ratio * warmup_ratio) - reserve_bytes,
-//   raised to the bytes the moment's accessed chunks need when they need more, and capped by
-//   floor(capacity_bytes * overall_ratio) minus the live non-model reading the caller passes
-//   (kStatic, which never gives a chunk back, takes that whole cap from the start).
+//   raised to the bytes the moment's accessed chunks need, and to those plus the three chunks used
+//   most recently before the moment as far as they fit next to the live non-model reading plus its
+//   largest rise from one moment to the next so far (a block straddling two chunks must not send
+//   one back and forth), and capped by floor(capacity_bytes * overall_ratio) minus the live
+//   non-model reading the caller passes (kStatic, which never gives a chunk back, takes that whole
+//   cap from the start).
 // - Demand. At each moment every accessed chunk is made resident. Before any load, resident
 //   chunks are evicted (moved to the host) until the resident bytes plus the bytes to load fit the
 //   budget; this also shrinks the resident set when the budget fell. Chunks accessed at the moment
@@ -124,6 +127,9 @@ struct IterationStats {
   bool warmup = false;
   int64_t h2d_bytes = 0;
   int64_t d2h_bytes = 0;
+  // Of h2d_bytes: set_trace's warm start, the chunks brought back at the end of the warm-up for the
+  // first scheduled iteration (loads that iteration would otherwise make); 0 in other iterations.
+  int64_t warm_start_h2d_bytes = 0;
   int64_t loads = 0;
   int64_t evictions = 0;
   int64_t prefetches = 0;       // prefetch loads issued
@@ -228,8 +234,14 @@ class Scheduler {
   int64_t access_clock_ = 0;
   std::set<int64_t> prefetched_;  // prefetched, not yet accessed
 
-  int64_t warmup_floor_bytes_ = 0;  // warm-up: the accessed chunks' bytes at this moment
-  int64_t warmup_non_model_bytes_ = 0;  // the live reading of the warm-up moment in progress
+  // Warm-up: the bytes of this moment's chunks (floor) and of those plus the chunks used just before
+  // (window; both plus the reserve), the live non-model reading of this moment and the last one
+  // (-1: none yet), and its largest rise from one moment to the next.
+  int64_t warmup_floor_bytes_ = 0;
+  int64_t warmup_window_bytes_ = 0;
+  int64_t warmup_non_model_bytes_ = 0;
+  int64_t warmup_previous_non_model_bytes_ = -1;
+  int64_t warmup_growth_bytes_ = 0;
   int64_t iteration_ = -1;
   int64_t last_moment_ = 0;  // the moment at_moment scheduled last
   bool in_iteration_ = false;
