@@ -10,6 +10,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "engine_internal.h"
+#include "patrickstar/engine/atomic_file.h"
 
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
@@ -69,7 +70,9 @@ void Engine::save_weights(const std::string& path) const {
   std::unordered_set<const c10::TensorImpl*> cast;
   for (const at::Tensor& b : cast_buffers_) cast.insert(b.unsafeGetTensorImpl());
   write_module(*model_, "", values, name_of, cast, archive);
-  if (rank_ == 0) archive.save_to(path);  // data parallel: one consolidated archive, from rank 0
+  // Data parallel: one consolidated archive, from rank 0. Written to a temporary file and renamed
+  // over `path`: an interrupted save leaves the previous file as it was.
+  if (rank_ == 0) save_archive_atomically(archive, path);
 }
 
 namespace {
@@ -121,7 +124,7 @@ void Engine::save_checkpoint(const std::string& path) const {
   }
   std::string error;
   try {
-    archive.save_to(shard_path(path, rank_, world_));
+    save_archive_atomically(archive, shard_path(path, rank_, world_));
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   } catch (const std::exception& e) {

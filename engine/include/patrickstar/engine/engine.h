@@ -74,6 +74,9 @@ struct IterationReport {
   double grad_norm = 0.0;
   int64_t h2d_bytes = 0;          // every chunk move this iteration, both directions
   int64_t d2h_bytes = 0;
+  // Of the warm-up's h2d_bytes: the chunks brought back at its end for the first scheduled
+  // iteration (the warm start, at most the device's chunk budget); 0 in other iterations.
+  int64_t warm_start_h2d_bytes = 0;
   // Asynchronous moves: how long compute waited for chunk copies this iteration (the copy time
   // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed.
   double copy_wait_seconds = 0;
@@ -183,6 +186,8 @@ class Engine final : public ModuleHookHandler {
   void save_weights(const std::string& path) const;
   // Saves weights, optimizer state, loss scaler, step and the effective config; load_checkpoint
   // restores them into an engine over the same model structure (checked: names and shapes).
+  // Both saves are atomic (atomic_file.h): a save that fails (a full disk, a missing folder) or is
+  // killed leaves the file at `path` as it was, and a failure throws c10::Error saying why.
   void save_checkpoint(const std::string& path) const;
   void load_checkpoint(const std::string& path);
 

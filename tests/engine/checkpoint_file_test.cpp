@@ -1,0 +1,237 @@
+// Checkpoints and saved weights are written atomically (issue: reliability): a save that fails (a
+// missing folder, a file size limit standing in for a full disk) or a process killed during a
+// save leaves the previous file loadable and byte-identical, and a failure says why.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "error_message.h"
+#include "gpt_training.h"
+#include "patrickstar/engine/atomic_file.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace {
+
+using ::testing::HasSubstr;
+using test::error_of;
+using namespace test;  // NOLINT: the shared helpers of gpt_training.h
+
+// POSIX, not std::filesystem: LibTorch's library exports std::filesystem symbols of its own, which
+// the dynamic linker may bind in place of libstdc++'s.
+std::vector<std::string> entries(const std::string& folder) {
+  std::vector<std::string> out;
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (const dirent* entry = ::readdir(dir)) {
+      const std::string name = entry->d_name;
+      if (name != "." && name != "..") out.push_back(name);
+    }
+    ::closedir(dir);
+  }
+  return out;
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Removes the folder and the files in it (the tests make no subfolders).
+void remove_folder(const std::string& folder) {
+  for (const std::string& name : entries(folder)) ::unlink((folder + "/" + name).c_str());
+  ::rmdir(folder.c_str());
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A folder of this test's own, the same in a death test's child (which inherits the variable).
+std::string test_folder(const char* name) {
+  const std::string variable = std::string("PS_TEST_FOLDER_") + name;
+  if (const char* given = std::getenv(variable.c_str())) return given;
+  const std::string folder =
+      ::testing::TempDir() + "/ps_" + name + "_" + std::to_string(::getpid());
+  remove_folder(folder);
+  EXPECT_EQ(::mkdir(folder.c_str(), 0755), 0) << folder;
+  ::setenv(variable.c_str(), folder.c_str(), 1);
+  return folder;
+}
+
+std::vector<std::string> leftovers(const std::string& folder) {
+  std::vector<std::string> out;
+  for (const std::string& name : entries(folder)) {
+    if (name.find(".tmp-") != std::string::npos) out.push_back(name);
+  }
+  return out;
+}
+
+TEST(AtomicFile, UncommittedWriterLeavesTheOldFile) {
+  const std::string folder = test_folder("atomic_unit");
+  const std::string path = folder + "/file";
+  std::ofstream(path) << "old";
+  {
+    AtomicFileWriter writer(path);
+    ASSERT_TRUE(writer.write("new content", 11));
+    EXPECT_EQ(read_bytes(path), "old");
+  }  // no commit: a save that threw before the end
+  EXPECT_EQ(read_bytes(path), "old");
+  EXPECT_TRUE(leftovers(folder).empty());
+  {
+    AtomicFileWriter writer(path);
+    ASSERT_TRUE(writer.write("new", 3));
+    writer.commit();
+  }
+  EXPECT_EQ(read_bytes(path), "new");
+  EXPECT_TRUE(leftovers(folder).empty());
+  remove_folder(folder);
+}
+
+TEST(AtomicFile, MissingFolderOrAFileForAFolderIsAClearError) {
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), tight_config());
+  train_step(engine, model, 0);
+  const std::string folder = test_folder("atomic_folders");
+  EXPECT_THAT(error_of([&] { engine.save_checkpoint(folder + "/missing/ckpt.pt"); }),
+              HasSubstr("creating a file in folder \"" + folder +
+                        "/missing\" failed: No such file or directory"));
+  std::ofstream(folder + "/plain_file") << "x";
+  EXPECT_THAT(error_of([&] { engine.save_weights(folder + "/plain_file/weights.pt"); }),
+              HasSubstr("Not a directory"));
+  EXPECT_THAT(error_of([&] { engine.save_checkpoint(folder + "/"); }), HasSubstr("not a file name"));
+  remove_folder(folder);
+}
+
+// A full disk, the way one process can have it: a file size limit (RLIMIT_FSIZE) below the
+// checkpoint's size, with SIGXFSZ ignored so that write() fails with EFBIG instead of the signal
+// ending the process. The previous checkpoint stays byte-identical and loads; the engine trains on
+// and saves once the room is back.
+TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
+  const std::string folder = test_folder("atomic_full");
+  const std::string path = folder + "/ckpt.pt";
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), tight_config());
+  train_step(engine, model, 0);
+  engine.save_checkpoint(path);
+  const std::string before = read_bytes(path);
+  ASSERT_GT(before.size(), 100000u);
+  train_step(engine, model, 1);
+
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto* previous_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit limited = saved;
+  limited.rlim_cur = 64 * 1024;  // below the weights' size (about a third of the checkpoint's)
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  const std::string weights_error = error_of([&] { engine.save_weights(folder + "/w.pt"); });
+  const std::string error = error_of([&] { engine.save_checkpoint(path); });
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
+  std::signal(SIGXFSZ, previous_handler);
+
+  EXPECT_THAT(error, HasSubstr("cannot write \"" + path + "\": writing failed after"));
+  EXPECT_THAT(error, HasSubstr("File too large; the file is unchanged"));
+  EXPECT_THAT(weights_error, HasSubstr("File too large"));
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_FALSE(exists(folder + "/w.pt"));
+  EXPECT_TRUE(leftovers(folder).empty()) << leftovers(folder).front();
+
+  // The engine is untouched by the failed saves: it trains on, saves, and the old file still loads.
+  double loss = 0;
+  train_step(engine, model, 2, &loss);
+  EXPECT_TRUE(std::isfinite(loss));
+  engine.save_checkpoint(path);
+  EXPECT_NE(read_bytes(path), before);
+  models::Gpt other = make_model(7);
+  Engine reader(other.ptr(), tight_config());
+  std::ofstream(folder + "/old.pt", std::ios::binary) << before;
+  EXPECT_NO_THROW(reader.load_checkpoint(folder + "/old.pt"));
+  remove_folder(folder);
+}
+
+// A process killed (SIGKILL) during save_checkpoint. Each kill point runs in a child process (a
+// "threadsafe" death test: the child runs this test again from the start, so it holds the same
+// engine) whose watcher thread kills it once the temporary file has grown to k bytes; the last
+// point lets the save finish and kills the child after it. After every kill the checkpoint file
+// is the previous checkpoint or the new one, byte for byte, and it loads.
+TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  const std::string folder = test_folder("atomic_kill");
+  const std::string path = folder + "/ckpt.pt";
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), tight_config());
+  train_step(engine, model, 0);
+  engine.save_checkpoint(path);
+  const std::string old_bytes = read_bytes(path);
+  train_step(engine, model, 1);
+  engine.save_checkpoint(folder + "/new.pt");
+  const std::string new_bytes = read_bytes(folder + "/new.pt");
+  ASSERT_NE(old_bytes, new_bytes);
+  const int64_t size = static_cast<int64_t>(new_bytes.size());
+
+  // The temporary file's name holds the saving process's pid: watch the folder for it.
+  auto save_and_die_at = [&](int64_t kill_at) {
+    std::atomic<bool> done{false};
+    std::thread watcher([&] {
+      const std::string prefix = "ckpt.pt.tmp-" + std::to_string(::getpid());  // this process's
+      while (!done.load()) {
+        for (const std::string& name : entries(folder)) {
+          if (name != prefix) continue;
+          struct stat st {};
+          if (::stat((folder + "/" + name).c_str(), &st) == 0 && st.st_size >= kill_at) {
+            ::raise(SIGKILL);
+          }
+        }
+      }
+    });
+    engine.save_checkpoint(path);
+    done = true;
+    watcher.join();
+    ::raise(SIGKILL);  // the save finished: killed right after it
+  };
+
+  const std::vector<int64_t> kill_points = {0,        size / 8,     size / 4, size / 2,
+                                            3 * size / 4, size - 1, size,     size + 1};
+  int old_kept = 0;
+  int new_written = 0;
+  for (size_t i = 0; i < kill_points.size(); ++i) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << old_bytes;
+    EXPECT_EXIT(save_and_die_at(kill_points[i]), ::testing::KilledBySignal(SIGKILL), "");
+    const std::string now = read_bytes(path);
+    const bool is_old = now == old_bytes;
+    const bool is_new = now == new_bytes;
+    EXPECT_TRUE(is_old || is_new) << "kill point " << kill_points[i] << " of " << size
+                                  << " bytes left " << now.size() << " bytes of neither";
+    old_kept += is_old ? 1 : 0;
+    new_written += is_new ? 1 : 0;
+    models::Gpt other = make_model(7);
+    Engine reader(other.ptr(), tight_config());
+    EXPECT_NO_THROW(reader.load_checkpoint(path)) << "kill point " << kill_points[i];
+  }
+  std::printf("killed during a save of %lld bytes at %zu points: old checkpoint kept %d times, new "
+              "one complete %d times, neither 0 times\n",
+              static_cast<long long>(size), kill_points.size(), old_kept, new_written);
+  // Killed once the temporary file exists (k = 0): the rename is far off, the old file stays.
+  // Killed after the save: the new file is there.
+  EXPECT_GE(old_kept, 1);
+  EXPECT_GE(new_written, 1);
+  remove_folder(folder);
+}
+
+}  // namespace
+}  // namespace patrickstar
