@@ -1,5 +1,7 @@
 #include "patrickstar/chunk/memory_tier.h"
 
+#include "patrickstar/chunk/allocation_faults.h"
+
 #include <ATen/Context.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/util/Exception.h>
@@ -52,6 +54,9 @@ void* MemoryTier::allocate(int64_t bytes, int64_t alignment) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (bytes > capacity_bytes_ - used_bytes_) {
     throw_oom(bytes, "the request passes the capacity");
+  }
+  if (allocation_faults::should_fail()) {
+    throw_oom(bytes, "the system refused the block (an injected failure)");
   }
   void* ptr = nullptr;
   const CacheKey key{bytes, alignment};

@@ -56,10 +56,17 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
                 item.key().empty() ? "<root>" : item.key(),
                 " already belongs to another engine; a module can be trained by one engine only");
   }
-  register_parameters();
-  zero_grad_marker_ = at::zeros({1}).requires_grad_();
-  zero_grad_marker_grad_ = at::zeros({1});
-  arm_zero_grad_marker();
+  try {
+    register_parameters();
+    zero_grad_marker_ = at::zeros({1}).requires_grad_();
+    zero_grad_marker_grad_ = at::zeros({1});
+    arm_zero_grad_marker();
+  } catch (...) {
+    // A failing allocation after the parameters moved (register_parameters restores them itself
+    // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
+    give_back_model(/*may_gather=*/false);
+    throw;
+  }
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : module_names_) register_module_handler(*module, this);
 }
@@ -101,6 +108,10 @@ Engine::~Engine() {
                " open: their values are not written back (the model gets the fp32 master weights)");
     for (GatheredParameters* scope : gathered_scopes_) scope->engine_ = nullptr;
   }
+  give_back_model(/*may_gather=*/std::uncaught_exceptions() == 0);
+}
+
+void Engine::give_back_model(bool may_gather) {
   if (store_ == nullptr) return;
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
@@ -112,7 +123,7 @@ Engine::~Engine() {
   std::vector<at::Tensor> masters(static_cast<size_t>(store_->chunks_per_kind()));
   if (distributed()) {
     std::string failure;
-    if (std::uncaught_exceptions() > 0) {
+    if (!may_gather) {
       failure = "an exception is unwinding on this rank";
     } else {
       try {
@@ -133,19 +144,35 @@ Engine::~Engine() {
       return;
     }
   }
+  int64_t lost = 0;  // parameters whose value could not be allocated (out of memory)
   for (const Param& p : params_) {
     if (!p.tensor.defined()) continue;
     if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
     const TensorPlacement& where = store_->layout().placement(p.id);
-    at::Tensor value = distributed()
-                           ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
-                                 .view(p.tensor.sizes()).clone()
-                           : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
-                                                            /*copy=*/true);
+    at::Tensor value;
+    try {
+      value = distributed()
+                  ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
+                        .view(p.tensor.sizes()).clone()
+                  : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
+                                                   /*copy=*/true);
+    } catch (const std::exception&) {
+      ++lost;
+    }
     if (!p.gathered) point_at_nothing(p);
-    p.tensor.set_data(value);
+    if (value.defined()) p.tensor.set_data(value);
   }
-  for (const at::Tensor& b : cast_buffers_) b.set_data(b.to(at::kFloat));
+  for (const at::Tensor& b : cast_buffers_) {
+    try {
+      b.set_data(b.to(at::kFloat));
+    } catch (const std::exception&) {
+      ++lost;
+    }
+  }
+  if (lost > 0) {
+    TORCH_WARN("patrickstar: the engine could not give ", lost, " of the model's tensors their "
+               "fp32 values back (out of memory); they are left without values");
+  }
 }
 
 void Engine::register_parameters() {
@@ -274,6 +301,31 @@ void Engine::register_parameters() {
   };
   sample();
   params_.resize(unique.size());
+  std::vector<TensorId> moved;  // parameters whose storage is now the engine's fence
+  moved.reserve(unique.size());
+  // A failing system allocation mid-way (the budget was checked): the parameters already moved
+  // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
+  // precision). Data parallel: another rank's values never came here, so those cannot.
+  auto restore_moved = [&]() -> bool {
+    bool all = true;
+    for (TensorId id : moved) {
+      Param& p = params_[static_cast<size_t>(id)];
+      try {
+        TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
+        p.tensor.set_data(store_->view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam).clone());
+      } catch (...) {
+        all = false;
+      }
+    }
+    return all;
+  };
+  auto give_up = [&] {
+    const bool restored = restore_moved();
+    store_.reset();
+    param_of_impl_.clear();
+    params_.clear();
+    return restored;
+  };
   try {
     for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
       // Another rank's chunk: its tensors only get their fences (its values live at the owner).
@@ -298,6 +350,7 @@ void Engine::register_parameters() {
         p.live = storage_without_memory(nbytes);
         p.fence = fence_storage(nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]));
         t.set_data(tensor_over(p.fence, t.sizes(), half));
+        moved.push_back(id);
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
@@ -305,12 +358,15 @@ void Engine::register_parameters() {
       }
       sample();
     }
+  } catch (c10::Error& e) {
+    const bool restored = give_up();
+    e.add_context(restored ? "patrickstar::Engine: registration stopped; the model's parameters "
+                             "are as they were"
+                           : "patrickstar::Engine: registration stopped and some of the model's "
+                             "parameters could not be given back their values");
+    throw;
   } catch (...) {
-    // Only a failing system allocation gets here (the budget was checked): the model is partly
-    // moved and cannot be restored.
-    store_.reset();
-    param_of_impl_.clear();
-    params_.clear();
+    give_up();
     throw;
   }
   for (const Param& p : params_) {

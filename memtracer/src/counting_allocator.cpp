@@ -5,6 +5,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include "patrickstar/chunk/allocation_faults.h"
+
 namespace patrickstar {
 namespace {
 
@@ -78,6 +80,9 @@ void CountingCpuAllocator::reset_peak() {
 
 c10::DataPtr CountingCpuAllocator::allocate(size_t bytes) {
   const c10::Device cpu(c10::DeviceType::CPU);
+  // What c10's CPU allocator does when the system refuses: an error naming the size.
+  TORCH_CHECK_WITH(OutOfMemoryError, !allocation_faults::should_fail(),
+                   "CPU allocator: can't allocate ", bytes, " bytes (an injected failure)");
   if (inner_raw_deleter_ != nullptr) {
     if (bytes == 0) {
       return {nullptr, nullptr, &delete_with_header, cpu};

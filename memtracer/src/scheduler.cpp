@@ -25,25 +25,6 @@ int64_t scaled_bytes(int64_t bytes, double ratio) {
 
 }  // namespace
 
-const char* eviction_policy_name(EvictionPolicy policy) {
-  switch (policy) {
-    case EvictionPolicy::kOpt:
-      return "opt";
-    case EvictionPolicy::kLru:
-      return "lru";
-    case EvictionPolicy::kStatic:
-      return "static";
-  }
-  return "unknown";
-}
-
-EvictionPolicy parse_eviction_policy(const std::string& name) {
-  if (name == "opt") return EvictionPolicy::kOpt;
-  if (name == "lru") return EvictionPolicy::kLru;
-  if (name == "static") return EvictionPolicy::kStatic;
-  TORCH_CHECK(false, "unknown eviction policy '", name, "': expected opt, lru or static");
-}
-
 Scheduler::Scheduler(SchedulerOptions options, std::map<int64_t, ChunkInfo> chunks)
     : options_(options), chunks_(std::move(chunks)) {
   TORCH_CHECK(options_.capacity_bytes > 0, "Scheduler: capacity_bytes must be positive, got ",
@@ -479,11 +460,19 @@ void Scheduler::after_moment(int64_t m, ChunkMover& mover) {
   TORCH_CHECK(m >= 0 && m < trace_.size(), "Scheduler::after_moment: moment ", m,
               " is outside the warm-up trace of ", trace_.size(), " moments");
   refresh_residency(mover);
-  if (options_.prefetch_depth > 0) prefetch_after(m, {}, mover);
-  // Early offload: chunks whose device copy has no more use before the host needs them.
-  const std::vector<int64_t> resident(resident_.begin(), resident_.end());
-  for (int64_t id : resident) {
-    if (index_.host_before_use(id, m) && mover.movable(id)) evict(id, m, mover);
+  // Both moves below are optional: memory a tier refuses (an allocator with less room than the
+  // budget says, a fragmented heap) ends them for this moment, and the chunks move at their use,
+  // where a refusal is an error. After the step's moment this matters: Adam has updated the
+  // weights, so an error here would report a step that was taken as not taken.
+  try {
+    if (options_.prefetch_depth > 0) prefetch_after(m, {}, mover);
+    // Early offload: chunks whose device copy has no more use before the host needs them.
+    const std::vector<int64_t> resident(resident_.begin(), resident_.end());
+    for (int64_t id : resident) {
+      if (index_.host_before_use(id, m) && mover.movable(id)) evict(id, m, mover);
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    stats_.optional_moves_refused += 1;
   }
   const int64_t budget = budget_bytes(m);
   TORCH_INTERNAL_ASSERT(resident_bytes_ <= budget, "scheduler exceeded its budget after ",

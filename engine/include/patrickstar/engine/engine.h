@@ -134,7 +134,8 @@ class Engine final : public ModuleHookHandler {
   // Moves every parameter of `model` into chunks per `config` and frees the parameters' original
   // storage. `model` must be on the CPU in fp32 and own at least one parameter; parameters shared
   // by several modules are registered once; frozen ones (requires_grad false) are kept in chunks
-  // but never updated. Throws c10::Error on bad input, leaving `model` untouched.
+  // but never updated. Throws c10::Error on bad input, leaving `model` untouched, and when memory
+  // runs out during registration, leaving the model's parameters with their values (one process).
   // Data parallel: with a communicator of world size N > 1 (every process builds the same model
   // and engine), rank 0's initial weights and buffers are broadcast, and this process keeps the
   // fp32 master, momentum and variance (and gradient space) of the chunks it owns only
@@ -276,6 +277,10 @@ class Engine final : public ModuleHookHandler {
   class Mover;
 
   void register_parameters();
+  // The model's parameters become plain fp32 tensors with the master weights again (the
+  // destructor; a constructor that fails after registration). may_gather: data parallel, the
+  // other ranks take part (false while an error unwinds: they are elsewhere).
+  void give_back_model(bool may_gather);
   void report_config_warnings() const;
   ModuleInfo& module_info(torch::nn::Module& module);
   // A moment: tick, record, schedule the chunks of `params` (plus gradient chunks when asked), then

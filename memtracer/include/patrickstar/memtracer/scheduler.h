@@ -134,6 +134,9 @@ struct IterationStats {
   int64_t evictions = 0;
   int64_t prefetches = 0;       // prefetch loads issued
   int64_t prefetches_used = 0;  // prefetched chunks accessed before being evicted
+  // after_moment's optional moves (prefetch, early offload) that a tier refused memory for: the
+  // rest of that moment's optional moves were dropped and the chunks move at their use instead.
+  int64_t optional_moves_refused = 0;
   int64_t peak_chunk_bytes = 0;
   int64_t peak_device_bytes = 0;      // chunks + non-model, when non-model is known
   std::vector<int64_t> budget_bytes;  // per moment
