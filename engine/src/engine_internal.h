@@ -23,8 +23,6 @@
 namespace patrickstar {
 namespace engine_detail {
 
-constexpr int64_t kCheckpointFormat = 1;
-
 // A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
 // chunk slot while the parameter is in use; views that autograd saves share that storage object,
 // so they follow every re-pointing.

@@ -9,6 +9,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "checkpoint_file.h"
 #include "engine_internal.h"
 #include "patrickstar/engine/atomic_file.h"
 
@@ -75,19 +76,7 @@ void Engine::save_weights(const std::string& path) const {
   if (rank_ == 0) save_archive_atomically(archive, path);
 }
 
-namespace {
-at::Tensor text_tensor(const std::string& text) {
-  return at::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, at::kChar)
-      .clone();
-}
-std::string tensor_text(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
-}
-}  // namespace
-
-// Archive keys are plain identifiers (LibTorch archives reject dots), so tensors are stored by
-// registration index and the parameter names once, newline-separated, to check on load.
+// Checkpoints: CheckpointContents in a sealed file (checkpoint_file.h), one per rank.
 namespace {
 // Data parallel: each rank's shard has a file of its own next to `path`.
 std::string shard_path(const std::string& path, int rank, int world) {
@@ -98,33 +87,26 @@ std::string shard_path(const std::string& path, int rank, int world) {
 void Engine::save_checkpoint(const std::string& path) const {
   TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: save_checkpoint() in the middle of an "
               "iteration; call it after step()");
-  torch::serialize::OutputArchive archive;
-  archive.write("format", at::tensor(kCheckpointFormat));
-  archive.write("config_json", text_tensor(config_.to_json().dump()));
-  std::string names;
-  for (const Param& p : params_) names += p.name + "\n";
-  archive.write("names", text_tensor(names));
-  archive.write("world_size", at::tensor(static_cast<int64_t>(world_)));
-  archive.write("rank", at::tensor(static_cast<int64_t>(rank_)));
-  archive.write("chunk_elems", at::tensor(store_->chunk_elems()));
-  archive.write("adam_step", at::tensor(adam_->step_count()));
-  archive.write("iteration", at::tensor(iteration_));
-  const LossScalerState scaler = adam_->loss_scaler().state();
-  archive.write("scaler", at::tensor({scaler.scale, static_cast<double>(scaler.step),
-                                      static_cast<double>(scaler.last_overflow_step),
-                                      static_cast<double>(scaler.hysteresis_left)},
-                                     at::kDouble));
+  CheckpointContents c;
+  c.config_json = config_.to_json().dump();
+  c.precision = std::string(to_string(config_.precision()));
+  for (const Param& p : params_) c.names.push_back(p.name);
+  c.world_size = world_;
+  c.rank = rank_;
+  c.chunk_elems = store_->chunk_elems();
+  c.adam_step = adam_->step_count();
+  c.iteration = iteration_;
+  c.scaler = adam_->loss_scaler().state();
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   for (const Param& p : params_) {
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
-    const std::string i = std::to_string(p.id);
-    archive.write("master_" + i, store_->view(p.id, master).clone());
-    archive.write("exp_avg_" + i, store_->view(p.id, ChunkKind::kMomentum).clone());
-    archive.write("exp_avg_sq_" + i, store_->view(p.id, ChunkKind::kVariance).clone());
+    c.params[p.id] = {store_->view(p.id, master).clone(),
+                      store_->view(p.id, ChunkKind::kMomentum).clone(),
+                      store_->view(p.id, ChunkKind::kVariance).clone()};
   }
   std::string error;
   try {
-    save_archive_atomically(archive, shard_path(path, rank_, world_));
+    write_checkpoint_file(c, shard_path(path, rank_, world_));
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -145,71 +127,46 @@ void Engine::load_checkpoint(const std::string& path_given) {
               "iteration; call it before a forward or after step()");
   TORCH_CHECK(gathered_ == 0, "patrickstar: load_checkpoint() while a GatheredParameters scope "
               "holds ", gathered_, " parameter", gathered_ == 1 ? "" : "s", "; end the scope first");
-  struct Entry {
-    at::Tensor master, exp_avg, exp_avg_sq;
-  };
-  std::vector<Entry> entries(params_.size());
-  at::Tensor adam_step, iteration, scaler;
+  // Read and check everything first: a damaged checkpoint, or one of another model, changes
+  // nothing.
+  CheckpointContents c;
   std::string error;
   try {
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(path);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "patrickstar: cannot read checkpoint \"", path, "\": ",
-                  e.what_without_backtrace());
-    }
-    at::Tensor format, names_tensor;
-    TORCH_CHECK(archive.try_read("format", format) && format.numel() == 1 &&
-                    format.item<int64_t>() == kCheckpointFormat &&
-                    archive.try_read("names", names_tensor),
-                "patrickstar: \"", path, "\" is not a patrickstar checkpoint (format ",
-                kCheckpointFormat, ")");
-    // Read and check everything first: a checkpoint of another model changes nothing.
-    std::vector<std::string> names;
-    {
-      const std::string text = tensor_text(names_tensor);
-      size_t from = 0;
-      for (size_t at = text.find('\n'); at != std::string::npos; at = text.find('\n', from)) {
-        names.push_back(text.substr(from, at - from));
-        from = at + 1;
-      }
-    }
-    TORCH_CHECK(names.size() == params_.size(), "patrickstar: checkpoint \"", path,
-                "\" is from another model: it has ", names.size(), " parameters, this model ",
+    c = read_checkpoint_file(path);
+    TORCH_CHECK(c.names.size() == params_.size(), "patrickstar: checkpoint \"", path,
+                "\" is from another model: it has ", c.names.size(), " parameters, this model ",
                 params_.size());
-    at::Tensor world, rank, chunk_elems;
-    const int64_t saved_world = archive.try_read("world_size", world) ? world.item<int64_t>() : 1;
-    const int64_t saved_rank = archive.try_read("rank", rank) ? rank.item<int64_t>() : 0;
-    TORCH_CHECK(saved_world == world_ && saved_rank == rank_, "patrickstar: checkpoint \"", path,
-                "\" is rank ", saved_rank, "'s shard of ", saved_world, " rank(s); this is rank ",
+    TORCH_CHECK(c.world_size == world_ && c.rank == rank_, "patrickstar: checkpoint \"", path,
+                "\" is rank ", c.rank, "'s shard of ", c.world_size, " rank(s); this is rank ",
                 rank_, " of ", world_, ": resume with the number of ranks that saved it");
-    TORCH_CHECK(!archive.try_read("chunk_elems", chunk_elems) ||
-                    chunk_elems.item<int64_t>() == store_->chunk_elems() || world_ == 1,
-                "patrickstar: checkpoint \"", path, "\" was saved with chunks of ",
-                chunk_elems.item<int64_t>(), " elements, this engine has ", store_->chunk_elems(),
+    const std::string here(to_string(config_.precision()));
+    TORCH_CHECK(c.precision == here, "patrickstar: checkpoint \"", path, "\" was saved by a ",
+                c.precision, " engine and this engine is ", here, ": resume with the precision that "
+                "saved it (save_weights writes fp32 weights that any engine's model can start from)");
+    TORCH_CHECK(c.chunk_elems == store_->chunk_elems() || world_ == 1,
+                "patrickstar: checkpoint \"", path, "\" was saved with chunks of ", c.chunk_elems,
+                " elements, this engine has ", store_->chunk_elems(),
                 ": with several ranks the chunk size decides which rank owns what; use the config "
                 "that saved it");
     for (const Param& p : params_) {
-      TORCH_CHECK(names[static_cast<size_t>(p.id)] == p.name, "patrickstar: checkpoint \"", path,
-                  "\" is from another model: parameter ", p.id, " is ", names[static_cast<size_t>(p.id)],
-                  " there but ", p.name, " here");
+      const std::string& saved = c.names[static_cast<size_t>(p.id)];
+      TORCH_CHECK(saved == p.name, "patrickstar: checkpoint \"", path, "\" is from another model: "
+                  "parameter ", p.id, " is ", saved, " there but ", p.name, " here");
       if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
-      const std::string i = std::to_string(p.id);
-      Entry& e = entries[static_cast<size_t>(p.id)];
-      archive.read("master_" + i, e.master);
-      archive.read("exp_avg_" + i, e.exp_avg);
-      archive.read("exp_avg_sq_" + i, e.exp_avg_sq);
-      for (const at::Tensor* t : {&e.master, &e.exp_avg, &e.exp_avg_sq}) {
-        TORCH_CHECK(t->sizes() == store_->layout().sizes(p.id) && t->scalar_type() == at::kFloat,
-                    "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
-                    p.name, " has shape ", t->sizes(), " there but ", store_->layout().sizes(p.id),
-                    " here");
-      }
+      auto it = c.params.find(p.id);
+      TORCH_CHECK(it != c.params.end(), "patrickstar: checkpoint \"", path, "\" has no optimizer "
+                  "state for parameter ", p.name);
+      TORCH_CHECK(it->second.master.sizes() == store_->layout().sizes(p.id),
+                  "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
+                  p.name, " has shape ", it->second.master.sizes(), " there but ",
+                  store_->layout().sizes(p.id), " here");
     }
-    archive.read("adam_step", adam_step);
-    archive.read("iteration", iteration);
-    archive.read("scaler", scaler);
+    try {
+      adam_->loss_scaler().check_state(c.scaler);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "patrickstar: checkpoint \"", path, "\" does not suit this engine's loss "
+                  "scaler (", e.what_without_backtrace(), "); nothing was loaded");
+    }
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -227,20 +184,14 @@ void Engine::load_checkpoint(const std::string& path_given) {
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   for (const Param& p : params_) {
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
-    const Entry& e = entries[static_cast<size_t>(p.id)];
-    store_->view(p.id, master).copy_(e.master);
-    if (mixed_) store_->view(p.id, ChunkKind::kParam).copy_(e.master);
-    store_->view(p.id, ChunkKind::kMomentum).copy_(e.exp_avg);
-    store_->view(p.id, ChunkKind::kVariance).copy_(e.exp_avg_sq);
+    const CheckpointParam& saved = c.params.at(p.id);
+    store_->view(p.id, master).copy_(saved.master);
+    if (mixed_) store_->view(p.id, ChunkKind::kParam).copy_(saved.master);
+    store_->view(p.id, ChunkKind::kMomentum).copy_(saved.exp_avg);
+    store_->view(p.id, ChunkKind::kVariance).copy_(saved.exp_avg_sq);
   }
-  adam_->set_step_count(adam_step.item<int64_t>());
-  auto s = scaler.accessor<double, 1>();
-  LossScalerState state;
-  state.scale = s[0];
-  state.step = static_cast<int64_t>(s[1]);
-  state.last_overflow_step = static_cast<int64_t>(s[2]);
-  state.hysteresis_left = static_cast<int>(s[3]);
-  adam_->loss_scaler().load_state(state);
+  adam_->set_step_count(c.adam_step);
+  adam_->loss_scaler().load_state(c.scaler);
   if (grad_space_) zero_grad();
 }
 

@@ -59,6 +59,11 @@ void LossScaler::update(bool overflow) {
 }
 
 void LossScaler::load_state(const LossScalerState& state) {
+  check_state(state);
+  state_ = state;
+}
+
+void LossScaler::check_state(const LossScalerState& state) const {
   TORCH_CHECK(state.scale > 0.0 && std::isfinite(state.scale),
               "loss scaler state: scale must be positive and finite, got ", state.scale);
   TORCH_CHECK(state.step >= 0 && state.last_overflow_step >= -1 &&
@@ -68,7 +73,6 @@ void LossScaler::load_state(const LossScalerState& state) {
   TORCH_CHECK(state.hysteresis_left >= 1 && state.hysteresis_left <= options_.hysteresis,
               "loss scaler state: hysteresis_left ", state.hysteresis_left, " outside [1, ",
               options_.hysteresis, "]");
-  state_ = state;
 }
 
 }  // namespace patrickstar

@@ -61,6 +61,8 @@ class LossScaler {
   LossScalerState state() const { return state_; }
   // Throws c10::Error (and changes nothing) if the state is invalid (scale <= 0, ...).
   void load_state(const LossScalerState& state);
+  // Throws c10::Error, as load_state would, when `state` cannot be this scaler's; changes nothing.
+  void check_state(const LossScalerState& state) const;
 
  private:
   LossScalerOptions options_;

@@ -1,0 +1,81 @@
+// Checkpoint files (private to engine/): what a checkpoint holds, and the file that holds it.
+//
+// The file is a LibTorch archive followed by a 32-byte trailer: the archive's length and a 64-bit
+// checksum of its bytes (little-endian), then the text "patrickstar ckpt". A load verifies the
+// whole file against its trailer before LibTorch's reader sees a byte of it, so a truncated or
+// damaged file, or one another program wrote, is refused naming the file; then every record is
+// read and checked (types, shapes, ranges) into a CheckpointContents before the engine changes
+// anything. The checkpoint fuzzer (fuzz/checkpoint_fuzzer.cpp) drives read_checkpoint_file with
+// arbitrary bytes and with archives of arbitrary records.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "patrickstar/optimizer/loss_scaler.h"
+
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+
+namespace patrickstar::engine_detail {
+
+// The checkpoint format this code writes and reads. Format 3: the sealed file above. (Formats 1
+// and 2, before the trailer, are refused with that reason.)
+inline constexpr int64_t kCheckpointFormat = 3;
+
+// One parameter's optimizer state, fp32, in the parameter's shape.
+struct CheckpointParam {
+  at::Tensor master, exp_avg, exp_avg_sq;
+};
+
+struct CheckpointContents {
+  std::string config_json;         // the saving engine's effective config
+  std::string precision;           // to_string(Precision) of the saving engine
+  std::vector<std::string> names;  // every parameter's name, in registration order
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  int64_t chunk_elems = 1;
+  int64_t adam_step = 0;
+  int64_t iteration = 0;
+  LossScalerState scaler;
+  std::map<int64_t, CheckpointParam> params;  // by registration index: those this file holds
+};
+
+// Writes `contents` to `path` atomically (AtomicFileWriter), sealed. Throws c10::Error.
+void write_checkpoint_file(const CheckpointContents& contents, const std::string& path);
+// Reads and checks everything in the file at `path`. Throws c10::Error naming `path` and what is
+// wrong; the checks are those that need no engine (the engine compares names and shapes with its
+// model).
+CheckpointContents read_checkpoint_file(const std::string& path);
+
+// The sealed file under them: `archive` plus the trailer, written atomically.
+void save_sealed_archive(torch::serialize::OutputArchive& archive, const std::string& path);
+// Verifies the file at `path` against its trailer, then loads its archive into `archive`.
+void load_sealed_archive(torch::serialize::InputArchive& archive, const std::string& path);
+
+// A 64-bit checksum of a byte stream, fed in pieces of any size: each 8-byte word passes through a
+// bijective mix of the running state, so a change confined to one word always changes the result;
+// the byte count is part of it. Not cryptographic: it detects damage, not tampering.
+class Checksum {
+ public:
+  void update(const void* data, size_t bytes);
+  uint64_t value() const;
+
+ private:
+  uint64_t state_ = 0x9e3779b97f4a7c15ULL;
+  uint64_t bytes_ = 0;
+  unsigned char pending_[8] = {};
+  size_t pending_size_ = 0;
+};
+
+at::Tensor text_tensor(const std::string& text);
+std::string tensor_text(const at::Tensor& t);  // a 1-D tensor of 8-bit elements; throws otherwise
+
+}  // namespace patrickstar::engine_detail
