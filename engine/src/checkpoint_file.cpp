@@ -66,6 +66,7 @@ int64_t read_at(int fd, void* data, size_t bytes, uint64_t offset) {
 }  // namespace
 
 void Checksum::update(const void* data, size_t bytes) {
+  if (bytes == 0) return;  // data may be null then, which memcpy must not see
   const auto* in = static_cast<const unsigned char*>(data);
   bytes_ += bytes;
   while (bytes > 0 && pending_size_ > 0) {  // complete the word an earlier piece began

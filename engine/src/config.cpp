@@ -137,7 +137,10 @@ class ObjectReader {
   }
 
   void read_byte_size(const json& v, const std::string& path, int64_t& out) {
-    if (v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0)) {
+    const bool fits = v.is_number_unsigned()
+                          ? v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
+                          : v.is_number_integer() && v.get<int64_t>() >= 0;
+    if (fits) {
       out = v.get<int64_t>();
       return;
     }
@@ -343,7 +346,7 @@ Config Config::from_string(std::string_view text) {
   json document;
   try {
     document = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number out of range (out_of_range)
     TORCH_CHECK(false, "invalid patrickstar config: not JSON: ", e.what());
   }
   return from_json(document);

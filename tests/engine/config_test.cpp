@@ -150,6 +150,13 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
       {R"({"client": {"mem_tracer": {"with_static_partition": true}, "scheduler": {"policy": "opt"}}})",
        "contradicts $.client.scheduler.policy"},
       {R"({"optimizer": )", "not JSON"},
+      // Found by fuzz/config_fuzzer: a number beyond double's range escaped as an uncaught
+      // nlohmann::json out_of_range, and a byte count above INT64_MAX wrapped to a negative one.
+      {R"({"gradient_clipping": 99199999E999})", "not JSON"},
+      {R"({"client": {"device": {"capacity_bytes": 18446744073709551615}}})",
+       "$.client.device.capacity_bytes: expected a byte count: a non-negative integer"},
+      {R"({"client": {"device": {"capacity_bytes": 9223372036854775808}}})",
+       "$.client.device.capacity_bytes: expected a byte count: a non-negative integer"},
   };
   for (const BadConfig& bad : cases) {
     const std::string message = error_of(bad.document);
