@@ -18,6 +18,7 @@
 #include <dirent.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "error_message.h"
@@ -230,6 +231,58 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
   // Killed after the save: the new file is there.
   EXPECT_GE(old_kept, 1);
   EXPECT_GE(new_written, 1);
+  remove_folder(folder);
+}
+
+// A checkpoint path in a folder the process may not write to. The folder's mode (0555) refuses a
+// normal user; root may write anywhere, so under root the saves run in a child process that has
+// given up root for "nobody" (uid and gid 65534) first. Each save is a clear error with the
+// system's reason, the previous checkpoint stays byte-identical, and the engine trains on.
+TEST(AtomicFile, AReadOnlyFolderIsRefusedAndKeepsThePreviousCheckpoint) {
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  constexpr uid_t kNobody = 65534;
+  if (::geteuid() == 0) {  // can this process give up root? (a container may not map uid 65534)
+    const pid_t probe = ::fork();
+    if (probe == 0) ::_exit(::setgid(kNobody) == 0 && ::setuid(kNobody) == 0 ? 0 : 1);
+    int status = 0;
+    ASSERT_EQ(::waitpid(probe, &status, 0), probe);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      GTEST_SKIP() << "running as root and cannot switch to uid 65534: no read-only folder to try";
+    }
+  }
+  const std::string folder = test_folder("atomic_read_only");
+  const std::string path = folder + "/ckpt.pt";
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), tight_config());
+  train_step(engine, model, 0);
+  if (!exists(path)) engine.save_checkpoint(path);  // the death test's child finds it there
+  const std::string before = read_bytes(path);
+  train_step(engine, model, 1);
+  ASSERT_EQ(::chmod(folder.c_str(), 0555), 0);
+
+  auto save_without_write_permission = [&] {
+    if (::geteuid() == 0 && (::setgid(kNobody) != 0 || ::setuid(kNobody) != 0)) ::_exit(2);
+    const std::string checkpoint_error = error_of([&] { engine.save_checkpoint(path); });
+    const std::string weights_error = error_of([&] { engine.save_weights(folder + "/w.pt"); });
+    std::fprintf(stderr, "save_checkpoint: %s\nsave_weights: %s\n", checkpoint_error.c_str(),
+                 weights_error.c_str());
+    const std::string expected = "creating a file in folder \"" + folder + "\" failed: Permission denied";
+    const bool both = checkpoint_error.find(expected) != std::string::npos &&
+                      weights_error.find(expected) != std::string::npos;
+    ::_exit(both ? 0 : 1);
+  };
+  EXPECT_EXIT(save_without_write_permission(), ::testing::ExitedWithCode(0),
+              "save_checkpoint: .*Permission denied");
+  ASSERT_EQ(::chmod(folder.c_str(), 0755), 0);
+
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_FALSE(exists(folder + "/w.pt"));
+  EXPECT_TRUE(leftovers(folder).empty());
+  double loss = 0;
+  train_step(engine, model, 2, &loss);
+  EXPECT_TRUE(std::isfinite(loss));
+  engine.save_checkpoint(path);
+  EXPECT_NE(read_bytes(path), before);
   remove_folder(folder);
 }
 
