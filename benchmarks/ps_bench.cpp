@@ -27,6 +27,8 @@
 #include "absl/strings/str_split.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
+#include "gpu_prediction.h"
+#include "patrickstar/memtracer/cost_model.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -60,6 +62,9 @@ ABSL_FLAG(bool, compare_moves, false,
           "train the model three ways in one run, one step of each per round: everything "
           "resident, and --device with synchronous and with asynchronous moves; print the median "
           "step times as ratios to the resident run and the copy time compute waited for");
+ABSL_FLAG(std::string, predict, "",
+          "also predict the step time on a GPU (h100) from the iteration this run recorded: "
+          "memtracer's cost model, its assumptions printed beside the figures");
 ABSL_FLAG(int64_t, threads, 0,
           "LibTorch intra-op threads (0: LibTorch's default); e.g. one fewer than the cores "
           "leaves a core to the emulated device's copy thread, as a GPU's copy engine is its own");
@@ -96,6 +101,61 @@ double max_relative_difference(const std::vector<double>& a, const std::vector<d
 }
 
 std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
+
+// A line of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
+int64_t proc_status_bytes(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::atoll(line.c_str() + key.size() + 1) * 1024;
+  }
+  return -1;
+}
+
+// The process's resident bytes when main began: LibTorch's and the other libraries' own share.
+int64_t g_rss_at_start = -1;
+
+// Where the bytes were at a peak (Engine::device_peak_breakdown / host_peak_breakdown), printed
+// as a table and returned for the JSON.
+nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
+                               int64_t device_capacity) {
+  static const char* const kKinds[ps::kChunkKindCount] = {"param (compute dtype)", "fp32 master",
+                                                          "momentum", "variance", "gradient space"};
+  nlohmann::json j = {{"iteration", b.iteration}, {"moment", b.moment}};
+  std::printf("memory at the %s (iteration %lld, moment \"%s\"):\n", title,
+              static_cast<long long>(b.iteration), b.moment.c_str());
+  std::printf("  %-46s %14s %14s\n", "", "device", "host");
+  for (int k = 0; k < ps::kChunkKindCount; ++k) {
+    const int64_t d = b.device_chunk_bytes[static_cast<size_t>(k)];
+    const int64_t h = b.host_chunk_bytes[static_cast<size_t>(k)];
+    if (d == 0 && h == 0) continue;
+    std::printf("  %-46s %14s %14s\n", kKinds[k], mib(static_cast<double>(d)).c_str(),
+                mib(static_cast<double>(h)).c_str());
+    j["chunks"][kKinds[k]] = {{"device_bytes", d}, {"host_bytes", h}};
+  }
+  const int64_t device_other = b.device_used_bytes - b.device_chunk_total();
+  const int64_t host_other = b.host_used_bytes - b.host_chunk_total();
+  std::printf("  %-46s %14s %14s\n", "other tier blocks (copies in flight, gathers)",
+              mib(static_cast<double>(device_other)).c_str(),
+              mib(static_cast<double>(host_other)).c_str());
+  std::printf("  %-46s %14s %14s\n", "cached tier blocks (kept for reuse)",
+              mib(static_cast<double>(b.device_cached_bytes)).c_str(),
+              mib(static_cast<double>(b.host_cached_bytes)).c_str());
+  std::printf("  %-46s %14s\n", "non-model (the tracer's probe)",
+              mib(static_cast<double>(b.device_non_model_bytes)).c_str());
+  std::printf("  %-46s %14s %14s  (device capacity %s)\n", "total",
+              mib(static_cast<double>(b.device_total() + b.device_cached_bytes)).c_str(),
+              mib(static_cast<double>(b.host_used_bytes + b.host_cached_bytes)).c_str(),
+              mib(static_cast<double>(device_capacity)).c_str());
+  j["device_other_block_bytes"] = device_other;
+  j["host_other_block_bytes"] = host_other;
+  j["device_cached_block_bytes"] = b.device_cached_bytes;
+  j["host_cached_block_bytes"] = b.host_cached_bytes;
+  j["device_non_model_bytes"] = b.device_non_model_bytes;
+  j["device_total_bytes"] = b.device_total();
+  j["host_used_bytes"] = b.host_used_bytes;
+  return j;
+}
 
 ps::Config build_config() {
   ps::Config base;
@@ -515,6 +575,7 @@ int run() {
   TORCH_CHECK(seq <= spec.max_seq, "--seq ", seq, " exceeds the ", spec.max_seq, " positions of ",
               spec.name);
 
+  if (!absl::GetFlag(FLAGS_predict).empty()) ps::gpu_cost_model(absl::GetFlag(FLAGS_predict));  // known?
   std::shared_ptr<ps::Communicator> comm = ps::communicator_from_env();
   const int world = comm->world_size();
   const int rank = comm->rank();
@@ -756,9 +817,51 @@ int run() {
   }
 
   if (!lead) return 0;  // rank 0 prints and writes the files
+  std::printf("\n");
+  out["memory_at_device_peak"] = print_breakdown("device peak", engine.device_peak_breakdown(),
+                                                 config.device.capacity_bytes);
+  out["memory_at_host_peak"] = print_breakdown("host peak", engine.host_peak_breakdown(),
+                                               config.device.capacity_bytes);
+  // The process against what the engine accounts for. On the emulated device the device tier and
+  // the non-model bytes (LibTorch's CPU allocations) are host memory too; on a GPU they are not.
+  {
+    int64_t non_model_peak = 0;
+    for (const ps::IterationReport& r : reports) {
+      non_model_peak = std::max(non_model_peak, r.non_model_peak_bytes);
+    }
+    const bool emulated = config.device.type == ps::DeviceType::kEmulated;
+    const int64_t hwm = proc_status_bytes("VmHWM");
+    // The tiers' reserved peaks: their blocks in use plus the blocks they keep for reuse.
+    const int64_t host_reserved = engine.host_tier().peak_reserved_bytes();
+    const int64_t device_reserved = engine.device_tier().peak_reserved_bytes();
+    const int64_t accounted =
+        g_rss_at_start + host_reserved + (emulated ? device_reserved + non_model_peak : 0);
+    std::printf("process: high-water mark (VmHWM) %s; accounted %s = %s at start (libraries) + "
+                "host tier reserved peak %s%s%s; accounted / VmHWM %.3f\n",
+                mib(static_cast<double>(hwm)).c_str(), mib(static_cast<double>(accounted)).c_str(),
+                mib(static_cast<double>(g_rss_at_start)).c_str(),
+                mib(static_cast<double>(host_reserved)).c_str(),
+                emulated ? " + device tier reserved peak " : "",
+                emulated ? absl::StrCat(mib(static_cast<double>(device_reserved)),
+                                        " + non-model peak ",
+                                        mib(static_cast<double>(non_model_peak)))
+                               .c_str()
+                         : "",
+                hwm > 0 ? static_cast<double>(accounted) / static_cast<double>(hwm) : 0.0);
+    out["process_hwm_bytes"] = hwm;
+    out["process_rss_at_start_bytes"] = g_rss_at_start;
+    out["accounted_bytes"] = accounted;
+    out["accounted_to_hwm"] = hwm > 0 ? static_cast<double>(accounted) / static_cast<double>(hwm) : 0.0;
+    out["host_tier_reserved_peak_bytes"] = host_reserved;
+    out["device_tier_reserved_peak_bytes"] = device_reserved;
+  }
+  if (!absl::GetFlag(FLAGS_predict).empty()) {
+    out["prediction"] = ps::bench::print_gpu_prediction(engine, model.module(), batch * seq,
+                                                        absl::GetFlag(FLAGS_predict), step_time);
+  }
   std::printf("\n%-30s %s\n", "figure", "value");
   for (const auto& [key, value] : out.items()) {
-    if (value.is_array()) continue;
+    if (value.is_array() || value.is_object()) continue;  // printed above, or in the JSON file
     std::printf("%-30s %s\n", key.c_str(), value.dump().c_str());
   }
   if (out.contains("per_rank")) {
@@ -786,12 +889,14 @@ int run() {
                                                 config.device.capacity_bytes));
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_plot).c_str());
   }
+  std::fflush(stdout);  // everything is said before the engine gives the model back
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  g_rss_at_start = proc_status_bytes("VmRSS");
   absl::SetProgramUsageMessage(
       "trains a GPT of the model zoo through patrickstar on random data; e.g.\n"
       "  ps_bench --model gpt_mini --device emulated:24MiB --steps 6 --baseline --json out.json");

@@ -86,6 +86,7 @@ void* MemoryTier::allocate(int64_t bytes, int64_t alignment) {
   }
   used_bytes_ += bytes;
   peak_bytes_ = std::max(peak_bytes_, used_bytes_);
+  peak_reserved_bytes_ = std::max(peak_reserved_bytes_, used_bytes_ + cached_bytes_);
   return ptr;
 }
 
@@ -119,6 +120,11 @@ int64_t MemoryTier::peak_bytes() const {
 int64_t MemoryTier::reserved_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return used_bytes_ + cached_bytes_;
+}
+
+int64_t MemoryTier::peak_reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_reserved_bytes_;
 }
 
 int64_t MemoryTier::allocation_count() const {

@@ -145,22 +145,47 @@ void Engine::give_back_model(bool may_gather) {
     }
   }
   int64_t lost = 0;  // parameters whose value could not be allocated (out of memory)
-  for (const Param& p : params_) {
-    if (!p.tensor.defined()) continue;
-    if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
-    const TensorPlacement& where = store_->layout().placement(p.id);
-    at::Tensor value;
+  // One chunk at a time: its tensors get their values, then (one process) its payloads of every
+  // kind go back to the system, so the host holds the model data plus one chunk's fp32 values at
+  // most, not the model data plus the whole model in fp32 (megatron_1.3B: 18.5 GB + 5.3 GB).
+  if (!distributed()) {
     try {
-      value = distributed()
-                  ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
-                        .view(p.tensor.sizes()).clone()
-                  : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
-                                                   /*copy=*/true);
+      store_->finish_copies();
     } catch (const std::exception&) {
-      ++lost;
+      // A failed copy's chunk reads as it was before the copy; nothing more to do here.
     }
-    if (!p.gathered) point_at_nothing(p);
-    if (value.defined()) p.tensor.set_data(value);
+  }
+  for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
+    for (TensorId id : store_->layout().tensors_in_chunk(index)) {
+      const Param& p = params_[static_cast<size_t>(id)];
+      if (!p.tensor.defined()) continue;
+      if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
+      const TensorPlacement& where = store_->layout().placement(p.id);
+      at::Tensor value;
+      try {
+        value = distributed()
+                    ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
+                          .view(p.tensor.sizes()).clone()
+                    : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
+                                                     /*copy=*/true);
+      } catch (const std::exception&) {
+        ++lost;
+      }
+      if (!p.gathered) point_at_nothing(p);
+      if (value.defined()) p.tensor.set_data(value);
+    }
+    if (distributed()) continue;
+    for (int k = 0; k < kChunkKindCount; ++k) {
+      const auto kind = static_cast<ChunkKind>(k);
+      if (!store_->has_kind(kind)) continue;
+      try {
+        store_->release(store_->chunk_id(kind, index));
+      } catch (const std::exception&) {
+        // A tensor still in COMPUTE: the payload goes with the store.
+      }
+    }
+    host_->empty_cache();
+    device_->empty_cache();
   }
   for (const at::Tensor& b : cast_buffers_) {
     try {

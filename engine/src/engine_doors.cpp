@@ -140,6 +140,7 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
   try {
     scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
     open_moment_ = m;
+    note_memory(module.label);
   } catch (c10::Error& e) {
     e.add_context(absl::StrCat("while making the chunks of module ", module.label,
                                " resident; chunks pinned by tensors in use: ", describe_pinned()));

@@ -98,6 +98,7 @@ IterationReport Engine::run_adam() {
   for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
   scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
                         *mover_, probe_->live_bytes(), to_host);
+  note_memory("step");
 
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;

@@ -66,6 +66,22 @@ TEST(MemoryTier, CacheReusesBlocksWithoutChangingLiveCounts) {
   EXPECT_EQ(device.reserved_bytes(), 0);
 }
 
+TEST(MemoryTier, PeakReservedCountsCachedBlocksAndOutlivesResetPeak) {
+  EmulatedDeviceTier device(1 << 20);
+  void* a = device.allocate(4096);
+  device.deallocate(a);                // 4096 cached, nothing used
+  void* b = device.allocate(1000);     // another size: a new block next to the cached one
+  EXPECT_EQ(device.peak_bytes(), 4096);  // used: 4096 earlier, then 1000
+  EXPECT_EQ(device.peak_reserved_bytes(), 5096);
+  device.reset_peak();
+  EXPECT_EQ(device.peak_bytes(), 1000);
+  EXPECT_EQ(device.peak_reserved_bytes(), 5096);  // the most held from the system, ever
+  device.deallocate(b);
+  device.empty_cache();
+  EXPECT_EQ(device.reserved_bytes(), 0);
+  EXPECT_EQ(device.peak_reserved_bytes(), 5096);
+}
+
 TEST(MemoryTier, CachedBlocksGiveWayToTheCapacity) {
   EmulatedDeviceTier device(10000);
   void* a = device.allocate(6000);

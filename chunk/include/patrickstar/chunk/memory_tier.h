@@ -62,6 +62,9 @@ class MemoryTier {
   int64_t used_bytes() const;
   int64_t peak_bytes() const;        // highest used_bytes() since construction or reset_peak()
   int64_t reserved_bytes() const;    // used + cached
+  // Highest reserved_bytes() since construction (reset_peak() leaves it): the most memory the
+  // tier has held from the system at once.
+  int64_t peak_reserved_bytes() const;
   int64_t allocation_count() const;  // live blocks
   void reset_peak();
   // Gives every cached block back to the system.
@@ -104,6 +107,7 @@ class MemoryTier {
   int64_t used_bytes_ = 0;
   int64_t cached_bytes_ = 0;
   int64_t peak_bytes_ = 0;
+  int64_t peak_reserved_bytes_ = 0;
 };
 
 // Host memory: pinned through LibTorch's CUDA host allocator when this build has CUDA and a GPU is

@@ -52,6 +52,7 @@
 #include "patrickstar/comm/communicator.h"
 #include "patrickstar/engine/autograd_hooks.h"
 #include "patrickstar/engine/config.h"
+#include "patrickstar/engine/memory_breakdown.h"
 #include "patrickstar/engine/module_hooks.h"
 #include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/scheduler.h"
@@ -196,6 +197,12 @@ class Engine final : public ModuleHookHandler {
   // initialize_engine measures the factory's peak host allocation and folds it in here.
   void note_model_construction_peak(int64_t bytes);
   const std::vector<IterationReport>& history() const { return history_; }
+  // Where the bytes were at the moment of highest device use (its tier's blocks plus the live
+  // non-model bytes) and at the moment of highest host-tier use, over every iteration so far;
+  // taken once each moment's chunks are in place (a move within a moment can pass it briefly:
+  // the tiers' peak_bytes() are the exact highs).
+  const MemoryBreakdown& device_peak_breakdown() const { return device_peak_breakdown_; }
+  const MemoryBreakdown& host_peak_breakdown() const { return host_peak_breakdown_; }
   int64_t iteration() const { return iteration_; }
   // Iterations whose moments differed from the trace, so that it was re-recorded.
   int64_t retrace_count() const { return retraces_; }
@@ -354,6 +361,8 @@ class Engine final : public ModuleHookHandler {
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
+  // Keeps the breakdown of this moment when it is the highest device or host use so far.
+  void note_memory(const std::string& moment);
   // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
   std::string describe_pinned() const;
   IterationReport run_adam();
@@ -403,6 +412,8 @@ class Engine final : public ModuleHookHandler {
   MoveCounters counters_at_iteration_start_;
   RegistrationReport registration_;
   std::vector<IterationReport> history_;
+  MemoryBreakdown device_peak_breakdown_;
+  MemoryBreakdown host_peak_breakdown_;
   at::Tensor zero_grad_marker_;
   at::Tensor zero_grad_marker_grad_;
   int64_t zero_grad_marker_version_ = 0;
