@@ -3,8 +3,13 @@
 #include <cerrno>
 #include <system_error>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <cstdlib>
+#include <vector>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize/output-archive.h>
@@ -20,12 +25,42 @@ std::string folder_of(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+std::string base_name(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
 }  // namespace
+
+int remove_stale_temporaries(const std::string& path) {
+  const std::string folder = folder_of(path);
+  const std::string prefix = base_name(path) + ".tmp-";
+  std::vector<std::string> stale;
+  if (DIR* dir = ::opendir(folder.c_str())) {
+    while (const dirent* entry = ::readdir(dir)) {
+      const std::string name = entry->d_name;
+      if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string digits = name.substr(prefix.size());
+      if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+      const long pid = std::strtol(digits.c_str(), nullptr, 10);
+      // A process that no longer exists (ESRCH); one that exists (or that we may not signal:
+      // EPERM) may be saving now, and its file stays.
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        stale.push_back(folder + "/" + name);
+      }
+    }
+    ::closedir(dir);
+  }
+  int removed = 0;
+  for (const std::string& file : stale) removed += ::unlink(file.c_str()) == 0 ? 1 : 0;
+  return removed;
+}
 
 AtomicFileWriter::AtomicFileWriter(std::string path)
     : path_(std::move(path)), temporary_(path_ + ".tmp-" + std::to_string(::getpid())) {
   TORCH_CHECK(!path_.empty() && path_.back() != '/', "patrickstar: cannot write \"", path_,
               "\": not a file name");
+  remove_stale_temporaries(path_);  // room on the disk before this save needs it
   fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd_ >= 0, "patrickstar: cannot write \"", path_, "\": creating a file in folder \"",
               folder_of(path_), "\" failed: ", reason(errno));

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -101,6 +102,38 @@ TEST(AtomicFile, UncommittedWriterLeavesTheOldFile) {
   }
   EXPECT_EQ(read_bytes(path), "new");
   EXPECT_TRUE(leftovers(folder).empty());
+  remove_folder(folder);
+}
+
+// Temporary files of killed saves: the next save to the same destination deletes those whose
+// process is gone, and nothing else (a live process's, another destination's, other names).
+TEST(AtomicFile, TheNextSaveDeletesTheTemporaryFilesOfDeadProcesses) {
+  const std::string folder = test_folder("atomic_stale");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // reaped: no process has this pid now
+  const std::string dead = std::to_string(child);
+  const std::string alive = std::to_string(::getppid());  // the process that started this test
+  for (const std::string& name : {"file.tmp-" + dead, "file.tmp-" + alive, "other.tmp-" + dead,
+                                  "file.tmp-" + dead + "x", std::string("file.tmp-")}) {
+    std::ofstream(folder + "/" + name) << "half a checkpoint";
+  }
+  EXPECT_EQ(remove_stale_temporaries(folder + "/file"), 1);
+  EXPECT_EQ(remove_stale_temporaries(folder + "/file"), 0);
+  std::ofstream(folder + "/file.tmp-" + dead) << "half a checkpoint";
+  {
+    AtomicFileWriter writer(folder + "/file");  // what a save does first
+    ASSERT_TRUE(writer.write("new", 3));
+    writer.commit();
+  }
+  std::vector<std::string> left = leftovers(folder);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> expected = {"file.tmp-", "file.tmp-" + alive,
+                                       "file.tmp-" + dead + "x", "other.tmp-" + dead};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(left, expected);
+  EXPECT_EQ(read_bytes(folder + "/file"), "new");
   remove_folder(folder);
 }
 
@@ -210,6 +243,7 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
                                             3 * size / 4, size - 1, size,     size + 1};
   int old_kept = 0;
   int new_written = 0;
+  int temporaries_left = 0;  // kill points after which a temporary file was left
   for (size_t i = 0; i < kill_points.size(); ++i) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << old_bytes;
     EXPECT_EXIT(save_and_die_at(kill_points[i]), ::testing::KilledBySignal(SIGKILL), "");
@@ -223,7 +257,14 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
     models::Gpt other = make_model(7);
     Engine reader(other.ptr(), tight_config());
     EXPECT_NO_THROW(reader.load_checkpoint(path)) << "kill point " << kill_points[i];
+    EXPECT_LE(leftovers(folder).size(), 1u) << "kill point " << kill_points[i];
+    temporaries_left += leftovers(folder).empty() ? 0 : 1;
   }
+  // Each save removed the temporary file of the child killed before it, so one is left at most:
+  // the last killed child's, which the next save removes.
+  EXPECT_GE(temporaries_left, 1);
+  engine.save_checkpoint(path);
+  EXPECT_TRUE(leftovers(folder).empty());
   std::printf("killed during a save of %lld bytes at %zu points: old checkpoint kept %d times, new "
               "one complete %d times, neither 0 times\n",
               static_cast<long long>(size), kill_points.size(), old_kept, new_written);

@@ -2,7 +2,9 @@
 // temporary file in the destination's folder, flushed to the disk (fsync), and renamed over the
 // destination, whose folder is then flushed too. A process killed during a save, or a disk that
 // fills up, leaves the previous file as it was. A killed process may leave its temporary file
-// behind, named "<destination>.tmp-<pid>", which is safe to delete.
+// behind, named "<destination>.tmp-<pid>"; the next save to the same destination deletes those
+// whose process no longer exists (processes in another PID namespace, such as another machine on
+// a shared file system, look gone: do not save to one path from two of them at once).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +17,10 @@ class OutputArchive;
 }
 
 namespace patrickstar {
+
+// Deletes "<path>.tmp-<pid>" files in path's folder whose process no longer exists; returns how
+// many. Called by AtomicFileWriter before it creates its own.
+int remove_stale_temporaries(const std::string& path);
 
 class AtomicFileWriter {
  public:
