@@ -152,7 +152,7 @@ void Engine::give_back_model(bool may_gather) {
     try {
       store_->finish_copies();
     } catch (const std::exception&) {
-      // A failed copy's chunk reads as it was before the copy; nothing more to do here.
+      // A failed copy's chunk has no readable payload: its tensors are counted as lost below.
     }
   }
   for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
@@ -196,7 +196,8 @@ void Engine::give_back_model(bool may_gather) {
   }
   if (lost > 0) {
     TORCH_WARN("patrickstar: the engine could not give ", lost, " of the model's tensors their "
-               "fp32 values back (out of memory); they are left without values");
+               "fp32 values back (out of memory, or a chunk lost to a failed copy); they are left "
+               "without values");
   }
 }
 

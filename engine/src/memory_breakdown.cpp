@@ -3,6 +3,7 @@
 #include <numeric>
 #include <utility>
 
+#include "engine_internal.h"
 #include "patrickstar/engine/engine.h"
 
 namespace patrickstar {
@@ -34,7 +35,10 @@ MemoryBreakdown take_memory_breakdown(const ChunkStore& store, int64_t non_model
 }
 
 void Engine::note_memory(const std::string& moment) {
-  const int64_t non_model = probe_->live_bytes();
+  // Data parallel: the probe adds the gathered groups' bytes, which are device tier blocks here
+  // already (device_used_bytes); count them once.
+  const int64_t non_model =
+      probe_->live_bytes() - (gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
   const int64_t device = device_->used_bytes() + non_model;
   const int64_t host = host_->used_bytes();
   if (device_peak_breakdown_.iteration < 0 || device > device_peak_breakdown_.device_total()) {
