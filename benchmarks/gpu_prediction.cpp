@@ -4,7 +4,6 @@
 #include <map>
 #include <set>
 
-
 namespace patrickstar::bench {
 
 std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& model, int64_t tokens) {

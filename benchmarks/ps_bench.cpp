@@ -119,8 +119,6 @@ int64_t g_rss_at_start = -1;
 // as a table and returned for the JSON.
 nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
                                int64_t device_capacity) {
-  static const char* const kKinds[ps::kChunkKindCount] = {"param (compute dtype)", "fp32 master",
-                                                          "momentum", "variance", "gradient space"};
   nlohmann::json j = {{"iteration", b.iteration}, {"moment", b.moment}};
   std::printf("memory at the %s (iteration %lld, moment \"%s\"):\n", title,
               static_cast<long long>(b.iteration), b.moment.c_str());
@@ -129,9 +127,10 @@ nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
     const int64_t d = b.device_chunk_bytes[static_cast<size_t>(k)];
     const int64_t h = b.host_chunk_bytes[static_cast<size_t>(k)];
     if (d == 0 && h == 0) continue;
-    std::printf("  %-46s %14s %14s\n", kKinds[k], mib(static_cast<double>(d)).c_str(),
+    const std::string kind(ps::to_string(static_cast<ps::ChunkKind>(k)));
+    std::printf("  %-46s %14s %14s\n", (kind + " chunks").c_str(), mib(static_cast<double>(d)).c_str(),
                 mib(static_cast<double>(h)).c_str());
-    j["chunks"][kKinds[k]] = {{"device_bytes", d}, {"host_bytes", h}};
+    j["chunks"][kind] = {{"device_bytes", d}, {"host_bytes", h}};
   }
   const int64_t device_other = b.device_used_bytes - b.device_chunk_total();
   const int64_t host_other = b.host_used_bytes - b.host_chunk_total();
@@ -836,6 +835,8 @@ int run() {
     const int64_t device_reserved = engine.device_tier().peak_reserved_bytes();
     const int64_t accounted =
         g_rss_at_start + host_reserved + (emulated ? device_reserved + non_model_peak : 0);
+    const double accounted_to_hwm =
+        hwm > 0 ? static_cast<double>(accounted) / static_cast<double>(hwm) : 0.0;
     std::printf("process: high-water mark (VmHWM) %s; accounted %s = %s at start (libraries) + "
                 "host tier reserved peak %s%s%s; accounted / VmHWM %.3f\n",
                 mib(static_cast<double>(hwm)).c_str(), mib(static_cast<double>(accounted)).c_str(),
@@ -847,11 +848,11 @@ int run() {
                                         mib(static_cast<double>(non_model_peak)))
                                .c_str()
                          : "",
-                hwm > 0 ? static_cast<double>(accounted) / static_cast<double>(hwm) : 0.0);
+                accounted_to_hwm);
     out["process_hwm_bytes"] = hwm;
     out["process_rss_at_start_bytes"] = g_rss_at_start;
     out["accounted_bytes"] = accounted;
-    out["accounted_to_hwm"] = hwm > 0 ? static_cast<double>(accounted) / static_cast<double>(hwm) : 0.0;
+    out["accounted_to_hwm"] = accounted_to_hwm;
     out["host_tier_reserved_peak_bytes"] = host_reserved;
     out["device_tier_reserved_peak_bytes"] = device_reserved;
   }
