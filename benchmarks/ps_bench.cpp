@@ -40,6 +40,9 @@ ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
 ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
 ABSL_FLAG(std::string, device, "", "emulated:<bytes> (e.g. emulated:64MiB) or cuda");
 ABSL_FLAG(std::string, host_memory, "", "host capacity for chunks, e.g. 8GiB (default unlimited)");
+ABSL_FLAG(std::string, offload_nvme, "",
+          "a folder for the disk tier: the host Adam's optimizer states live in files there "
+          "(zero_optimization.offload_optimizer \"nvme\")");
 ABSL_FLAG(std::string, policy, "", "chunk eviction policy: opt, lru or static");
 ABSL_FLAG(std::string, chunk_size, "", "elements per chunk, or auto");
 ABSL_FLAG(std::string, config, "", "a patrickstar JSON config; the flags above override it");
@@ -182,6 +185,10 @@ ps::Config build_config() {
   if (!absl::GetFlag(FLAGS_host_memory).empty()) {
     j["client"]["device"]["host_capacity_bytes"] =
         ps::parse_byte_size(absl::GetFlag(FLAGS_host_memory), "--host-memory");
+  }
+  if (!absl::GetFlag(FLAGS_offload_nvme).empty()) {
+    j["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"},
+                                                   {"nvme_path", absl::GetFlag(FLAGS_offload_nvme)}};
   }
   if (!absl::GetFlag(FLAGS_moves).empty()) {
     const std::string moves = absl::GetFlag(FLAGS_moves);
@@ -613,6 +620,12 @@ int run() {
               static_cast<long long>(reg.params), static_cast<long long>(reg.chunks_per_kind),
               static_cast<long long>(reg.chunk_elems), 100.0 * reg.chunk_waste_fraction,
               reg.model_data_bytes_per_param);
+  if (lead && reg.disk_bytes > 0) {
+    std::printf("disk tier: %s of optimizer states in files under %s; the host holds %s of model "
+                "data\n", mib(static_cast<double>(reg.disk_bytes)).c_str(),
+                config.offload_optimizer.nvme_path.c_str(),
+                mib(static_cast<double>(reg.model_data_bytes - reg.disk_bytes)).c_str());
+  }
 
   std::vector<double> losses, times;
   std::vector<ps::IterationReport> reports;
@@ -651,12 +664,18 @@ int run() {
                 mib(static_cast<double>(r.d2h_bytes)).c_str(),
                 static_cast<long long>(r.adam.chunks_device),
                 static_cast<long long>(r.adam.chunks_host), r.skipped ? "  (overflow: skipped)" : "");
+    if (reg.disk_bytes > 0) {
+      std::printf("    forward+backward %.3f s, step %.3f s (disk: read %s, written %s, waited %.3f s)\n",
+                  t - r.adam_seconds, r.adam_seconds, mib(static_cast<double>(r.disk_read_bytes)).c_str(),
+                  mib(static_cast<double>(r.disk_written_bytes)).c_str(), r.disk_wait_seconds);
+    }
     std::fflush(stdout);
   }
 
   // Traffic over the steady iterations: after the warm-up and after the first scheduled iteration,
   // which still moves the warm-up's placement into the schedule's (when there are enough steps).
   double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
+  double adam_s = 0, disk_read = 0, disk_written = 0, disk_wait = 0;
   int64_t device_peak = 0;
   const size_t first_steady = reports.size() > 2 ? 2 : 1;
   for (size_t i = first_steady; i < reports.size(); ++i) {
@@ -664,12 +683,20 @@ int run() {
     d2h += static_cast<double>(reports[i].d2h_bytes);
     forced += static_cast<double>(reports[i].adam_host_d2h_bytes);
     copy_wait += reports[i].copy_wait_seconds;
+    adam_s += reports[i].adam_seconds;
+    disk_read += static_cast<double>(reports[i].disk_read_bytes);
+    disk_written += static_cast<double>(reports[i].disk_written_bytes);
+    disk_wait += reports[i].disk_wait_seconds;
   }
   const double after = static_cast<double>(reports.size() - first_steady);
   h2d /= after;
   d2h /= after;
   forced /= after;
   copy_wait /= after;
+  adam_s /= after;
+  disk_read /= after;
+  disk_written /= after;
+  disk_wait /= after;
   for (const auto& stats : engine.scheduler().history()) {
     if (!stats.warmup) device_peak = std::max(device_peak, stats.peak_device_bytes);
   }
@@ -729,6 +756,11 @@ int run() {
   out["intra_op_threads"] = torch::get_num_threads();
   out["copy_wait_s_per_iter"] = copy_wait;  // compute waiting for chunk copies (async moves)
   out["adam_host_d2h_bytes_per_iter"] = forced;
+  out["adam_s_per_iter"] = adam_s;  // the optimizer step's wall time (steady iterations)
+  out["disk_bytes"] = reg.disk_bytes;  // optimizer states in the disk tier's files
+  out["disk_read_bytes_per_iter"] = disk_read;
+  out["disk_written_bytes_per_iter"] = disk_written;
+  out["disk_wait_s_per_iter"] = disk_wait;
   out["opt_bound_bytes_per_iter"] = bound_bytes;
   out["opt_bound_proven"] = bound.proven;
   out["traffic_to_opt_bound"] = (h2d + d2h) / std::max(1.0, bound_bytes);

@@ -225,8 +225,38 @@ Config Config::from_json(const json& document) {
   root.boolean("strict", c.strict);
   // DeepSpeed keys that describe the training loop, which the user's own loop owns.
   for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
-                          "wall_clock_breakdown", "zero_optimization"}) {
+                          "wall_clock_breakdown"}) {
     root.accept(key);
+  }
+  {
+    // ZeRO's other keys describe what patrickstar always does (or the user's loop): accepted.
+    ObjectReader zero = root.child("zero_optimization");
+    for (const char* key : {"stage", "contiguous_gradients", "overlap_comm", "reduce_scatter",
+                            "reduce_bucket_size", "allgather_partitions", "allgather_bucket_size",
+                            "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                            "sub_group_size", "offload_param", "round_robin_gradients",
+                            "stage3_gather_16bit_weights_on_model_save", "elastic_checkpoint"}) {
+      zero.accept(key);
+    }
+    ObjectReader offload = zero.child("offload_optimizer");
+    bool nvme = false;
+    offload.choice("device", nvme, {{"none", false}, {"cpu", false}, {"nvme", true}});
+    c.offload_optimizer.nvme = nvme;
+    if (const json* path = offload.find("nvme_path")) {
+      if (path->is_string() && !path->get<std::string>().empty()) {
+        c.offload_optimizer.nvme_path = path->get<std::string>();
+      } else {
+        offload.error(offload.child_path("nvme_path"), *path, "the path of a folder");
+      }
+    }
+    for (const char* key : {"pin_memory", "buffer_count", "fast_init", "ratio"}) offload.accept(key);
+    offload.finish();
+    zero.finish();
+    if (c.offload_optimizer.nvme && c.offload_optimizer.nvme_path.empty()) {
+      errors.push_back("$.zero_optimization.offload_optimizer.nvme_path: expected the folder of "
+                       "the disk tier (with \"device\": \"nvme\"), got nothing");
+    }
   }
 
   {
@@ -388,6 +418,11 @@ json Config::to_json() const {
     j["default_chunk_size"] = "auto";
   } else {
     j["default_chunk_size"] = default_chunk_size;
+  }
+  j["zero_optimization"]["offload_optimizer"] = {
+      {"device", offload_optimizer.nvme ? "nvme" : "none"}};
+  if (!offload_optimizer.nvme_path.empty()) {
+    j["zero_optimization"]["offload_optimizer"]["nvme_path"] = offload_optimizer.nvme_path;
   }
   j["release_after_init"] = release_after_init;
   j["use_cpu_embedding"] = use_cpu_embedding;

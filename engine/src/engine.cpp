@@ -17,6 +17,7 @@
 
 #include "patrickstar/engine/gathered_parameters.h"
 
+#include "disk_states.h"
 #include "engine_internal.h"
 
 namespace patrickstar {
@@ -166,8 +167,8 @@ void Engine::give_back_model(bool may_gather) {
         value = distributed()
                     ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
                           .view(p.tensor.sizes()).clone()
-                    : store_->view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
-                                                     /*copy=*/true);
+                    : state_view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
+                                                  /*copy=*/true);
       } catch (const std::exception&) {
         ++lost;
       }
@@ -175,6 +176,12 @@ void Engine::give_back_model(bool may_gather) {
       if (value.defined()) p.tensor.set_data(value);
     }
     if (distributed()) continue;
+    if (disk_ != nullptr) {
+      try {
+        finish_state_views();  // read only: frees the staged states
+      } catch (const std::exception&) {
+      }
+    }
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);
       if (!store_->has_kind(kind)) continue;
@@ -294,17 +301,56 @@ void Engine::register_parameters() {
   for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
     if (owns(store_->index_of(id))) owned_bytes += store_->chunk_bytes(id);
   }
+  // The disk tier: the optimizer states (every index's, until the first step brings the device
+  // Adam's home) live in files; the host holds at most three indices' states at once (the one
+  // Adam updates, the next one read ahead, the last one written behind).
+  std::vector<ChunkKind> disk_kinds;
+  int64_t disk_state_bytes = 0;
+  int64_t staging_bytes = 0;
+  if (config_.offload_optimizer.nvme) {
+    if (distributed()) {
+      store_.reset();
+      param_of_impl_.clear();
+      TORCH_CHECK(false, "patrickstar::Engine: the disk tier (zero_optimization.offload_optimizer "
+                  "\"nvme\") runs with one process; this job has ", world_, " ranks");
+    }
+    if (mixed_) disk_kinds.push_back(ChunkKind::kParamFp32);
+    disk_kinds.push_back(ChunkKind::kMomentum);
+    disk_kinds.push_back(ChunkKind::kVariance);
+    int64_t largest = 0;
+    for (int64_t i = 0; i < placed->chunk_count(); ++i) {
+      int64_t bytes = 0;
+      for (ChunkKind kind : disk_kinds) bytes += store_->chunk_bytes(store_->chunk_id(kind, i));
+      disk_state_bytes += bytes;
+      largest = std::max(largest, bytes);
+    }
+    staging_bytes = std::min<int64_t>(3, placed->chunk_count()) * largest;
+  }
+  const int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
   // It must fit the host before anything moves: a model is either untouched or fully registered.
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
-      host_->used_bytes() + owned_bytes > host_->capacity_bytes()) {
-    const int64_t need = owned_bytes;
+      host_->used_bytes() + host_need > host_->capacity_bytes()) {
     const int64_t have = host_->capacity_bytes() - host_->used_bytes();
     store_.reset();
     param_of_impl_.clear();
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "patrickstar::Engine: the model data needs ", need,
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "patrickstar::Engine: the model data needs ", host_need,
                      " bytes of host memory but the host budget has ", have,
-                     " bytes left (config key client.device.host_capacity_bytes); nothing was "
-                     "registered");
+                     " bytes left (config key client.device.host_capacity_bytes)",
+                     disk_state_bytes > 0
+                         ? absl::StrCat("; that is with ", disk_state_bytes, " bytes of optimizer "
+                                        "states in the disk tier and ", staging_bytes,
+                                        " bytes of host staging for them")
+                         : std::string(),
+                     "; nothing was registered");
+  }
+  if (!disk_kinds.empty()) {
+    try {
+      disk_ = std::make_unique<DiskStates>(config_.offload_optimizer.nvme_path, *store_, disk_kinds);
+    } catch (...) {
+      store_.reset();
+      param_of_impl_.clear();
+      throw;
+    }
   }
 
   // 3. Values into chunks, one chunk index at a time: its weight payloads are allocated, its
@@ -338,7 +384,7 @@ void Engine::register_parameters() {
       Param& p = params_[static_cast<size_t>(id)];
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
-        p.tensor.set_data(store_->view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam).clone());
+        p.tensor.set_data(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam).clone());
       } catch (...) {
         all = false;
       }
@@ -347,6 +393,7 @@ void Engine::register_parameters() {
   };
   auto give_up = [&] {
     const bool restored = restore_moved();
+    disk_.reset();  // its files go
     store_.reset();
     param_of_impl_.clear();
     params_.clear();
@@ -383,6 +430,7 @@ void Engine::register_parameters() {
         if (mine && store_->has_kind(kind)) store_->allocate(store_->chunk_id(kind, index), Tier::kHost);
       }
       sample();
+      if (disk_ != nullptr) disk_->spill(index);  // written to its files, its payloads freed
     }
   } catch (c10::Error& e) {
     const bool restored = give_up();
@@ -489,7 +537,10 @@ void Engine::register_parameters() {
   r.model_data_bytes = owned_bytes;  // this rank's share (everything with one process)
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
-  r.init_goal_bytes = r.model_data_bytes + r.largest_module_param_bytes;
+  r.disk_bytes = disk_ != nullptr ? disk_->disk_bytes() : 0;
+  // With a disk tier the host holds the rest, plus one index's states while they are written.
+  r.init_goal_bytes = r.model_data_bytes - r.disk_bytes + r.largest_module_param_bytes +
+                      (disk_ != nullptr ? staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0);
 }
 
 }  // namespace patrickstar

@@ -231,7 +231,7 @@ void Engine::discard_gradients() {
     // The half slot holds the gradient: the weight comes back from the fp32 master, rounded as
     // the step rounds it.
     if (restore && p.has_grad && owns(store_->layout().placement(p.id).chunk_index)) {
-      store_->view(p.id, ChunkKind::kParam).copy_(store_->view(p.id, ChunkKind::kParamFp32));
+      store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
     }
     if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
@@ -242,6 +242,7 @@ void Engine::discard_gradients() {
     p.has_grad = false;
     p.pending_grad.reset();
   }
+  finish_state_views();
   if (grad_space_) {
     for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) {
       if (!owns(i)) continue;

@@ -20,7 +20,8 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const 
   std::vector<std::pair<std::string, at::Tensor>> out;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   if (!distributed()) {
-    for (const Param& p : params_) out.emplace_back(p.name, store_->view(p.id, master).clone());
+    for (const Param& p : params_) out.emplace_back(p.name, state_view(p.id, master).clone());
+    finish_state_views();
     return out;
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
@@ -100,10 +101,11 @@ void Engine::save_checkpoint(const std::string& path) const {
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   for (const Param& p : params_) {
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
-    c.params[p.id] = {store_->view(p.id, master).clone(),
-                      store_->view(p.id, ChunkKind::kMomentum).clone(),
-                      store_->view(p.id, ChunkKind::kVariance).clone()};
+    c.params[p.id] = {state_view(p.id, master).clone(),
+                      state_view(p.id, ChunkKind::kMomentum).clone(),
+                      state_view(p.id, ChunkKind::kVariance).clone()};
   }
+  finish_state_views();
   std::string error;
   try {
     write_checkpoint_file(c, shard_path(path, rank_, world_));
@@ -185,11 +187,12 @@ void Engine::load_checkpoint(const std::string& path_given) {
   for (const Param& p : params_) {
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
     const CheckpointParam& saved = c.params.at(p.id);
-    store_->view(p.id, master).copy_(saved.master);
+    state_view(p.id, master, /*write=*/true).copy_(saved.master);
     if (mixed_) store_->view(p.id, ChunkKind::kParam).copy_(saved.master);
-    store_->view(p.id, ChunkKind::kMomentum).copy_(saved.exp_avg);
-    store_->view(p.id, ChunkKind::kVariance).copy_(saved.exp_avg_sq);
+    state_view(p.id, ChunkKind::kMomentum, /*write=*/true).copy_(saved.exp_avg);
+    state_view(p.id, ChunkKind::kVariance, /*write=*/true).copy_(saved.exp_avg_sq);
   }
+  finish_state_views();
   adam_->set_step_count(c.adam_step);
   adam_->loss_scaler().load_state(c.scaler);
   if (grad_space_) zero_grad();

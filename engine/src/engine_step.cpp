@@ -1,6 +1,7 @@
 #include "patrickstar/engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include <ATen/ops/full.h>
@@ -8,6 +9,7 @@
 
 #include "patrickstar/optimizer/placement.h"
 
+#include "disk_states.h"
 #include "engine_internal.h"
 
 namespace patrickstar {
@@ -47,6 +49,13 @@ void Engine::decide_adam_placement() {
   const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
   adam_on_device_.assign(static_cast<size_t>(n), false);
   for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
+  // The disk tier keeps the host Adam's states; those of the device Adam come home (host first,
+  // then the scheduler takes them to the device at the step).
+  if (disk_ != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (adam_on_device_[i]) disk_->bring_home(i);
+    }
+  }
   placement_decided_ = true;
 }
 
@@ -102,6 +111,7 @@ IterationReport Engine::run_adam() {
 
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;
+  std::vector<DiskRun> disk_runs;  // with a disk tier, one per run
   PlacementPlan plan;
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i)) continue;  // data parallel: another rank steps it
@@ -123,11 +133,17 @@ IterationReport Engine::run_adam() {
         return store_->chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
       };
       AdamChunk run;
-      run.exp_avg = slice(ChunkKind::kMomentum);
-      run.exp_avg_sq = slice(ChunkKind::kVariance);
+      // States in the disk tier come to the update through the source below.
+      const bool from_disk = disk_ != nullptr && disk_->on_disk(i);
+      if (disk_ != nullptr) disk_runs.push_back({i, begin, end, from_disk, mixed_});
+      run.states_from_source = from_disk;
+      if (!from_disk) {
+        run.exp_avg = slice(ChunkKind::kMomentum);
+        run.exp_avg_sq = slice(ChunkKind::kVariance);
+      }
       if (mixed_) {
         run.half_param_grad = slice(ChunkKind::kParam);
-        run.master = slice(ChunkKind::kParamFp32);
+        if (!from_disk) run.master = slice(ChunkKind::kParamFp32);
         // With a gradient space the accumulated fp32 gradient feeds Adam as it is; the half slot
         // keeps the weight and receives the new one. Data parallel without a gradient space: the
         // fp32 sum the reduction gave this owner, likewise.
@@ -156,7 +172,16 @@ IterationReport Engine::run_adam() {
   }
   IterationReport report;
   report.adam_host_d2h_bytes = adam_host_d2h_bytes;
-  StepReport step = adam_->step(runs, plan);
+  StepReport step;
+  if (disk_ != nullptr) {
+    // Every file is there before any state changes (a missing one fails the step, not half of it).
+    disk_->check_files();
+    DiskAdamSource source(*disk_, *store_, std::move(disk_runs));
+    step = adam_->step(runs, plan, &source);
+    source.finish();  // every write behind done: the files hold the new states
+  } else {
+    step = adam_->step(runs, plan);
+  }
   // The step's compute is done: the scheduler may load what the next iteration's first moments
   // need (with asynchronous moves, while the trainer prepares the next batch).
   if (!warmup && scheduler_->has_trace()) scheduler_->after_moment(m, *mover_);
@@ -233,9 +258,20 @@ IterationReport Engine::step() {
     if (distributed() && !agreed) agree(-1e300);
   };
   IterationReport report;
+  const int64_t disk_read_before = disk_ != nullptr ? disk_->files().bytes_read() : 0;
+  const int64_t disk_written_before = disk_ != nullptr ? disk_->files().bytes_written() : 0;
+  const double disk_wait_before = disk_ != nullptr ? disk_->waited_seconds() : 0;
   try {
+    const auto adam_start = std::chrono::steady_clock::now();
     if (!placement_decided_) decide_adam_placement();
     report = run_adam();
+    report.adam_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - adam_start).count();
+    if (disk_ != nullptr) {
+      report.disk_read_bytes = disk_->files().bytes_read() - disk_read_before;
+      report.disk_written_bytes = disk_->files().bytes_written() - disk_written_before;
+      report.disk_wait_seconds = disk_->waited_seconds() - disk_wait_before;
+    }
     adam_->set_stats_reducer(nullptr);
   } catch (c10::Error& e) {
     adam_->set_stats_reducer(nullptr);

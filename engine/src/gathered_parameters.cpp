@@ -48,8 +48,9 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   values.reserve(ids.size());
   if (!distributed()) {
     for (TensorId id : ids) {
-      values.push_back(store_->view(id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+      values.push_back(state_view(id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
     }
+    finish_state_views();
   } else {
     // Data parallel: every rank takes every value. The chunks holding them are broadcast from their
     // owners in index order (the same collectives on every rank: every rank opens the same scope).
@@ -117,9 +118,10 @@ void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
           comm_->broadcast(t, 0);
           if (!owns(store_->layout().placement(id).chunk_index)) continue;
         }
-        if (mixed_) store_->view(id, ChunkKind::kParamFp32).copy_(t);
+        if (mixed_) state_view(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
         store_->view(id, ChunkKind::kParam).copy_(t);
       }
+      finish_state_views();
       release_remote(/*discard=*/false);  // no gathered copy keeps the old weights
     }
   } catch (...) {

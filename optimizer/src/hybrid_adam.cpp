@@ -32,6 +32,16 @@ void check_view(const at::Tensor& t, const char* what, size_t index, int64_t num
 }
 
 void check_chunk(const AdamChunk& chunk, size_t index, bool on_device) {
+  if (chunk.states_from_source) {
+    // The states come later (checked then); what is here must be on the host.
+    TORCH_CHECK(!on_device, "HybridAdam: chunk ", index,
+                " takes its states from a source and is placed on the device");
+    const at::Tensor& in_memory = chunk.mixed() ? chunk.half_param_grad : chunk.master;
+    TORCH_CHECK(in_memory.defined() && in_memory.device().is_cpu(), "HybridAdam: chunk ", index,
+                " takes its states from a source but has no ",
+                chunk.mixed() ? "half_param_grad" : "master", " on the CPU");
+    return;
+  }
   TORCH_CHECK(chunk.master.defined(), "HybridAdam: chunk ", index, " has no master tensor");
   const int64_t numel = chunk.master.numel();
   const at::Device device = chunk.master.device();
@@ -130,7 +140,9 @@ void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
 }  // namespace
 
 int64_t AdamChunk::state_bytes() const {
-  const int64_t numel = master.defined() ? master.numel() : 0;
+  const int64_t numel = master.defined()            ? master.numel()
+                        : half_param_grad.defined() ? half_param_grad.numel()
+                                                    : 0;
   // The gradient read (2 or 4 bytes), plus the half weight written when the gradient is fp32.
   const int64_t grad_bytes = grad_fp32.defined() ? 4 : 2;
   const int64_t half_bytes = half_param_grad.defined() && grad_fp32.defined() ? 2 : 0;
@@ -177,10 +189,36 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks) {
   return step(chunks, all_on_host(bytes));
 }
 
-StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan) {
+// Runs `work` on chunk k, with its states from `source` when it takes them from there.
+template <typename Work>
+void with_states(const AdamChunk& chunk, size_t k, AdamStateSource* source, bool updates,
+                 Work work) {
+  if (!chunk.states_from_source) {
+    work(chunk);
+    return;
+  }
+  AdamChunk full = chunk;
+  source->acquire(k, full);
+  try {
+    full.states_from_source = false;
+    check_chunk(full, k, /*on_device=*/false);
+    work(full);
+  } catch (...) {
+    source->release(k, /*updated=*/false);
+    throw;
+  }
+  source->release(k, updates);
+}
+
+StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan,
+                            AdamStateSource* source) {
   TORCH_CHECK(plan.on_device.size() == chunks.size(), "HybridAdam::step: the plan has ",
               plan.on_device.size(), " entries for ", chunks.size(), " chunks");
-  for (size_t i = 0; i < chunks.size(); ++i) check_chunk(chunks[i], i, plan.on_device[i]);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    check_chunk(chunks[i], i, plan.on_device[i]);
+    TORCH_CHECK(!chunks[i].states_from_source || source != nullptr, "HybridAdam: chunk ", i,
+                " takes its states from a source and step() was given none");
+  }
 
   StepReport report;
   report.loss_scale = loss_scaler_.scale();
@@ -191,8 +229,10 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
 
   if (!total.finite()) {
     // Overflow: no update anywhere. The half slots hold (broken) gradients; put the weights back.
-    for (const auto& chunk : chunks) {
-      if (chunk.mixed()) restore_half(chunk);
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      if (chunks[k].mixed()) {
+        with_states(chunks[k], k, source, /*updates=*/false, [](const AdamChunk& c) { restore_half(c); });
+      }
     }
     report.skipped = true;
     report.step = step_;
@@ -206,7 +246,10 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   const AdamStepConstants constants = make_adam_step_constants(
       options_.lr(), options_.beta1(), options_.beta2(), options_.eps(), options_.weight_decay(),
       options_.decoupled(), step_ + 1, multiplier.multiplier);
-  for (const auto& chunk : chunks) update_chunk(chunk, constants);
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    with_states(chunks[k], k, source, /*updates=*/true,
+                [&](const AdamChunk& c) { update_chunk(c, constants); });
+  }
   ++step_;
   loss_scaler_.update(/*overflow=*/false);
 

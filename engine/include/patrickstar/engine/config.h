@@ -84,8 +84,19 @@ struct SchedulerConfig {
   int copy_delay_seed = 0;
 };
 
+// "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}, as
+// DeepSpeed writes it: the optimizer states of the chunks whose Adam runs on the host (fp32 master
+// in mixed precision, momentum, variance) live in files in nvme_path (the disk tier) and come into
+// host memory a chunk at a time. "cpu" and "none" keep them in memory (the default). The other
+// offload_optimizer keys DeepSpeed knows (pin_memory, buffer_count, ...) are accepted and ignored.
+struct OffloadConfig {
+  bool nvme = false;
+  std::string nvme_path;
+};
+
 struct Config {
   OptimizerConfig optimizer;
+  OffloadConfig offload_optimizer;
   Fp16Config fp16;
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off

@@ -62,6 +62,7 @@
 namespace patrickstar {
 namespace engine_detail {
 class GatheredBytesProbe;  // engine/src/engine_internal.h
+class DiskStates;          // engine/src/disk_states.h
 }  // namespace engine_detail
 
 class GatheredParameters;
@@ -93,6 +94,14 @@ struct IterationReport {
   bool retraced = false;
   int64_t retraces = 0;
   PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
+  // The disk tier (zero_optimization.offload_optimizer.device "nvme"): optimizer-state bytes read
+  // from and written to its files this iteration (0 without it).
+  int64_t disk_read_bytes = 0;
+  int64_t disk_written_bytes = 0;
+  // Wall time of the optimizer step (both Adams, the disk tier's I/O included), and of it the time
+  // the engine waited for the disk tier (reads not done ahead, writes still going at the end).
+  double adam_seconds = 0;
+  double disk_wait_seconds = 0;
   // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
   // a group gather is one all-gather of the group's world_size param chunks into one buffer
   // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to
@@ -119,6 +128,8 @@ struct RegistrationReport {
   int64_t chunk_waste_elems = 0;
   double chunk_waste_fraction = 0;
   int64_t model_data_bytes = 0;   // every payload of every kind this rank owns (all, one rank)
+  // Of model_data_bytes: optimizer states kept in the disk tier's files (0 without one).
+  int64_t disk_bytes = 0;
   double model_data_bytes_per_param = 0;
   // Host memory during initialization: the peak of LibTorch's CPU allocations (through the
   // counting allocator) plus the host tier, over building the model (when initialize_engine built
@@ -366,6 +377,11 @@ class Engine final : public ModuleHookHandler {
   // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
   std::string describe_pinned() const;
   IterationReport run_adam();
+  // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
+  // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
+  // such views, finish_state_views() writes back what was written (`write`) and frees the staging.
+  at::Tensor state_view(TensorId id, ChunkKind kind, bool write = false) const;
+  void finish_state_views() const;
 
   std::shared_ptr<torch::nn::Module> model_;
   Config config_;
@@ -381,6 +397,7 @@ class Engine final : public ModuleHookHandler {
   std::unique_ptr<MemoryTier> host_;
   std::unique_ptr<MemoryTier> device_;
   std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<engine_detail::DiskStates> disk_;  // the disk tier (null without); goes before store_
   std::unique_ptr<MemoryProbe> probe_;
   CpuMemoryProbe* cpu_probe_ = nullptr;  // probe_, on the emulated device
   // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.

@@ -63,6 +63,11 @@ struct AdamChunk {
   at::Tensor exp_avg;
   at::Tensor exp_avg_sq;
 
+  // The states (master in mixed precision, exp_avg, exp_avg_sq) are not in memory: step() asks the
+  // AdamStateSource for them just before it updates this chunk (a disk tier). half_param_grad (in
+  // mixed precision) or master (fp32) and the gradient are given as usual.
+  bool states_from_source = false;
+
   bool mixed() const { return half_param_grad.defined(); }
   // Bytes the update touches: master, momentum, variance (+ the gradient slot).
   int64_t state_bytes() const;
@@ -71,6 +76,17 @@ struct AdamChunk {
 // Loss-scale removal and clipping folded into one factor. `sum_squares` is the squared norm of the
 // *scaled* gradients over all chunks. clip_coef follows torch::nn::utils::clip_grad_norm_:
 // max_norm / (norm + 1e-6) in float, clamped to 1.
+// Where step() gets the states of chunks marked states_from_source, in chunk order: acquire(k)
+// fills chunk k's master (mixed precision), exp_avg and exp_avg_sq; release(k, updated) hands them
+// back (`updated`: the update changed them and they must be kept). Every acquire is followed by its
+// release before the next acquire, also when the update throws.
+class AdamStateSource {
+ public:
+  virtual ~AdamStateSource() = default;
+  virtual void acquire(size_t k, AdamChunk& chunk) = 0;
+  virtual void release(size_t k, bool updated) = 0;
+};
+
 struct GradMultiplier {
   double grad_norm = 0.0;   // global L2 norm of the unscaled gradients
   float clip_coef = 1.0f;   // 1 when not clipping
@@ -95,7 +111,9 @@ class HybridAdam {
   // a CUDA device (the CUDA kernel runs) or on the CPU (the emulated device: the host kernel runs
   // on that memory); a chunk on the host must be on the CPU. Throws c10::Error before touching
   // anything if views disagree in size, dtype or placement.
-  StepReport step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan);
+  // Chunks marked states_from_source get their states from `source` (which must then be given).
+  StepReport step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan& plan,
+                  AdamStateSource* source = nullptr);
   // Every chunk on the host.
   StepReport step(c10::ArrayRef<AdamChunk> chunks);
 

@@ -1,0 +1,268 @@
+#include "disk_states.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+
+#include <c10/util/Exception.h>
+
+namespace patrickstar::engine_detail {
+namespace {
+
+// Adds the seconds of its scope to a counter.
+class WaitTimer {
+ public:
+  explicit WaitTimer(double& total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~WaitTimer() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  WaitTimer(const WaitTimer&) = delete;
+  WaitTimer& operator=(const WaitTimer&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
+
+DiskStates::DiskStates(const std::string& folder, ChunkStore& store, std::vector<ChunkKind> kinds)
+    : files_(folder),
+      store_(store),
+      kinds_(std::move(kinds)),
+      on_disk_(static_cast<size_t>(store.chunks_per_kind()), 0) {}
+
+DiskStates::~DiskStates() {
+  for (auto& [index, s] : staging_) {
+    if (s.io.valid()) s.io.wait();
+  }
+  for (auto& [index, s] : staging_) {
+    try {
+      release(index);
+    } catch (const std::exception&) {
+      // The store frees what is left when it goes.
+    }
+  }
+}
+
+bool DiskStates::is_disk_kind(ChunkKind kind) const {
+  return std::find(kinds_.begin(), kinds_.end(), kind) != kinds_.end();
+}
+
+int64_t DiskStates::index_bytes(int64_t index) const {
+  int64_t bytes = 0;
+  for (ChunkKind kind : kinds_) bytes += store_.chunk_bytes(store_.chunk_id(kind, index));
+  return bytes;
+}
+
+int64_t DiskStates::disk_bytes() const {
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(on_disk_.size()); ++i) {
+    if (on_disk(i)) bytes += index_bytes(i);
+  }
+  return bytes;
+}
+
+void DiskStates::check_files() const {
+  for (int64_t i = 0; i < static_cast<int64_t>(on_disk_.size()); ++i) {
+    if (!on_disk(i)) continue;
+    for (ChunkKind kind : kinds_) files_.check(kind, i, store_.chunk_bytes(store_.chunk_id(kind, i)));
+  }
+}
+
+void DiskStates::allocate(int64_t index) {
+  std::vector<ChunkId> done;
+  try {
+    for (ChunkKind kind : kinds_) {
+      const ChunkId id = store_.chunk_id(kind, index);
+      store_.allocate(id, Tier::kHost, Fill::kUninitialized);
+      done.push_back(id);
+    }
+  } catch (...) {
+    for (ChunkId id : done) store_.release(id);
+    throw;
+  }
+}
+
+void DiskStates::release(int64_t index) {
+  for (ChunkKind kind : kinds_) store_.release(store_.chunk_id(kind, index));
+}
+
+std::vector<DiskStates::Buffer> DiskStates::buffers(int64_t index) const {
+  std::vector<Buffer> out;
+  for (ChunkKind kind : kinds_) {
+    const Chunk& c = store_.chunk(store_.chunk_id(kind, index));
+    out.push_back({kind, c.payload, c.bytes});
+  }
+  return out;
+}
+
+void DiskStates::read_now(int64_t index) {
+  for (const Buffer& b : buffers(index)) files_.read(b.kind, index, b.data, b.bytes);
+}
+
+void DiskStates::spill(int64_t index) {
+  TORCH_INTERNAL_ASSERT(!on_disk(index) && !staged(index));
+  for (ChunkKind kind : kinds_) store_.wait_ready(store_.chunk_id(kind, index));
+  for (const Buffer& b : buffers(index)) files_.write(b.kind, index, b.data, b.bytes);
+  release(index);
+  on_disk_[static_cast<size_t>(index)] = 1;
+}
+
+void DiskStates::bring_home(int64_t index) {
+  if (!on_disk(index)) return;
+  stage(index);
+  staging_.erase(index);  // the payloads stay: the index lives in memory from now on
+  for (ChunkKind kind : kinds_) files_.remove(kind, index);
+  on_disk_[static_cast<size_t>(index)] = 0;
+}
+
+void DiskStates::wait_io(int64_t index) {
+  auto it = staging_.find(index);
+  if (it == staging_.end() || !it->second.io.valid()) return;
+  std::future<void> io = std::move(it->second.io);
+  it->second.writing = false;
+  try {
+    WaitTimer timer(waited_seconds_);
+    io.get();
+  } catch (...) {
+    // A failed read leaves the payloads without the states; a failed write leaves the file
+    // without them. Either way nobody may use them: they go, and the error surfaces here.
+    staging_.erase(it);
+    release(index);
+    throw;
+  }
+}
+
+void DiskStates::stage(int64_t index) {
+  TORCH_INTERNAL_ASSERT(on_disk(index), "patrickstar: internal: chunk index ", index,
+                        " is not on disk");
+  if (view_index_ == index) finish_views();  // its payloads are staged here as a whole
+  if (staged(index)) {
+    wait_io(index);  // a read ahead arrives, or a write behind completes (the payloads keep it)
+    return;
+  }
+  allocate(index);
+  try {
+    WaitTimer timer(waited_seconds_);
+    read_now(index);
+  } catch (...) {
+    release(index);
+    throw;
+  }
+  staging_[index] = Staging{};
+}
+
+void DiskStates::read_ahead(int64_t index) {
+  if (!on_disk(index) || staged(index) || view_index_ == index) return;
+  try {
+    allocate(index);
+  } catch (const c10::OutOfMemoryError&) {
+    return;  // no room now: stage() reads it when it is needed
+  }
+  Staging s;
+  // The I/O thread gets the payloads' addresses, not the store (which is the engine thread's).
+  s.io = std::async(std::launch::async, [this, index, to = buffers(index)] {
+    for (const Buffer& b : to) files_.read(b.kind, index, b.data, b.bytes);
+  });
+  staging_[index] = std::move(s);
+}
+
+void DiskStates::unstage(int64_t index, bool write_back) {
+  if (!staged(index)) return;
+  wait_io(index);
+  if (!write_back) {
+    staging_.erase(index);
+    release(index);
+    return;
+  }
+  // One write behind at a time: the host holds the index being updated, the one read ahead and
+  // the one being written, at most.
+  settle_writes();
+  Staging& s = staging_[index];
+  s.writing = true;
+  s.io = std::async(std::launch::async, [this, index, from = buffers(index)] {
+    for (const Buffer& b : from) files_.write(b.kind, index, b.data, b.bytes);
+  });
+}
+
+void DiskStates::settle_writes() {
+  std::vector<int64_t> written;
+  for (auto& [index, s] : staging_) {
+    if (s.writing) written.push_back(index);
+  }
+  for (int64_t index : written) {
+    wait_io(index);  // throws the write's error (its payloads gone)
+    staging_.erase(index);
+    release(index);
+  }
+}
+
+void DiskStates::drain() {
+  std::exception_ptr first;
+  for (auto& [index, s] : staging_) {
+    if (!s.io.valid()) continue;
+    try {
+      WaitTimer timer(waited_seconds_);
+      s.io.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  for (auto& [index, s] : staging_) release(index);
+  staging_.clear();
+  if (first) std::rethrow_exception(first);
+}
+
+at::Tensor DiskStates::view(TensorId tensor, ChunkKind kind, bool write) {
+  const int64_t index = store_.layout().placement(tensor).chunk_index;
+  if (!is_disk_kind(kind) || !on_disk(index)) return store_.view(tensor, kind);
+  if (view_index_ != index) {
+    finish_views();
+    view_index_ = index;
+  }
+  // Only the kinds asked for are read (fp32_state_dict and teardown read the masters alone).
+  const auto bit = static_cast<uint32_t>(1u << static_cast<unsigned>(kind));
+  if ((view_kinds_ & bit) == 0) {
+    const ChunkId id = store_.chunk_id(kind, index);
+    store_.allocate(id, Tier::kHost, Fill::kUninitialized);
+    try {
+      WaitTimer timer(waited_seconds_);
+      files_.read(kind, index, store_.chunk(id).payload, store_.chunk_bytes(id));
+    } catch (...) {
+      store_.release(id);
+      throw;
+    }
+    view_kinds_ |= bit;
+  }
+  if (write) view_dirty_ |= bit;
+  return store_.view(tensor, kind);
+}
+
+void DiskStates::finish_views() {
+  if (view_index_ < 0) return;
+  const int64_t index = view_index_;
+  const uint32_t kinds = view_kinds_;
+  const uint32_t dirty = view_dirty_;
+  view_index_ = -1;
+  view_kinds_ = 0;
+  view_dirty_ = 0;
+  std::exception_ptr failed;
+  for (ChunkKind kind : kinds_) {
+    const auto bit = static_cast<uint32_t>(1u << static_cast<unsigned>(kind));
+    if ((kinds & bit) == 0) continue;
+    const ChunkId id = store_.chunk_id(kind, index);
+    if ((dirty & bit) != 0 && !failed) {
+      try {
+        WaitTimer timer(waited_seconds_);
+        files_.write(kind, index, store_.chunk(id).payload, store_.chunk_bytes(id));
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    store_.release(id);
+  }
+  if (failed) std::rethrow_exception(failed);
+}
+
+}  // namespace patrickstar::engine_detail
