@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -119,7 +120,9 @@ struct DiskRun {
 // error path).
 class DiskAdamSource final : public AdamStateSource {
  public:
-  DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs);
+  // `staged` runs after each acquire, when the most is staged (the engine notes its memory then).
+  DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs,
+                 std::function<void()> staged);
   ~DiskAdamSource() override;
   DiskAdamSource(const DiskAdamSource&) = delete;
   DiskAdamSource& operator=(const DiskAdamSource&) = delete;
@@ -131,6 +134,7 @@ class DiskAdamSource final : public AdamStateSource {
   DiskStates& disk_;
   ChunkStore& store_;
   std::vector<DiskRun> runs_;  // one per AdamChunk of the step
+  std::function<void()> staged_;
   bool updated_ = false;       // the staged index's runs so far changed its states
 };
 

@@ -19,8 +19,9 @@ void Engine::finish_state_views() const {
 
 namespace engine_detail {
 
-DiskAdamSource::DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs)
-    : disk_(disk), store_(store), runs_(std::move(runs)) {
+DiskAdamSource::DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs,
+                               std::function<void()> staged)
+    : disk_(disk), store_(store), runs_(std::move(runs)), staged_(std::move(staged)) {
   disk_.finish_views();  // a pass of views that an error cut short leaves no index staged
 }
 
@@ -47,6 +48,7 @@ void DiskAdamSource::acquire(size_t k, AdamChunk& chunk) {
   chunk.exp_avg = slice(ChunkKind::kMomentum);
   chunk.exp_avg_sq = slice(ChunkKind::kVariance);
   if (run.mixed) chunk.master = slice(ChunkKind::kParamFp32);
+  if (staged_) staged_();
 }
 
 void DiskAdamSource::release(size_t k, bool updated) {

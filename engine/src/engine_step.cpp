@@ -176,7 +176,9 @@ IterationReport Engine::run_adam() {
   if (disk_ != nullptr) {
     // Every file is there before any state changes (a missing one fails the step, not half of it).
     disk_->check_files();
-    DiskAdamSource source(*disk_, *store_, std::move(disk_runs));
+    // The host's peak with a disk tier is here: the staged states are in the breakdown.
+    DiskAdamSource source(*disk_, *store_, std::move(disk_runs),
+                          [this] { note_memory("step (disk tier: states staged)"); });
     step = adam_->step(runs, plan, &source);
     source.finish();  // every write behind done: the files hold the new states
   } else {

@@ -163,6 +163,15 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
       EXPECT_GT(disk_engine->history().back().adam.chunks_device, 0);
     } else {
       EXPECT_GT(disk_engine->history().back().adam.chunks_host, 0);
+      // The host's peak is the step's staging, and it holds at most three indices' states (the
+      // one updated, the one read ahead, the one written behind).
+      const MemoryBreakdown& peak = disk_engine->host_peak_breakdown();
+      const int64_t chunk4 = 4 * r.chunk_elems;
+      const int64_t staged = peak.host_chunk_bytes[static_cast<size_t>(ChunkKind::kMomentum)];
+      EXPECT_GT(staged, 0) << peak.moment;
+      EXPECT_LE(staged, 3 * chunk4);
+      EXPECT_EQ(peak.host_chunk_bytes[static_cast<size_t>(ChunkKind::kVariance)], staged);
+      EXPECT_EQ(peak.device_chunk_bytes[static_cast<size_t>(ChunkKind::kMomentum)], 0);
     }
     if (std::string(c.name).rfind("fp16", 0) == 0) {
       EXPECT_TRUE(skipped);
