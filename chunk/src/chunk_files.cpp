@@ -75,21 +75,36 @@ std::string ChunkFiles::path(ChunkKind kind, int64_t index) const {
 void ChunkFiles::write(ChunkKind kind, int64_t index, const void* data, int64_t bytes) {
   TORCH_CHECK(bytes >= 0 && (data != nullptr || bytes == 0), "ChunkFiles::write: bad buffer");
   const std::string file = path(kind, index);
+  // A new file beside the old one, renamed over it once complete: a failed write leaves the old
+  // states in place, never a short file.
+  const std::string temporary = file + ".tmp";
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    written_.insert(file);  // removed at the end even when this write fails half-way
+    written_.insert(file);  // removed at the end
   }
-  Fd f{::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)};
-  TORCH_CHECK(f.fd >= 0, "patrickstar: the disk tier cannot write the ", name_of(kind, index),
-              " to \"", file, "\": ", reason(errno));
-  const int64_t done = transfer_all(::pwrite, f.fd, static_cast<const char*>(data), bytes);
-  TORCH_CHECK(done == bytes, "patrickstar: the disk tier wrote ", done < 0 ? 0 : done, " of the ",
-              bytes, " bytes of the ", name_of(kind, index), " to \"", file, "\": ",
-              done < 0 ? reason(errno) : std::string("the disk is full"));
-  // Out of the page cache: written out first (dirty pages are not dropped), then dropped.
-  TORCH_CHECK(::fdatasync(f.fd) == 0, "patrickstar: the disk tier could not write the ",
-              name_of(kind, index), " to \"", file, "\": ", reason(errno));
-  ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
+  {
+    Fd f{::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)};
+    TORCH_CHECK(f.fd >= 0, "patrickstar: the disk tier cannot write the ", name_of(kind, index),
+                " to \"", temporary, "\": ", reason(errno));
+    const int64_t done = transfer_all(::pwrite, f.fd, static_cast<const char*>(data), bytes);
+    const int error = errno;
+    // Out of the page cache: written out first (dirty pages are not dropped), then dropped.
+    const bool synced = done == bytes && ::fdatasync(f.fd) == 0;
+    const int sync_error = errno;
+    if (!synced) ::unlink(temporary.c_str());
+    TORCH_CHECK(done == bytes, "patrickstar: the disk tier wrote ", done < 0 ? 0 : done, " of the ",
+                bytes, " bytes of the ", name_of(kind, index), " to \"", temporary, "\": ",
+                done < 0 ? reason(error) : std::string("the disk is full"));
+    TORCH_CHECK(synced, "patrickstar: the disk tier could not write the ", name_of(kind, index),
+                " to \"", temporary, "\": ", reason(sync_error));
+    ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
+  }
+  if (::rename(temporary.c_str(), file.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "patrickstar: the disk tier could not replace \"", file, "\" with the new ",
+                name_of(kind, index), ": ", reason(error));
+  }
   bytes_written_.fetch_add(bytes, std::memory_order_relaxed);
 }
 

@@ -228,37 +228,36 @@ Config Config::from_json(const json& document) {
                           "wall_clock_breakdown"}) {
     root.accept(key);
   }
-  {
-    // ZeRO's other keys describe what patrickstar always does (or the user's loop): accepted.
-    ObjectReader zero = root.child("zero_optimization");
-    for (const char* key : {"stage", "contiguous_gradients", "overlap_comm", "reduce_scatter",
-                            "reduce_bucket_size", "allgather_partitions", "allgather_bucket_size",
-                            "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                            "sub_group_size", "offload_param", "round_robin_gradients",
-                            "stage3_gather_16bit_weights_on_model_save", "elastic_checkpoint"}) {
-      zero.accept(key);
-    }
-    ObjectReader offload = zero.child("offload_optimizer");
-    bool nvme = false;
-    offload.choice("device", nvme, {{"none", false}, {"cpu", false}, {"nvme", true}});
-    c.offload_optimizer.nvme = nvme;
-    if (const json* path = offload.find("nvme_path")) {
-      if (path->is_string() && !path->get<std::string>().empty()) {
-        c.offload_optimizer.nvme_path = path->get<std::string>();
-      } else {
-        offload.error(offload.child_path("nvme_path"), *path, "the path of a folder");
+  // ZeRO: only offload_optimizer's "device" and "nvme_path" are patrickstar's to read; every
+  // other key (stage, buckets, offload_param, pin_memory, ..., and DeepSpeed's old boolean form)
+  // describes what patrickstar always does, or DeepSpeed's own machinery: accepted.
+  if (const json* zero = root.find("zero_optimization"); zero != nullptr && zero->is_object()) {
+    const auto offload = zero->find("offload_optimizer");
+    if (offload != zero->end() && offload->is_object()) {
+      const std::string path = "$.zero_optimization.offload_optimizer";
+      if (const auto device = offload->find("device");
+          device != offload->end() && !device->is_null()) {
+        const std::string text =
+            device->is_string() ? absl::AsciiStrToLower(device->get<std::string>()) : "";
+        if (text == "nvme") {
+          c.offload_optimizer.nvme = true;
+        } else if (text != "cpu" && text != "none") {
+          root.error(path + ".device", *device, "one of \"none\", \"cpu\", \"nvme\"");
+        }
+      }
+      if (const auto p = offload->find("nvme_path"); p != offload->end() && !p->is_null()) {
+        if (p->is_string()) {
+          c.offload_optimizer.nvme_path = p->get<std::string>();
+        } else if (c.offload_optimizer.nvme) {
+          root.error(path + ".nvme_path", *p, "the path of a folder");
+        }
+      }
+      if (c.offload_optimizer.nvme && c.offload_optimizer.nvme_path.empty()) {
+        errors.push_back(path + ".nvme_path: expected the folder of the disk tier (with "
+                         "\"device\": \"nvme\"), got nothing");
       }
     }
-    for (const char* key : {"pin_memory", "buffer_count", "fast_init", "ratio"}) offload.accept(key);
-    offload.finish();
-    zero.finish();
-    if (c.offload_optimizer.nvme && c.offload_optimizer.nvme_path.empty()) {
-      errors.push_back("$.zero_optimization.offload_optimizer.nvme_path: expected the folder of "
-                       "the disk tier (with \"device\": \"nvme\"), got nothing");
-    }
   }
-
   {
     ObjectReader opt = root.child("optimizer");
     opt.choice("type", c.optimizer.type,

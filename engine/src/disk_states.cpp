@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <system_error>
 
 #include <c10/util/Exception.h>
 
@@ -117,20 +118,43 @@ void DiskStates::bring_home(int64_t index) {
   on_disk_[static_cast<size_t>(index)] = 0;
 }
 
-void DiskStates::wait_io(int64_t index) {
+bool DiskStates::wait_io(int64_t index) {
   auto it = staging_.find(index);
-  if (it == staging_.end() || !it->second.io.valid()) return;
+  if (it == staging_.end()) return false;
+  if (!it->second.io.valid()) return true;
   std::future<void> io = std::move(it->second.io);
+  const bool writing = it->second.writing;
   it->second.writing = false;
   try {
     WaitTimer timer(waited_seconds_);
     io.get();
-  } catch (...) {
-    // A failed read leaves the payloads without the states; a failed write leaves the file
-    // without them. Either way nobody may use them: they go, and the error surfaces here.
+  } catch (const std::exception& e) {
     staging_.erase(it);
+    if (writing) {
+      // The file keeps the old states (writes replace a file only once complete) and the payloads
+      // hold the new ones: the index stays in memory for good, its files go, and training goes on.
+      for (ChunkKind kind : kinds_) files_.remove(kind, index);
+      on_disk_[static_cast<size_t>(index)] = 0;
+      TORCH_WARN("patrickstar: the disk tier could not write the optimizer states of chunk index ",
+                 index, " (", e.what(), "); they stay in host memory from now on");
+      return false;
+    }
+    // A failed read leaves the payloads without the states: they go, and the error surfaces here.
     release(index);
     throw;
+  }
+  return true;
+}
+
+void DiskStates::allocate_or_settle(int64_t index) {
+  try {
+    allocate(index);
+  } catch (const c10::OutOfMemoryError&) {
+    if (!std::any_of(staging_.begin(), staging_.end(), [](const auto& e) { return e.second.writing; })) {
+      throw;
+    }
+    settle_writes();  // the write behind's payloads go back to the host tier first
+    allocate(index);
   }
 }
 
@@ -142,7 +166,7 @@ void DiskStates::stage(int64_t index) {
     wait_io(index);  // a read ahead arrives, or a write behind completes (the payloads keep it)
     return;
   }
-  allocate(index);
+  allocate_or_settle(index);
   try {
     WaitTimer timer(waited_seconds_);
     read_now(index);
@@ -161,16 +185,21 @@ void DiskStates::read_ahead(int64_t index) {
     return;  // no room now: stage() reads it when it is needed
   }
   Staging s;
-  // The I/O thread gets the payloads' addresses, not the store (which is the engine thread's).
-  s.io = std::async(std::launch::async, [this, index, to = buffers(index)] {
-    for (const Buffer& b : to) files_.read(b.kind, index, b.data, b.bytes);
-  });
+  try {
+    // The I/O thread gets the payloads' addresses, not the store (which is the engine thread's).
+    s.io = std::async(std::launch::async, [this, index, to = buffers(index)] {
+      for (const Buffer& b : to) files_.read(b.kind, index, b.data, b.bytes);
+    });
+  } catch (...) {
+    release(index);  // no thread: stage() reads it when it is needed
+    return;
+  }
   staging_[index] = std::move(s);
 }
 
 void DiskStates::unstage(int64_t index, bool write_back) {
   if (!staged(index)) return;
-  wait_io(index);
+  if (!wait_io(index)) return;  // a write that failed left the index in memory
   if (!write_back) {
     staging_.erase(index);
     release(index);
@@ -181,9 +210,23 @@ void DiskStates::unstage(int64_t index, bool write_back) {
   settle_writes();
   Staging& s = staging_[index];
   s.writing = true;
-  s.io = std::async(std::launch::async, [this, index, from = buffers(index)] {
-    for (const Buffer& b : from) files_.write(b.kind, index, b.data, b.bytes);
-  });
+  try {
+    s.io = std::async(std::launch::async, [this, index, from = buffers(index)] {
+      for (const Buffer& b : from) files_.write(b.kind, index, b.data, b.bytes);
+    });
+  } catch (const std::system_error&) {
+    // No thread to write behind: written here.
+    s.writing = false;
+    std::promise<void> done;
+    try {
+      for (const Buffer& b : buffers(index)) files_.write(b.kind, index, b.data, b.bytes);
+      done.set_value();
+    } catch (...) {
+      done.set_exception(std::current_exception());
+    }
+    s.writing = true;
+    s.io = done.get_future();
+  }
 }
 
 void DiskStates::settle_writes() {
@@ -192,7 +235,7 @@ void DiskStates::settle_writes() {
     if (s.writing) written.push_back(index);
   }
   for (int64_t index : written) {
-    wait_io(index);  // throws the write's error (its payloads gone)
+    if (!wait_io(index)) continue;  // the write failed: the index stays in memory
     staging_.erase(index);
     release(index);
   }
@@ -200,17 +243,18 @@ void DiskStates::settle_writes() {
 
 void DiskStates::drain() {
   std::exception_ptr first;
-  for (auto& [index, s] : staging_) {
-    if (!s.io.valid()) continue;
+  std::vector<int64_t> indices;
+  for (const auto& [index, s] : staging_) indices.push_back(index);
+  for (int64_t index : indices) {
     try {
-      WaitTimer timer(waited_seconds_);
-      s.io.get();
+      if (!wait_io(index)) continue;  // gone (a failed read) or kept in memory (a failed write)
     } catch (...) {
       if (!first) first = std::current_exception();
+      continue;
     }
+    staging_.erase(index);
+    release(index);
   }
-  for (auto& [index, s] : staging_) release(index);
-  staging_.clear();
   if (first) std::rethrow_exception(first);
 }
 

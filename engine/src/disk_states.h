@@ -62,10 +62,11 @@ class DiskStates {
   // staged already or when the host tier has no room for them (stage() reads it when it comes).
   void read_ahead(int64_t index);
   // Writes the staged index back (when `write_back`) on an I/O thread; its payloads go once
-  // written. Without write_back the payloads go now.
+  // written. Without write_back the payloads go now. A write that fails keeps the index in host
+  // memory for good (its files go, a warning says so): the states are never lost.
   void unstage(int64_t index, bool write_back);
   // Waits for every read and write in flight and releases their payloads (rethrows the first
-  // I/O error, after everything has settled).
+  // read error, after everything has settled).
   void drain();
 
   // One parameter's slice of a state kind, staging that kind of its index when it is on disk (one
@@ -90,7 +91,13 @@ class DiskStates {
   };
   void allocate(int64_t index);
   void release(int64_t index);
-  void wait_io(int64_t index);  // the index's read or write in flight, if any
+  // Waits for the index's read or write in flight, if any. Returns whether the index is still
+  // staged: false when it was not, and when its write failed (the index stays in memory for good,
+  // with a warning). A failed read releases the payloads and throws.
+  bool wait_io(int64_t index);
+  // allocate(), and when the host tier is full while a write behind holds payloads, once more
+  // after it completed.
+  void allocate_or_settle(int64_t index);
   void read_now(int64_t index);
 
   ChunkFiles files_;

@@ -225,14 +225,37 @@ void Engine::discard_gradients() {
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
   release_remote(/*discard=*/true);
   for (at::Tensor& sum : reduced_grads_) sum.reset();
+  // The half slots hold gradients: the weights come back from the fp32 masters, rounded as the
+  // step rounds them. In chunk order (a disk tier reads each chunk's masters once). Runs inside
+  // error handling: a master that cannot be read (a disk tier's file gone) is reported as a warning
+  // after the rest is done, never thrown from here.
+  std::string unrestored;
+  if (restore) {
+    for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
+      if (!owns(index)) continue;
+      for (TensorId id : store_->layout().tensors_in_chunk(index)) {
+        const Param& p = params_[static_cast<size_t>(id)];
+        if (!p.has_grad) continue;
+        try {
+          store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+        } catch (const std::exception& e) {
+          if (unrestored.empty()) unrestored = p.name + ": " + e.what();
+        }
+      }
+    }
+    try {
+      finish_state_views();
+    } catch (const std::exception& e) {
+      if (unrestored.empty()) unrestored = e.what();
+    }
+  }
+  if (!unrestored.empty()) {
+    TORCH_WARN("patrickstar: discarding the iteration's gradients, some half weights could not be "
+               "restored from their fp32 masters and hold gradients (", unrestored, ")");
+  }
   for (Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
     p.grads_this_backward = 0;
-    // The half slot holds the gradient: the weight comes back from the fp32 master, rounded as
-    // the step rounds it.
-    if (restore && p.has_grad && owns(store_->layout().placement(p.id).chunk_index)) {
-      store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
-    }
     if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
@@ -242,7 +265,6 @@ void Engine::discard_gradients() {
     p.has_grad = false;
     p.pending_grad.reset();
   }
-  finish_state_views();
   if (grad_space_) {
     for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) {
       if (!owns(i)) continue;

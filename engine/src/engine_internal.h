@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -26,6 +27,18 @@ namespace engine_detail {
 // A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
 // chunk slot while the parameter is in use; views that autograd saves share that storage object,
 // so they follow every re-pointing.
+// Positions of `ids` (indices into it) ordered by their tensors' chunk index, stable: a pass over
+// optimizer states in this order stages each chunk of a disk tier once (first-fit placement puts
+// later small tensors into earlier chunks, so registration order jumps between chunks).
+inline std::vector<size_t> chunk_order(const Layout& layout, const std::vector<TensorId>& ids) {
+  std::vector<size_t> order(ids.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return layout.placement(ids[a]).chunk_index < layout.placement(ids[b]).chunk_index;
+  });
+  return order;
+}
+
 inline c10::Storage storage_without_memory(int64_t nbytes) {
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
                       c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,

@@ -10,6 +10,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "checkpoint_file.h"
+#include "disk_states.h"
 #include "engine_internal.h"
 #include "patrickstar/engine/atomic_file.h"
 
@@ -20,8 +21,12 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const 
   std::vector<std::pair<std::string, at::Tensor>> out;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   if (!distributed()) {
-    for (const Param& p : params_) out.emplace_back(p.name, state_view(p.id, master).clone());
+    std::vector<TensorId> ids;
+    for (const Param& p : params_) ids.push_back(p.id);
+    std::vector<at::Tensor> values(params_.size());
+    for (size_t k : chunk_order(store_->layout(), ids)) values[k] = state_view(ids[k], master).clone();
     finish_state_views();
+    for (size_t k = 0; k < params_.size(); ++k) out.emplace_back(params_[k].name, values[k]);
     return out;
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
@@ -99,7 +104,10 @@ void Engine::save_checkpoint(const std::string& path) const {
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
-  for (const Param& p : params_) {
+  std::vector<TensorId> ids;
+  for (const Param& p : params_) ids.push_back(p.id);
+  for (size_t k : chunk_order(store_->layout(), ids)) {
+    const Param& p = params_[static_cast<size_t>(ids[k])];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
     c.params[p.id] = {state_view(p.id, master).clone(),
                       state_view(p.id, ChunkKind::kMomentum).clone(),
@@ -163,6 +171,8 @@ void Engine::load_checkpoint(const std::string& path_given) {
                   p.name, " has shape ", it->second.master.sizes(), " there but ",
                   store_->layout().sizes(p.id), " here");
     }
+    // The disk tier's files are read while the states are written: all there, or nothing loads.
+    if (disk_ != nullptr) disk_->check_files();
     try {
       adam_->loss_scaler().check_state(c.scaler);
     } catch (const c10::Error& e) {
@@ -184,7 +194,10 @@ void Engine::load_checkpoint(const std::string& path_given) {
   release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
-  for (const Param& p : params_) {
+  std::vector<TensorId> ids;
+  for (const Param& p : params_) ids.push_back(p.id);
+  for (size_t k : chunk_order(store_->layout(), ids)) {
+    const Param& p = params_[static_cast<size_t>(ids[k])];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
     const CheckpointParam& saved = c.params.at(p.id);
     state_view(p.id, master, /*write=*/true).copy_(saved.master);

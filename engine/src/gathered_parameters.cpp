@@ -47,8 +47,9 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   std::vector<at::Tensor> values;
   values.reserve(ids.size());
   if (!distributed()) {
-    for (TensorId id : ids) {
-      values.push_back(state_view(id, master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    values.resize(ids.size());
+    for (size_t k : chunk_order(store_->layout(), ids)) {
+      values[k] = state_view(ids[k], master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     }
     finish_state_views();
   } else {
@@ -112,7 +113,13 @@ void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
       changed = "a parameter on another rank";
     }
     if (write_back && changed.empty()) {
-      for (TensorId id : ids) {
+      // Data parallel broadcasts in the scope's order (every rank alike); one process goes in
+      // chunk order (a disk tier writes each chunk's masters once).
+      std::vector<size_t> order(ids.size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      if (!distributed()) order = chunk_order(store_->layout(), ids);
+      for (size_t k : order) {
+        const TensorId id = ids[k];
         const at::Tensor& t = params_[id].tensor;
         if (distributed()) {
           comm_->broadcast(t, 0);

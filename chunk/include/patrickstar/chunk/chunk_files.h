@@ -32,7 +32,8 @@ class ChunkFiles {
   ChunkFiles(const ChunkFiles&) = delete;
   ChunkFiles& operator=(const ChunkFiles&) = delete;
 
-  // Writes `bytes` bytes from `data` as the chunk's file, replacing what was there.
+  // Writes `bytes` bytes from `data` as the chunk's file: into <file>.tmp, fdatasync, then renamed
+  // over the file, so a failed write leaves the previous contents (or no file), never a short one.
   void write(ChunkKind kind, int64_t index, const void* data, int64_t bytes);
   // Reads the chunk's file into `data`. Throws c10::Error naming the chunk and the file when it is
   // missing, or holds other than `bytes` bytes.

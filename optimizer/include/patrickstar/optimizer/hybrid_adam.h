@@ -73,9 +73,6 @@ struct AdamChunk {
   int64_t state_bytes() const;
 };
 
-// Loss-scale removal and clipping folded into one factor. `sum_squares` is the squared norm of the
-// *scaled* gradients over all chunks. clip_coef follows torch::nn::utils::clip_grad_norm_:
-// max_norm / (norm + 1e-6) in float, clamped to 1.
 // Where step() gets the states of chunks marked states_from_source, in chunk order: acquire(k)
 // fills chunk k's master (mixed precision), exp_avg and exp_avg_sq; release(k, updated) hands them
 // back (`updated`: the update changed them and they must be kept). Every acquire is followed by its
@@ -87,6 +84,9 @@ class AdamStateSource {
   virtual void release(size_t k, bool updated) = 0;
 };
 
+// Loss-scale removal and clipping folded into one factor. `sum_squares` is the squared norm of the
+// *scaled* gradients over all chunks. clip_coef follows torch::nn::utils::clip_grad_norm_:
+// max_norm / (norm + 1e-6) in float, clamped to 1.
 struct GradMultiplier {
   double grad_norm = 0.0;   // global L2 norm of the unscaled gradients
   float clip_coef = 1.0f;   // 1 when not clipping
