@@ -1,5 +1,7 @@
 #include "disk_states.h"
 
+#include "engine_internal.h"
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -8,24 +10,6 @@
 #include <c10/util/Exception.h>
 
 namespace patrickstar::engine_detail {
-namespace {
-
-// Adds the seconds of its scope to a counter.
-class WaitTimer {
- public:
-  explicit WaitTimer(double& total) : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~WaitTimer() {
-    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-  WaitTimer(const WaitTimer&) = delete;
-  WaitTimer& operator=(const WaitTimer&) = delete;
-
- private:
-  double& total_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-}  // namespace
 
 DiskStates::DiskStates(const std::string& folder, ChunkStore& store, std::vector<ChunkKind> kinds)
     : files_(folder),
@@ -98,14 +82,23 @@ std::vector<DiskStates::Buffer> DiskStates::buffers(int64_t index) const {
   return out;
 }
 
-void DiskStates::read_now(int64_t index) {
-  for (const Buffer& b : buffers(index)) files_.read(b.kind, index, b.data, b.bytes);
+void DiskStates::read_all(int64_t index, const std::vector<Buffer>& to) const {
+  for (const Buffer& b : to) files_.read(b.kind, index, b.data, b.bytes);
+}
+
+void DiskStates::write_all(int64_t index, const std::vector<Buffer>& from) {
+  for (const Buffer& b : from) files_.write(b.kind, index, b.data, b.bytes);
+}
+
+void DiskStates::keep_in_memory(int64_t index) {
+  for (ChunkKind kind : kinds_) files_.remove(kind, index);
+  on_disk_[static_cast<size_t>(index)] = 0;
 }
 
 void DiskStates::spill(int64_t index) {
   TORCH_INTERNAL_ASSERT(!on_disk(index) && !staged(index));
   for (ChunkKind kind : kinds_) store_.wait_ready(store_.chunk_id(kind, index));
-  for (const Buffer& b : buffers(index)) files_.write(b.kind, index, b.data, b.bytes);
+  write_all(index, buffers(index));
   release(index);
   on_disk_[static_cast<size_t>(index)] = 1;
 }
@@ -114,8 +107,7 @@ void DiskStates::bring_home(int64_t index) {
   if (!on_disk(index)) return;
   stage(index);
   staging_.erase(index);  // the payloads stay: the index lives in memory from now on
-  for (ChunkKind kind : kinds_) files_.remove(kind, index);
-  on_disk_[static_cast<size_t>(index)] = 0;
+  keep_in_memory(index);
 }
 
 bool DiskStates::wait_io(int64_t index) {
@@ -126,15 +118,14 @@ bool DiskStates::wait_io(int64_t index) {
   const bool writing = it->second.writing;
   it->second.writing = false;
   try {
-    WaitTimer timer(waited_seconds_);
+    ScopeTimer timer(waited_seconds_);
     io.get();
   } catch (const std::exception& e) {
     staging_.erase(it);
     if (writing) {
       // The file keeps the old states (writes replace a file only once complete) and the payloads
       // hold the new ones: the index stays in memory for good, its files go, and training goes on.
-      for (ChunkKind kind : kinds_) files_.remove(kind, index);
-      on_disk_[static_cast<size_t>(index)] = 0;
+      keep_in_memory(index);
       TORCH_WARN("patrickstar: the disk tier could not write the optimizer states of chunk index ",
                  index, " (", e.what(), "); they stay in host memory from now on");
       return false;
@@ -168,8 +159,8 @@ void DiskStates::stage(int64_t index) {
   }
   allocate_or_settle(index);
   try {
-    WaitTimer timer(waited_seconds_);
-    read_now(index);
+    ScopeTimer timer(waited_seconds_);
+    read_all(index, buffers(index));
   } catch (...) {
     release(index);
     throw;
@@ -187,9 +178,8 @@ void DiskStates::read_ahead(int64_t index) {
   Staging s;
   try {
     // The I/O thread gets the payloads' addresses, not the store (which is the engine thread's).
-    s.io = std::async(std::launch::async, [this, index, to = buffers(index)] {
-      for (const Buffer& b : to) files_.read(b.kind, index, b.data, b.bytes);
-    });
+    s.io = std::async(std::launch::async,
+                      [this, index, to = buffers(index)] { read_all(index, to); });
   } catch (...) {
     release(index);  // no thread: stage() reads it when it is needed
     return;
@@ -211,15 +201,14 @@ void DiskStates::unstage(int64_t index, bool write_back) {
   Staging& s = staging_[index];
   s.writing = true;
   try {
-    s.io = std::async(std::launch::async, [this, index, from = buffers(index)] {
-      for (const Buffer& b : from) files_.write(b.kind, index, b.data, b.bytes);
-    });
+    s.io = std::async(std::launch::async,
+                      [this, index, from = buffers(index)] { write_all(index, from); });
   } catch (const std::system_error&) {
     // No thread to write behind: written here.
     s.writing = false;
     std::promise<void> done;
     try {
-      for (const Buffer& b : buffers(index)) files_.write(b.kind, index, b.data, b.bytes);
+      write_all(index, buffers(index));
       done.set_value();
     } catch (...) {
       done.set_exception(std::current_exception());
@@ -271,7 +260,7 @@ at::Tensor DiskStates::view(TensorId tensor, ChunkKind kind, bool write) {
     const ChunkId id = store_.chunk_id(kind, index);
     store_.allocate(id, Tier::kHost, Fill::kUninitialized);
     try {
-      WaitTimer timer(waited_seconds_);
+      ScopeTimer timer(waited_seconds_);
       files_.read(kind, index, store_.chunk(id).payload, store_.chunk_bytes(id));
     } catch (...) {
       store_.release(id);
@@ -298,7 +287,7 @@ void DiskStates::finish_views() {
     const ChunkId id = store_.chunk_id(kind, index);
     if ((dirty & bit) != 0 && !failed) {
       try {
-        WaitTimer timer(waited_seconds_);
+        ScopeTimer timer(waited_seconds_);
         files_.write(kind, index, store_.chunk(id).payload, store_.chunk_bytes(id));
       } catch (...) {
         failed = std::current_exception();

@@ -98,7 +98,12 @@ class DiskStates {
   // allocate(), and when the host tier is full while a write behind holds payloads, once more
   // after it completed.
   void allocate_or_settle(int64_t index);
-  void read_now(int64_t index);
+  // The chunk files of `index` into / from the buffers (callable from an I/O thread: the buffers'
+  // addresses are taken on the engine's thread by buffers()).
+  void read_all(int64_t index, const std::vector<Buffer>& to) const;
+  void write_all(int64_t index, const std::vector<Buffer>& from);
+  // The index's states live in its payloads from now on: its files go.
+  void keep_in_memory(int64_t index);
 
   ChunkFiles files_;
   ChunkStore& store_;

@@ -176,11 +176,9 @@ void Engine::give_back_model(bool may_gather) {
       if (value.defined()) p.tensor.set_data(value);
     }
     if (distributed()) continue;
-    if (disk_ != nullptr) {
-      try {
-        finish_state_views();  // read only: frees the staged states
-      } catch (const std::exception&) {
-      }
+    try {
+      finish_state_views();  // read only: frees the disk tier's staged states (if any)
+    } catch (const std::exception&) {
     }
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);

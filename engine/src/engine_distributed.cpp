@@ -39,7 +39,7 @@ int64_t Engine::comm_group_of(TensorId id) const {
 void Engine::broadcast_initial_state(
     const std::vector<std::pair<std::string, at::Tensor>>& params) {
   torch::NoGradGuard no_grad;
-  CollectiveTimer timer(collective_seconds_);
+  ScopeTimer timer(collective_seconds_);
   auto broadcast = [&](const at::Tensor& t) {
     if (t.is_contiguous()) {
       comm_->broadcast(t, 0);
@@ -83,7 +83,7 @@ void Engine::gather_group(int64_t group) {
     throw;
   }
   {
-    CollectiveTimer timer(collective_seconds_);
+    ScopeTimer timer(collective_seconds_);
     comm_->all_gather(store_->chunk_view(own), buffer);
   }
   if (!on_host) {
@@ -176,7 +176,7 @@ void Engine::reduce_ready_groups(const std::vector<TensorId>& ids) {
 void Engine::reduce_group(int64_t group) {
   torch::NoGradGuard no_grad;
   {
-    CollectiveTimer timer(collective_seconds_);
+    ScopeTimer timer(collective_seconds_);
     for (int owner = 0; owner < world_; ++owner) {
       const int64_t index = group * world_ + owner;
       if (grad_space_) {
@@ -236,7 +236,7 @@ void Engine::release_remote(bool discard) {
 
 bool Engine::all_ranks_agree(bool local) const {
   if (!distributed()) return local;
-  CollectiveTimer timer(collective_seconds_);
+  ScopeTimer timer(collective_seconds_);
   at::Tensor disagree = at::full({1}, local ? 0.0f : 1.0f, at::kFloat);
   comm_->all_reduce(disagree, ReduceOp::kMax);
   return disagree.item<float>() == 0.0f;

@@ -231,16 +231,13 @@ void Engine::discard_gradients() {
   // after the rest is done, never thrown from here.
   std::string unrestored;
   if (restore) {
-    for (int64_t index = 0; index < store_->chunks_per_kind(); ++index) {
-      if (!owns(index)) continue;
-      for (TensorId id : store_->layout().tensors_in_chunk(index)) {
-        const Param& p = params_[static_cast<size_t>(id)];
-        if (!p.has_grad) continue;
-        try {
-          store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
-        } catch (const std::exception& e) {
-          if (unrestored.empty()) unrestored = p.name + ": " + e.what();
-        }
+    for (TensorId id : tensors_in_chunk_order(store_->layout())) {
+      const Param& p = params_[static_cast<size_t>(id)];
+      if (!p.has_grad || !owns(store_->layout().placement(id).chunk_index)) continue;
+      try {
+        store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+      } catch (const std::exception& e) {
+        if (unrestored.empty()) unrestored = p.name + ": " + e.what();
       }
     }
     try {

@@ -27,6 +27,17 @@ namespace engine_detail {
 // A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
 // chunk slot while the parameter is in use; views that autograd saves share that storage object,
 // so they follow every re-pointing.
+// Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
+// states in this order stages each chunk of a disk tier once (first-fit placement puts later small
+// tensors into earlier chunks, so registration order jumps between chunks).
+inline std::vector<TensorId> tensors_in_chunk_order(const Layout& layout) {
+  std::vector<TensorId> ids;
+  for (int64_t i = 0; i < layout.chunk_count(); ++i) {
+    for (TensorId id : layout.tensors_in_chunk(i)) ids.push_back(id);
+  }
+  return ids;
+}
+
 // Positions of `ids` (indices into it) ordered by their tensors' chunk index, stable: a pass over
 // optimizer states in this order stages each chunk of a disk tier once (first-fit placement puts
 // later small tensors into earlier chunks, so registration order jumps between chunks).
@@ -68,16 +79,17 @@ inline void repoint(const c10::Storage& storage, void* data) {
   storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
 }
 
-// Adds the wall time of its scope to `total` (the iteration report's collective time).
-class CollectiveTimer {
+// Adds the wall time of its scope to `total` (the iteration report's collective time, the disk
+// tier's waits).
+class ScopeTimer {
  public:
-  explicit CollectiveTimer(double& total)
+  explicit ScopeTimer(double& total)
       : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~CollectiveTimer() {
+  ~ScopeTimer() {
     total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   }
-  CollectiveTimer(const CollectiveTimer&) = delete;
-  CollectiveTimer& operator=(const CollectiveTimer&) = delete;
+  ScopeTimer(const ScopeTimer&) = delete;
+  ScopeTimer& operator=(const ScopeTimer&) = delete;
 
  private:
   double& total_;

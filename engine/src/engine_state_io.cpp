@@ -21,12 +21,12 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const 
   std::vector<std::pair<std::string, at::Tensor>> out;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
   if (!distributed()) {
-    std::vector<TensorId> ids;
-    for (const Param& p : params_) ids.push_back(p.id);
-    std::vector<at::Tensor> values(params_.size());
-    for (size_t k : chunk_order(store_->layout(), ids)) values[k] = state_view(ids[k], master).clone();
+    std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
+    for (TensorId id : tensors_in_chunk_order(store_->layout())) {
+      values[static_cast<size_t>(id)] = state_view(id, master).clone();
+    }
     finish_state_views();
-    for (size_t k = 0; k < params_.size(); ++k) out.emplace_back(params_[k].name, values[k]);
+    for (const Param& p : params_) out.emplace_back(p.name, values[static_cast<size_t>(p.id)]);
     return out;
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
@@ -104,10 +104,8 @@ void Engine::save_checkpoint(const std::string& path) const {
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
-  std::vector<TensorId> ids;
-  for (const Param& p : params_) ids.push_back(p.id);
-  for (size_t k : chunk_order(store_->layout(), ids)) {
-    const Param& p = params_[static_cast<size_t>(ids[k])];
+  for (TensorId id : tensors_in_chunk_order(store_->layout())) {
+    const Param& p = params_[static_cast<size_t>(id)];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
     c.params[p.id] = {state_view(p.id, master).clone(),
                       state_view(p.id, ChunkKind::kMomentum).clone(),
@@ -194,10 +192,8 @@ void Engine::load_checkpoint(const std::string& path_given) {
   release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
-  std::vector<TensorId> ids;
-  for (const Param& p : params_) ids.push_back(p.id);
-  for (size_t k : chunk_order(store_->layout(), ids)) {
-    const Param& p = params_[static_cast<size_t>(ids[k])];
+  for (TensorId id : tensors_in_chunk_order(store_->layout())) {
+    const Param& p = params_[static_cast<size_t>(id)];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
     const CheckpointParam& saved = c.params.at(p.id);
     state_view(p.id, master, /*write=*/true).copy_(saved.master);

@@ -242,7 +242,7 @@ IterationReport Engine::step() {
   auto agree = [&](double sum_squares) {
     at::Tensor sum = at::full({1}, sum_squares, at::kDouble);
     {
-      CollectiveTimer timer(collective_seconds_);
+      ScopeTimer timer(collective_seconds_);
       comm_->all_reduce(sum, ReduceOp::kSum);
     }
     agreed = true;

@@ -2,10 +2,8 @@
 // naming the chunk and the file, the files go with the object, and a bad folder is refused.
 #include <gtest/gtest.h>
 
-#include <dirent.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -13,40 +11,23 @@
 
 #include <c10/util/Exception.h>
 
+#include "error_message.h"
 #include "patrickstar/chunk/chunk_files.h"
+#include "temp_folder.h"
 
 namespace patrickstar {
 namespace {
 
-std::string make_folder() {
-  std::string pattern = "/tmp/ps-chunk-files-XXXXXX";
-  EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
-  return pattern;
-}
+using test::error_of;
+using test::TempFolder;
 
 int count_files(const std::string& folder) {
-  int n = 0;
-  if (DIR* dir = ::opendir(folder.c_str())) {
-    while (const dirent* e = ::readdir(dir)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") ++n;
-    }
-    ::closedir(dir);
-  }
-  return n;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
+  return static_cast<int>(test::folder_entries(folder).size());
 }
 
 TEST(ChunkFiles, WholeChunksRoundTripFromTwoThreadsAndTheFilesGoWithTheObject) {
-  const std::string folder = make_folder();
+  TempFolder scratch("ps-chunk-files");
+  const std::string& folder = scratch.path();
   {
     ChunkFiles files(folder);
     std::vector<float> a(300000), b(200001);
@@ -75,13 +56,12 @@ TEST(ChunkFiles, WholeChunksRoundTripFromTwoThreadsAndTheFilesGoWithTheObject) {
     EXPECT_EQ(count_files(folder), 1);
   }
   EXPECT_EQ(count_files(folder), 0);
-  ::rmdir(folder.c_str());
 }
 
 TEST(ChunkFiles, AMissingOrShortFileIsAnErrorNamingTheChunkAndTheFile) {
-  const std::string folder = make_folder();
+  TempFolder scratch("ps-chunk-files");
   {
-    ChunkFiles files(folder);
+    ChunkFiles files(scratch.path());
     std::vector<char> data(4096, 'x');
     files.write(ChunkKind::kParamFp32, 3, data.data(), 4096);
     const std::string never = error_of([&] { files.read(ChunkKind::kMomentum, 5, data.data(), 4096); });
@@ -98,7 +78,6 @@ TEST(ChunkFiles, AMissingOrShortFileIsAnErrorNamingTheChunkAndTheFile) {
     EXPECT_NE(error_of([&] { files.check(ChunkKind::kParamFp32, 3, 4096); }).find("removed"),
               std::string::npos);
   }
-  ::rmdir(folder.c_str());
 }
 
 TEST(ChunkFiles, AFolderThatIsMissingOrNotAFolderIsRefused) {

@@ -26,6 +26,7 @@
 #include "gpt_training.h"
 #include "patrickstar/engine/atomic_file.h"
 #include "patrickstar/patrickstar.h"
+#include "temp_folder.h"
 
 namespace patrickstar {
 namespace {
@@ -34,30 +35,11 @@ using ::testing::HasSubstr;
 using test::error_of;
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
-// POSIX, not std::filesystem: LibTorch's library exports std::filesystem symbols of its own, which
-// the dynamic linker may bind in place of libstdc++'s.
-std::vector<std::string> entries(const std::string& folder) {
-  std::vector<std::string> out;
-  if (DIR* dir = ::opendir(folder.c_str())) {
-    while (const dirent* entry = ::readdir(dir)) {
-      const std::string name = entry->d_name;
-      if (name != "." && name != "..") out.push_back(name);
-    }
-    ::closedir(dir);
-  }
-  return out;
-}
-
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// Removes the folder and the files in it (the tests make no subfolders).
-void remove_folder(const std::string& folder) {
-  for (const std::string& name : entries(folder)) ::unlink((folder + "/" + name).c_str());
-  ::rmdir(folder.c_str());
-}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -78,7 +60,7 @@ std::string test_folder(const char* name) {
 
 std::vector<std::string> leftovers(const std::string& folder) {
   std::vector<std::string> out;
-  for (const std::string& name : entries(folder)) {
+  for (const std::string& name : folder_entries(folder)) {
     if (name.find(".tmp-") != std::string::npos) out.push_back(name);
   }
   return out;
@@ -224,7 +206,7 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
     std::thread watcher([&] {
       const std::string prefix = "ckpt.pt.tmp-" + std::to_string(::getpid());  // this process's
       while (!done.load()) {
-        for (const std::string& name : entries(folder)) {
+        for (const std::string& name : folder_entries(folder)) {
           if (name != prefix) continue;
           struct stat st {};
           if (::stat((folder + "/" + name).c_str(), &st) == 0 && st.st_size >= kill_at) {

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,42 +14,15 @@
 #include "error_message.h"
 #include "gpt_training.h"
 #include "patrickstar/patrickstar.h"
+#include "temp_folder.h"
 
 namespace patrickstar {
 namespace {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
-// A fresh folder under the system's temporary folder, removed (with what is left in it) at the end.
-class TempFolder {
- public:
-  TempFolder() {
-    std::string pattern = (std::getenv("TMPDIR") != nullptr ? std::string(std::getenv("TMPDIR"))
-                                                            : std::string("/tmp")) +
-                          "/ps-disk-tier-XXXXXX";
-    TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr, "mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempFolder() {
-    for (const std::string& f : files()) ::unlink((path_ + "/" + f).c_str());
-    ::rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
-  std::vector<std::string> files() const {
-    std::vector<std::string> out;
-    if (DIR* dir = ::opendir(path_.c_str())) {
-      while (const dirent* e = ::readdir(dir)) {
-        const std::string name = e->d_name;
-        if (name != "." && name != "..") out.push_back(name);
-      }
-      ::closedir(dir);
-    }
-    return out;
-  }
-
- private:
-  std::string path_;
-};
+// bf16 on a device that moves chunks every iteration, with every Adam on the host.
+Config bf16_moving() { return config_with_chunk_room(R"({"bf16": {"enabled": true}})", 240000); }
 
 Config with_disk(Config config, const std::string& folder) {
   nlohmann::json j = config.to_json();
@@ -108,7 +80,7 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
     Config memory_config = c.chunk_room > 0 ? config_with_chunk_room(c.extra, c.chunk_room)
                                             : tight_config(c.extra);
     if (c.chunk_room == 0) memory_config.device.capacity_bytes = int64_t{1} << 30;
-    TempFolder folder;
+    TempFolder folder("ps-disk-tier");
     const Config disk_config = with_disk(memory_config, folder.path());
     const int micro = memory_config.gradient_accumulation_steps;
     const bool mixed = memory_config.precision() != Precision::kFp32;
@@ -217,11 +189,9 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
 }
 
 TEST(DiskTier, GatheredParametersWriteThroughToTheFiles) {
-  TempFolder folder;
+  TempFolder folder("ps-disk-tier");
   models::Gpt model = make_model(1);
-  Engine engine(model.ptr(), with_disk(config_with_chunk_room(R"({"bf16": {"enabled": true}})",
-                                                              240000),
-                                       folder.path()));
+  Engine engine(model.ptr(), with_disk(bf16_moving(), folder.path()));
   double loss = 0;
   step_of(engine, model, 0, 1, &loss);
   {
@@ -235,11 +205,9 @@ TEST(DiskTier, GatheredParametersWriteThroughToTheFiles) {
 }
 
 TEST(DiskTier, AMissingOrShortStateFileIsAClearError) {
-  TempFolder folder;
+  TempFolder folder("ps-disk-tier");
   models::Gpt model = make_model(1);
-  Engine engine(model.ptr(), with_disk(config_with_chunk_room(R"({"bf16": {"enabled": true}})",
-                                                              240000),
-                                       folder.path()));
+  Engine engine(model.ptr(), with_disk(bf16_moving(), folder.path()));
   double loss = 0;
   step_of(engine, model, 0, 1, &loss);
   ASSERT_GT(engine.history().back().adam.chunks_host, 0);
@@ -284,8 +252,8 @@ TEST(DiskTier, AMissingOrShortStateFileIsAClearError) {
 }
 
 TEST(DiskTier, AFailedWriteKeepsThatChunksStatesInMemoryAndTrainingMatches) {
-  TempFolder folder;
-  const Config config = config_with_chunk_room(R"({"bf16": {"enabled": true}})", 240000);
+  TempFolder folder("ps-disk-tier");
+  const Config config = bf16_moving();
   models::Gpt memory_model = make_model(1);
   models::Gpt disk_model = make_model(1);
   Engine memory_engine(memory_model.ptr(), config);
