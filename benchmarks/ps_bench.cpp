@@ -278,6 +278,7 @@ struct Trial {
   std::string error;  // the first line of the failure
   int64_t params = 0;
   int64_t model_data_bytes = 0;
+  int64_t device_state_bytes = 0;  // optimizer states placed on the device at registration
   int64_t device_peak_bytes = 0;
   int64_t host_peak_bytes = 0;
   double seconds = 0;
@@ -301,6 +302,7 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
     trial.ok = true;
     trial.params = engine.registration().params;
     trial.model_data_bytes = engine.registration().model_data_bytes;
+    trial.device_state_bytes = engine.registration().device_state_bytes;
     for (const auto& stats : engine.scheduler().history()) {
       trial.device_peak_bytes = std::max(trial.device_peak_bytes, stats.peak_device_bytes);
     }
@@ -349,6 +351,19 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
     std::string policy;
     int64_t layers = 0;
     Trial trial;
+    std::string stop;  // the first failing trial's error ("" when --max-layers stopped the search)
+  };
+  // The limit that stopped a policy, in a word or two, from its first failing trial's error.
+  auto limit_of = [](const std::string& error) -> std::string {
+    if (error.empty()) return "--max-layers";
+    auto has = [&](const char* s) { return error.find(s) != std::string::npos; };
+    if (has("bytes of host memory")) return "host memory";
+    if (has("static_on_device")) return "device: every half weight";
+    if (has("activations and temporaries")) return "device: activations";
+    if (has("chunk budget") || has("more chunk bytes")) return "device: a moment's chunks";
+    if (has("disk") || has("No space")) return "disk";
+    if (has("out of memory") || has("OutOfMemory")) return "memory (a tier refused)";
+    return "other (see the JSON)";
   };
   std::vector<Best> best;
   for (const std::string& policy : policies) {
@@ -373,12 +388,13 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
       std::fflush(stdout);
       return t;
     };
-    Best b{policy, 0, {}};
+    Best b{policy, 0, {}, {}};
     int64_t bad = max_layers + 1;  // smallest layer count known to fail
     for (int64_t layers = 1;; layers = std::min(layers * 2, max_layers)) {
       Trial t = attempt(layers);
       if (!t.ok) {
         bad = layers;
+        b.stop = t.error;
         break;
       }
       b.layers = layers;
@@ -393,22 +409,27 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
         b.trial = t;
       } else {
         bad = mid;
+        b.stop = t.error;
       }
     }
     best.push_back(b);
   }
 
-  std::printf("\n%-8s %8s %14s %18s %18s %18s\n", "policy", "layers", "params", "model data",
-              "device peak", "host peak");
+  std::printf("\n%-8s %8s %14s %16s %16s %16s %16s  %s\n", "policy", "layers", "params",
+              "model data", "states on dev.", "device peak", "host peak", "limit (one more layer)");
   for (const Best& b : best) {
-    std::printf("%-8s %8lld %14lld %18s %18s %18s\n", b.policy.c_str(),
+    std::printf("%-8s %8lld %14lld %16s %16s %16s %16s  %s\n", b.policy.c_str(),
                 static_cast<long long>(b.layers), static_cast<long long>(b.trial.params),
                 mib(static_cast<double>(b.trial.model_data_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.device_state_bytes)).c_str(),
                 mib(static_cast<double>(b.trial.device_peak_bytes)).c_str(),
-                mib(static_cast<double>(b.trial.host_peak_bytes)).c_str());
+                mib(static_cast<double>(b.trial.host_peak_bytes)).c_str(), limit_of(b.stop).c_str());
     results.push_back({{"policy", b.policy},
                        {"max_layers", b.layers},
                        {"params", b.trial.params},
+                       {"limit", limit_of(b.stop)},
+                       {"limit_error", b.stop},
+                       {"device_state_bytes", b.trial.device_state_bytes},
                        {"model_data_bytes", b.trial.model_data_bytes},
                        {"device_peak_bytes", b.trial.device_peak_bytes},
                        {"host_peak_bytes", b.trial.host_peak_bytes}});
@@ -626,6 +647,12 @@ int run() {
                 config.offload_optimizer.nvme_path.c_str(),
                 mib(static_cast<double>(reg.model_data_bytes - reg.disk_bytes)).c_str());
   }
+  if (lead && reg.device_state_bytes > 0) {
+    std::printf("host plus device: %s of optimizer states placed on the device for good (the host "
+                "budget holds the other %s of model data)\n",
+                mib(static_cast<double>(reg.device_state_bytes)).c_str(),
+                mib(static_cast<double>(reg.model_data_bytes - reg.device_state_bytes)).c_str());
+  }
 
   std::vector<double> losses, times;
   std::vector<ps::IterationReport> reports;
@@ -758,6 +785,7 @@ int run() {
   out["adam_host_d2h_bytes_per_iter"] = forced;
   out["adam_s_per_iter"] = adam_s;  // the optimizer step's wall time (steady iterations)
   out["disk_bytes"] = reg.disk_bytes;  // optimizer states in the disk tier's files
+  out["device_state_bytes"] = reg.device_state_bytes;  // optimizer states on the device for good
   out["disk_read_bytes_per_iter"] = disk_read;
   out["disk_written_bytes_per_iter"] = disk_written;
   out["disk_wait_s_per_iter"] = disk_wait;

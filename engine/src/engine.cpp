@@ -271,7 +271,8 @@ void Engine::register_parameters() {
                "the size with the least waste");
   }
 
-  // 2. Memory: tiers and chunks, every payload on the host to start with.
+  // 2. Memory: tiers and chunks, every payload on the host to start with (but optimizer states
+  //    the host budget cannot hold: on the device for good, or in the disk tier's files).
   const at::ScalarType half = param_dtype(config_.precision());
   std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
   if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
@@ -324,7 +325,17 @@ void Engine::register_parameters() {
     }
     staging_bytes = std::min<int64_t>(3, placed->chunk_count()) * largest;
   }
-  const int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
+  int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
+  // What the host budget cannot hold: optimizer states on the device for good, where allowed.
+  std::string no_device_placement;
+  states_on_device_.assign(static_cast<size_t>(store_->chunk_count()), false);
+  adam_device_only_.assign(static_cast<size_t>(placed->chunk_count()), false);
+  if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
+      host_->used_bytes() + host_need > host_->capacity_bytes()) {
+    no_device_placement =
+        place_states_on_device(host_->used_bytes() + host_need - host_->capacity_bytes());
+    host_need -= registration_.device_state_bytes;
+  }
   // It must fit the host before anything moves: a model is either untouched or fully registered.
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
       host_->used_bytes() + host_need > host_->capacity_bytes()) {
@@ -339,7 +350,7 @@ void Engine::register_parameters() {
                                         "states in the disk tier and ", staging_bytes,
                                         " bytes of host staging for them")
                          : std::string(),
-                     "; nothing was registered");
+                     no_device_placement, "; nothing was registered");
   }
   if (!disk_kinds.empty()) {
     try {
@@ -403,7 +414,11 @@ void Engine::register_parameters() {
       const bool mine = owns(index);
       if (mine) {
         store_->allocate(store_->chunk_id(ChunkKind::kParam, index), Tier::kHost);
-        if (mixed_) store_->allocate(store_->chunk_id(ChunkKind::kParamFp32, index), Tier::kHost);
+        if (mixed_) {
+          const ChunkId master = store_->chunk_id(ChunkKind::kParamFp32, index);
+          store_->allocate(master, states_on_device_[static_cast<size_t>(master)] ? Tier::kDevice
+                                                                                 : Tier::kHost);
+        }
       }
       sample();
       for (TensorId id : placed->tensors_in_chunk(index)) {
@@ -425,7 +440,9 @@ void Engine::register_parameters() {
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
-        if (mine && store_->has_kind(kind)) store_->allocate(store_->chunk_id(kind, index), Tier::kHost);
+        if (!mine || !store_->has_kind(kind)) continue;
+        const ChunkId id = store_->chunk_id(kind, index);
+        store_->allocate(id, states_on_device_[static_cast<size_t>(id)] ? Tier::kDevice : Tier::kHost);
       }
       sample();
       if (disk_ != nullptr) disk_->spill(index);  // written to its files, its payloads freed
@@ -467,8 +484,10 @@ void Engine::register_parameters() {
         !host_only_[store_->index_of(id)]) {
       continue;
     }
-    chunk_table[id] = ChunkInfo{store_->chunk_bytes(id), store_->kind_of(id) == ChunkKind::kParam &&
-                                                              !host_only_[store_->index_of(id)]};
+    chunk_table[id] = ChunkInfo{store_->chunk_bytes(id),
+                                store_->kind_of(id) == ChunkKind::kParam &&
+                                    !host_only_[store_->index_of(id)],
+                                states_on_device_[static_cast<size_t>(id)]};
   }
   SchedulerOptions options;
   options.capacity_bytes = config_.device.capacity_bytes;
@@ -537,7 +556,8 @@ void Engine::register_parameters() {
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
   r.disk_bytes = disk_ != nullptr ? disk_->disk_bytes() : 0;
   // With a disk tier the host holds the rest, plus one index's states while they are written.
-  r.init_goal_bytes = r.model_data_bytes - r.disk_bytes + r.largest_module_param_bytes +
+  r.init_goal_bytes = r.model_data_bytes - r.disk_bytes - r.device_state_bytes +
+                      r.largest_module_param_bytes +
                       (disk_ != nullptr ? staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0);
 }
 

@@ -21,8 +21,17 @@ void Engine::decide_adam_placement() {
   std::vector<int64_t> candidates;
   std::vector<int64_t> state_bytes;  // per candidate
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
+  int64_t device_only_bytes = 0;  // states placed on the device at registration, there for good
+  for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
+    if (states_on_device_[static_cast<size_t>(id)]) device_only_bytes += store_->chunk_bytes(id);
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (host_only_[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
+    if (adam_device_only_[i]) {               // its Adam runs on the device whatever the margin
+      resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
+      if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
+      continue;
+    }
     candidates.push_back(i);
     state_bytes.push_back(store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
                           store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
@@ -42,13 +51,16 @@ void Engine::decide_adam_placement() {
                                config_.mem_tracer.overall_gpu_mem_ratio)) -
                            config_.scheduler.reserve_bytes;
   const int64_t margin = static_cast<int64_t>(
-      static_cast<double>(planning - peak_non_model - resident_model_bytes) *
+      static_cast<double>(planning - peak_non_model - resident_model_bytes - device_only_bytes) *
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
   const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
   adam_on_device_.assign(static_cast<size_t>(n), false);
   for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
+  for (int64_t i = 0; i < n; ++i) {
+    if (adam_device_only_[i]) adam_on_device_[i] = true;
+  }
   // The disk tier keeps the host Adam's states; those of the device Adam come home (host first,
   // then the scheduler takes them to the device at the step).
   if (disk_ != nullptr) {
@@ -72,18 +84,22 @@ IterationReport Engine::run_adam() {
   // the step (budget, placement, the trace check) is the warm-up's.
   close_moment();
   follow_trace(MomentKind::kStep, "step");
+  // (Chunk indices whose states the host could not hold update on the device in the warm-up too.)
   const bool warmup = !scheduler_->has_trace();
-  std::vector<bool> on_device = adam_on_device_;
-  if (warmup) on_device.assign(on_device.size(), false);
-  std::vector<int64_t> device_chunks;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!adam_on_device_[i] || !owns(i)) continue;
-    device_chunks.push_back(id_of(ChunkKind::kParam, i));
-    if (mixed_) device_chunks.push_back(id_of(ChunkKind::kParamFp32, i));
-    device_chunks.push_back(id_of(ChunkKind::kMomentum, i));
-    device_chunks.push_back(id_of(ChunkKind::kVariance, i));
-    if (grad_space_) device_chunks.push_back(id_of(ChunkKind::kGrad, i));
-  }
+  const std::vector<bool> on_device = warmup ? adam_device_only_ : adam_on_device_;
+  auto device_side_chunks = [&](const std::vector<bool>& device_side) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!device_side[i] || !owns(i)) continue;
+      ids.push_back(id_of(ChunkKind::kParam, i));
+      if (mixed_) ids.push_back(id_of(ChunkKind::kParamFp32, i));
+      ids.push_back(id_of(ChunkKind::kMomentum, i));
+      ids.push_back(id_of(ChunkKind::kVariance, i));
+      if (grad_space_) ids.push_back(id_of(ChunkKind::kGrad, i));
+    }
+    return ids;
+  };
+  const std::vector<int64_t> device_chunks = device_side_chunks(adam_on_device_);
   // The rest update on the host: their gradients and weights go there (the states live there
   // already). The trace records the steady state's host chunks, so the schedule and the OPT bound
   // know these chunks leave the device at the step.
@@ -105,8 +121,8 @@ IterationReport Engine::run_adam() {
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
   for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
-  scheduler_->at_moment(m, MomentKind::kStep, warmup ? std::vector<int64_t>{} : device_chunks,
-                        *mover_, probe_->live_bytes(), to_host);
+  scheduler_->at_moment(m, MomentKind::kStep, device_side_chunks(on_device), *mover_,
+                        probe_->live_bytes(), to_host);
   note_memory("step");
 
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.

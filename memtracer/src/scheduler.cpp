@@ -143,13 +143,19 @@ void Scheduler::check_trace(const Trace& trace) const {
                                                 moment.label + "')");
   }
   check_non_model(trace.tail_non_model_bytes, "after the last moment of the iteration");
+  int64_t device_only = 0;  // on the device at every moment
+  for (const auto& [id, chunk] : chunks_) {
+    if (chunk.device_only) device_only += chunk.bytes;
+  }
   for (int64_t m = 0; m < trace.size(); ++m) {
     const Moment& moment = trace.moments[m];
     const int64_t non_model = std::max(moment.non_model_bytes, trace.next_non_model_bytes(m));
     const int64_t budget = usable - non_model - options_.reserve_bytes;
     int64_t needed = 0;
-    for (int64_t id : moment.chunk_ids) {
+    int64_t fixed = device_only;  // the device-only chunks the moment does not access
+    for (int64_t id : std::set<int64_t>(moment.chunk_ids.begin(), moment.chunk_ids.end())) {
       needed += info(id).bytes;
+      if (info(id).device_only) fixed -= info(id).bytes;
     }
     for (int64_t id : moment.host_chunk_ids) {
       info(id);
@@ -158,9 +164,14 @@ void Scheduler::check_trace(const Trace& trace) const {
                   "Scheduler::set_trace: moment ", m, " both accesses chunk ", id,
                   " and sends it to the host");
     }
-    TORCH_CHECK(needed <= budget, "at moment ", m, " (", moment_kind_name(moment.kind), " '",
-                moment.label, "') the ", moment.chunk_ids.size(), " chunks accessed need ", needed,
-                " bytes but the chunk budget is ", budget, " bytes (capacity ",
+    TORCH_CHECK(needed + fixed <= budget, "at moment ", m, " (", moment_kind_name(moment.kind),
+                " '", moment.label, "') the ", moment.chunk_ids.size(), " chunks accessed need ",
+                needed, " bytes",
+                fixed > 0 ? " next to " + std::to_string(fixed) +
+                                " bytes of chunks that never leave the device (optimizer states "
+                                "placed there because the host budget could not hold them)"
+                          : std::string(),
+                " but the chunk budget is ", budget, " bytes (capacity ",
                 options_.capacity_bytes, ", non-model ", non_model, ", reserve ",
                 options_.reserve_bytes,
                 "): use a smaller chunk size, a smaller batch or activation checkpointing");
@@ -315,6 +326,7 @@ bool Scheduler::evict_to_fit(int64_t bytes_to_add, int64_t budget, int64_t m,
     if (pinned.count(id) != 0) continue;
     const ChunkInfo& chunk = info(id);
     if (options_.policy == EvictionPolicy::kStatic && chunk.static_on_device) continue;
+    if (chunk.device_only) continue;
     int64_t rank;
     if (belady) {
       rank = next_use(id, m);
@@ -365,6 +377,10 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
     warmup_previous_non_model_bytes_ = warmup_non_model_bytes_;
     const std::set<int64_t> distinct(accessed.begin(), accessed.end());
     for (int64_t id : distinct) warmup_floor_bytes_ += info(id).bytes;
+    // Chunks that never leave the device stay next to the moment's own.
+    for (int64_t id : resident_) {
+      if (info(id).device_only && distinct.count(id) == 0) warmup_floor_bytes_ += info(id).bytes;
+    }
     warmup_floor_bytes_ += options_.reserve_bytes;
     // The working set of the last few chunks used, not of this moment alone: a GPT block straddles
     // two chunks and neighbouring moments alternate between them (and a chunk of small shared
@@ -396,6 +412,8 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
   for (int64_t id : to_host) {
     TORCH_CHECK(pinned.count(id) == 0, describe_moment(m), " both accesses chunk ", id,
                 " and sends it to the host");
+    TORCH_CHECK(!info(id).device_only, describe_moment(m), " sends chunk ", id,
+                " to the host but it never leaves the device");
     if (resident_.count(id) == 0) continue;
     TORCH_CHECK(mover.movable(id), describe_moment(m), " must send chunk ", id,
                 " to the host but a tensor in it is in use (COMPUTE)");
@@ -426,8 +444,8 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
     TORCH_CHECK(evict_to_fit(missing, budget, m, pinned, -1, mover), describe_moment(m), " needs ",
                 missing, " more chunk bytes on the device with ", resident_bytes_,
                 " resident and a budget of ", budget,
-                " bytes, but not enough resident chunks may move (in COMPUTE, or kept on the "
-                "device by the static policy)",
+                " bytes, but not enough resident chunks may move (in COMPUTE, kept on the "
+                "device by the static policy, or optimizer states that never leave it)",
                 has_trace_ ? std::string() : warmup_advice(resident_bytes_ + missing));
     for (int64_t id : accessed) {
       if (resident_.count(id) == 0) load(id, m, /*prefetch=*/false, mover);
@@ -469,7 +487,9 @@ void Scheduler::after_moment(int64_t m, ChunkMover& mover) {
     // Early offload: chunks whose device copy has no more use before the host needs them.
     const std::vector<int64_t> resident(resident_.begin(), resident_.end());
     for (int64_t id : resident) {
-      if (index_.host_before_use(id, m) && mover.movable(id)) evict(id, m, mover);
+      if (index_.host_before_use(id, m) && !info(id).device_only && mover.movable(id)) {
+        evict(id, m, mover);
+      }
     }
   } catch (const c10::OutOfMemoryError&) {
     stats_.optional_moves_refused += 1;

@@ -15,7 +15,11 @@ namespace {
 class FakeMover final : public ChunkMover {
  public:
   FakeMover(const std::map<int64_t, ChunkInfo>& chunks, double bandwidth_bytes_per_us)
-      : chunks_(chunks), bandwidth_bytes_per_us_(bandwidth_bytes_per_us) {}
+      : chunks_(chunks), bandwidth_bytes_per_us_(bandwidth_bytes_per_us) {
+    for (const auto& [id, chunk] : chunks_) {
+      if (chunk.device_only) resident_.insert(id);  // placed there before the first moment
+    }
+  }
   bool on_device(int64_t chunk_id) override { return resident_.count(chunk_id) != 0; }
   bool movable(int64_t) override { return true; }
   void to_device(int64_t chunk_id) override {
@@ -125,8 +129,14 @@ TrafficBound opt_traffic_bound(const Trace& trace, const std::map<int64_t, Chunk
   // Belady is deterministic given the resident set at the start of an iteration, so the figures
   // become periodic once an end state repeats; the bound is the mean over that period (rounded
   // down).
+  // Device-only chunks are there from the start and never leave.
   std::set<int64_t> resident;
   int64_t resident_bytes = 0;
+  for (const auto& [id, chunk] : chunks) {
+    if (!chunk.device_only) continue;
+    resident.insert(id);
+    resident_bytes += chunk.bytes;
+  }
   std::map<std::set<int64_t>, int64_t> seen_end_states;  // end state -> iteration
   std::vector<TrafficBound> per_iteration_figures;
   constexpr int64_t kMaxIterations = 256;
@@ -151,7 +161,7 @@ TrafficBound opt_traffic_bound(const Trace& trace, const std::map<int64_t, Chunk
         int64_t victim = -1;
         int64_t farthest = -1;
         for (int64_t id : resident) {
-          if (pinned.count(id) != 0) continue;
+          if (pinned.count(id) != 0 || chunks.at(id).device_only) continue;
           const int64_t use = next_use(id, m);
           if (use > farthest) {
             farthest = use;

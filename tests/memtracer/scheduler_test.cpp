@@ -598,5 +598,52 @@ TEST(Scheduler, WarmupWindowLeavesRoomForTheNonModelGrowth) {
   EXPECT_EQ(mover.resident, (std::set<int64_t>{1, 2, 3}));
 }
 
+// Chunks that never leave the device (optimizer states placed there at registration because the
+// host could not hold them): never evicted, whatever the policy's choice, and their bytes count
+// against every moment's budget, in the warm-up too.
+class SetMover final : public ChunkMover {
+ public:
+  bool on_device(int64_t id) override { return resident.count(id) != 0; }
+  bool movable(int64_t) override { return true; }
+  void to_device(int64_t id) override { resident.insert(id); }
+  void to_host(int64_t id) override { resident.erase(id); }
+  std::set<int64_t> resident;
+};
+
+TEST(Scheduler, DeviceOnlyChunksNeverLeaveAndShrinkTheBudget) {
+  std::map<int64_t, ChunkInfo> chunks = equal_chunks(4, 100);
+  chunks[3].device_only = true;  // never accessed: Belady and LRU would evict it first
+  for (EvictionPolicy policy : {EvictionPolicy::kOpt, EvictionPolicy::kLru}) {
+    SCOPED_TRACE(eviction_policy_name(policy));
+    SchedulerOptions options;
+    options.capacity_bytes = 300;
+    options.warmup_ratio = 0.1;  // a 30-byte share: the floor must make room for chunk 3 as well
+    options.policy = policy;
+    Scheduler scheduler(options, chunks);
+    SetMover mover;
+    mover.resident.insert(3);
+    const Trace trace = make_trace({{0}, {1}, {2}});
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      scheduler.begin_iteration();
+      for (int64_t m = 0; m < 3; ++m) {
+        scheduler.at_moment(m, MomentKind::kPreForward, trace.moments[m].chunk_ids, mover);
+        scheduler.after_moment(m, mover);
+        EXPECT_EQ(mover.resident.count(3), 1u) << "iteration " << iteration << " moment " << m;
+        EXPECT_LE(mover.resident.size(), 3u);
+      }
+      if (iteration == 0) scheduler.set_trace(trace, &mover);
+      scheduler.end_iteration();
+    }
+    EXPECT_GT(scheduler.history().back().evictions, 0) << "0, 1 and 2 share two slots";
+    for (const MoveEvent& move : scheduler.moves()) EXPECT_NE(move.chunk_id, 3);
+  }
+  // A moment whose chunks fit the device only without the device-only chunk: the trace is refused.
+  SchedulerOptions options;
+  options.capacity_bytes = 250;
+  Scheduler scheduler(options, chunks);
+  const std::string error = error_of([&] { scheduler.check_trace(make_trace({{0, 1}})); });
+  EXPECT_THAT(error, HasSubstr("100 bytes of chunks that never leave the device"));
+}
+
 }  // namespace
 }  // namespace patrickstar

@@ -130,6 +130,9 @@ struct RegistrationReport {
   int64_t model_data_bytes = 0;   // every payload of every kind this rank owns (all, one rank)
   // Of model_data_bytes: optimizer states kept in the disk tier's files (0 without one).
   int64_t disk_bytes = 0;
+  // Of model_data_bytes: optimizer states placed on the device for good because the host budget
+  // could not hold them (0 when it could; docs/design.md, "Host plus device").
+  int64_t device_state_bytes = 0;
   double model_data_bytes_per_param = 0;
   // Host memory during initialization: the peak of LibTorch's CPU allocations (through the
   // counting allocator) plus the host tier, over building the model (when initialize_engine built
@@ -376,6 +379,10 @@ class Engine final : public ModuleHookHandler {
   void note_memory(const std::string& moment);
   // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
   std::string describe_pinned() const;
+  // Registration: marks optimizer-state chunks to go to the device for good, covering `shortfall`
+  // bytes the host budget lacks, and sets registration_.device_state_bytes. Returns "" when it
+  // did (or the disk tier handles it), else why not, for the host-budget error.
+  std::string place_states_on_device(int64_t shortfall);
   IterationReport run_adam();
   // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
   // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
@@ -425,6 +432,10 @@ class Engine final : public ModuleHookHandler {
   int64_t open_moment_ = -1;  // the last moment, until close_moment()
   std::vector<bool> adam_on_device_;
   std::vector<bool> host_only_;  // per chunk index: a CPU embedding's chunk, never on the device
+  // Host plus device: per chunk id, an optimizer-state chunk placed on the device for good at
+  // registration; per chunk index, whether it has one (its Adam always runs on the device).
+  std::vector<bool> states_on_device_;
+  std::vector<bool> adam_device_only_;
   bool placement_decided_ = false;
   MoveCounters counters_at_iteration_start_;
   RegistrationReport registration_;

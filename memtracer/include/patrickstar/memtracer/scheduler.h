@@ -46,6 +46,9 @@
 //   bytes cross either way, but with asynchronous moves the copy runs during the rest of the
 //   backward instead of holding up the step. Issued after the moment's prefetches, which are
 //   needed sooner.
+// - Device-only chunks (ChunkInfo::device_only) are never evicted, whatever the policy would pick,
+//   and are never sent to the host. Their bytes count against every moment: check_trace refuses a
+//   moment whose chunks do not fit next to them, and the warm-up's floor includes them.
 // - Host moments. Chunks a moment needs on the host (the host-side Adam's gradients and weights)
 //   are moved there before the moment's loads, whatever the policy; prefetch never loads a chunk
 //   that must go to the host before its use.
@@ -85,6 +88,10 @@ struct SchedulerOptions {
 struct ChunkInfo {
   int64_t bytes = 0;
   bool static_on_device = false;  // kStatic: kept on the device (the engine marks param chunks)
+  // Never leaves the device, under every policy: it has no host home (optimizer states the engine
+  // placed there because the host budget could not hold them). The caller puts it on the device
+  // before the scheduler's first moment.
+  bool device_only = false;
 };
 
 // What the scheduler asks of the chunk store. The engine implements it; the simulator fakes it.

@@ -1,0 +1,85 @@
+// Host plus device at registration: when the host budget cannot hold the model data, optimizer
+// state chunks go to the device for good (docs/design.md, "Host plus device").
+#include "patrickstar/engine/engine.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace patrickstar {
+
+std::string Engine::place_states_on_device(int64_t shortfall) {
+  const int64_t n = store_->chunks_per_kind();
+  states_on_device_.assign(static_cast<size_t>(store_->chunk_count()), false);
+  adam_device_only_.assign(static_cast<size_t>(n), false);
+  // Where the states could not go, say why (the caller adds it to the host budget's error).
+  if (config_.offload_optimizer.nvme) {
+    return "";  // the disk tier's staging figure says it all
+  }
+  if (distributed()) {
+    return absl::StrCat("; with ", world_, " ranks no optimizer state is placed on the device at "
+                        "registration (one process only)");
+  }
+  if (config_.scheduler.policy == EvictionPolicy::kStatic) {
+    return "; the static policy keeps every optimizer state on the host (the opt and lru policies "
+           "place what the host cannot hold on the device)";
+  }
+  if (!config_.optimizer.use_hybrid_adam) {
+    return "; optimizer.params.use_hybrid_adam is false, so every optimizer state stays on the "
+           "host (with it, what the host cannot hold goes to the device)";
+  }
+  // Half the device at most: the rest is the moments' chunks and activations (the warm-up's trace
+  // check tells whether they fit next to these).
+  const int64_t usable = static_cast<int64_t>(std::floor(
+                             static_cast<double>(config_.device.capacity_bytes) *
+                             config_.mem_tracer.overall_gpu_mem_ratio)) -
+                         config_.scheduler.reserve_bytes;
+  const int64_t cap = usable / 2;
+  // A chunk at a time, from the last index down (the backward's first), variance, momentum, then
+  // the fp32 master: no more than the host lacks, rounded up to a chunk.
+  int64_t placed = 0;
+  for (int64_t index = n - 1; index >= 0 && placed < shortfall; --index) {
+    if (host_only_[static_cast<size_t>(index)]) continue;
+    for (ChunkKind kind : {ChunkKind::kVariance, ChunkKind::kMomentum, ChunkKind::kParamFp32}) {
+      if (placed >= shortfall || !store_->has_kind(kind)) continue;
+      const ChunkId id = store_->chunk_id(kind, index);
+      states_on_device_[static_cast<size_t>(id)] = true;
+      adam_device_only_[static_cast<size_t>(index)] = true;
+      placed += store_->chunk_bytes(id);
+    }
+  }
+  // Those indices' Adam runs on the device: at the step every kind of theirs is there at once.
+  int64_t step_bytes = 0;
+  for (int64_t index = 0; index < n; ++index) {
+    if (!adam_device_only_[static_cast<size_t>(index)]) continue;
+    for (int k = 0; k < kChunkKindCount; ++k) {
+      const auto kind = static_cast<ChunkKind>(k);
+      if (store_->has_kind(kind)) step_bytes += store_->chunk_bytes(store_->chunk_id(kind, index));
+    }
+  }
+  std::string why;
+  if (placed < shortfall) {
+    why = absl::StrCat("; every optimizer state on the device (", placed,
+                       " bytes) would still leave the host short");
+  } else if (placed > cap) {
+    why = absl::StrCat("; the host's shortfall of ", shortfall, " bytes takes ", placed,
+                       " bytes of optimizer-state chunks, but at most ", cap,
+                       " bytes of optimizer states on the device are allowed (half of the device's "
+                       "capacity_bytes x overall_gpu_mem_ratio - reserve_bytes)");
+  } else if (step_bytes > usable) {
+    why = absl::StrCat("; the ", placed, " bytes of optimizer states the host lacks would go to the "
+                       "device, but their chunk indices' Adam would then need ", step_bytes,
+                       " bytes of chunks on the device at the step (every kind of those indices), "
+                       "more than its ", usable, " usable bytes (a smaller chunk size helps)");
+  }
+  if (!why.empty()) {
+    states_on_device_.assign(states_on_device_.size(), false);
+    adam_device_only_.assign(adam_device_only_.size(), false);
+    return why;
+  }
+  registration_.device_state_bytes = placed;
+  return "";
+}
+
+}  // namespace patrickstar
