@@ -2,17 +2,17 @@
 // state chunks go to the device for good (docs/design.md, "Host plus device").
 #include "patrickstar/engine/engine.h"
 
-#include <cmath>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 
+#include "engine_internal.h"
+
 namespace patrickstar {
 
+// states_on_device_ and adam_device_only_ come sized, all false (register_parameters).
 std::string Engine::place_states_on_device(int64_t shortfall) {
   const int64_t n = store_->chunks_per_kind();
-  states_on_device_.assign(static_cast<size_t>(store_->chunk_count()), false);
-  adam_device_only_.assign(static_cast<size_t>(n), false);
   // Where the states could not go, say why (the caller adds it to the host budget's error).
   if (config_.offload_optimizer.nvme) {
     return "";  // the disk tier's staging figure says it all
@@ -31,10 +31,7 @@ std::string Engine::place_states_on_device(int64_t shortfall) {
   }
   // Half the device at most: the rest is the moments' chunks and activations (the warm-up's trace
   // check tells whether they fit next to these).
-  const int64_t usable = static_cast<int64_t>(std::floor(
-                             static_cast<double>(config_.device.capacity_bytes) *
-                             config_.mem_tracer.overall_gpu_mem_ratio)) -
-                         config_.scheduler.reserve_bytes;
+  const int64_t usable = engine_detail::usable_device_bytes(config_);
   const int64_t cap = usable / 2;
   // A chunk at a time, from the last index down (the backward's first), variance, momentum, then
   // the fp32 master: no more than the host lacks, rounded up to a chunk.

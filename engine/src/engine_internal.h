@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -95,6 +96,14 @@ class ScopeTimer {
   double& total_;
   std::chrono::steady_clock::time_point start_;
 };
+
+// The device bytes the engine plans with: capacity x overall_gpu_mem_ratio (rounded down) less
+// the scheduler's reserve, as the scheduler's budgets count them.
+inline int64_t usable_device_bytes(const Config& config) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(config.device.capacity_bytes) *
+                                         config.mem_tracer.overall_gpu_mem_ratio)) -
+         config.scheduler.reserve_bytes;
+}
 
 // Data parallel: the device memory of gathered comm groups (other ranks' param chunks, placed by
 // the doors, not by the scheduler) read as non-model memory on top of `base`, so the warm-up trace

@@ -21,10 +21,6 @@ void Engine::decide_adam_placement() {
   std::vector<int64_t> candidates;
   std::vector<int64_t> state_bytes;  // per candidate
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
-  int64_t device_only_bytes = 0;  // states placed on the device at registration, there for good
-  for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
-    if (states_on_device_[static_cast<size_t>(id)]) device_only_bytes += store_->chunk_bytes(id);
-  }
   for (int64_t i = 0; i < n; ++i) {
     if (host_only_[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
     if (adam_device_only_[i]) {               // its Adam runs on the device whatever the margin
@@ -46,12 +42,10 @@ void Engine::decide_adam_placement() {
   }
   // The margin: what the device keeps free even at the peak of activations with every parameter
   // chunk resident. Optimizer states placed there never need to move.
-  const int64_t planning = static_cast<int64_t>(std::floor(
-                               static_cast<double>(config_.device.capacity_bytes) *
-                               config_.mem_tracer.overall_gpu_mem_ratio)) -
-                           config_.scheduler.reserve_bytes;
+  // (States placed on the device at registration stay there: their bytes are not spare.)
   const int64_t margin = static_cast<int64_t>(
-      static_cast<double>(planning - peak_non_model - resident_model_bytes - device_only_bytes) *
+      static_cast<double>(usable_device_bytes(config_) - peak_non_model - resident_model_bytes -
+                          registration_.device_state_bytes) *
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
