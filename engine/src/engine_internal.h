@@ -25,9 +25,6 @@
 namespace patrickstar {
 namespace engine_detail {
 
-// A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
-// chunk slot while the parameter is in use; views that autograd saves share that storage object,
-// so they follow every re-pointing.
 // Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
 // states in this order stages each chunk of a disk tier once (first-fit placement puts later small
 // tensors into earlier chunks, so registration order jumps between chunks).
@@ -51,6 +48,9 @@ inline std::vector<size_t> chunk_order(const Layout& layout, const std::vector<T
   return order;
 }
 
+// A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
+// chunk slot while the parameter is in use; views that autograd saves share that storage object,
+// so they follow every re-pointing.
 inline c10::Storage storage_without_memory(int64_t nbytes) {
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
                       c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,
