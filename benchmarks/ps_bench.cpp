@@ -38,7 +38,9 @@ ABSL_FLAG(int64_t, batch, 4, "sequences per step");
 ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length)");
 ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
 ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
-ABSL_FLAG(std::string, device, "", "emulated:<bytes> (e.g. emulated:64MiB) or cuda");
+ABSL_FLAG(std::string, device, "",
+          "emulated:<bytes> (e.g. emulated:64MiB), cuda, or cuda:<bytes> (a cap below the GPU's "
+          "memory; cuda alone: the config's capacity_bytes, 4 GiB by default)");
 ABSL_FLAG(std::string, host_memory, "", "host capacity for chunks, e.g. 8GiB (default unlimited)");
 ABSL_FLAG(std::string, offload_nvme, "",
           "a folder for the disk tier: the host Adam's optimizer states live in files there "
@@ -172,12 +174,16 @@ ps::Config build_config() {
   }
   const std::string device = absl::GetFlag(FLAGS_device);
   if (!device.empty()) {
-    if (device == "cuda") {
+    if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
+      // cuda:<bytes> caps the device memory patrickstar plans with below the GPU's own.
       j["client"]["device"]["type"] = "cuda";
+      if (device != "cuda") {
+        j["client"]["device"]["capacity_bytes"] = ps::parse_byte_size(device.substr(5), "--device");
+      }
     } else {
       TORCH_CHECK(device.rfind("emulated:", 0) == 0,
-                  "--device: expected emulated:<bytes> (e.g. emulated:64MiB) or cuda, got \"",
-                  device, "\"");
+                  "--device: expected emulated:<bytes> (e.g. emulated:64MiB), cuda or "
+                  "cuda:<bytes>, got \"", device, "\"");
       j["client"]["device"]["type"] = "emulated";
       j["client"]["device"]["capacity_bytes"] = ps::parse_byte_size(device.substr(9), "--device");
     }
@@ -212,6 +218,27 @@ ps::Config build_config() {
   return merged;
 }
 
+// Step s's batch, where the trainer puts it: on the GPU with --device cuda (inputs are the
+// trainer's to move, as in LibTorch; a CPU embedding's door takes its token ids back to the host).
+c10::Device batch_device(const ps::Config& config) {
+  return config.device.type == ps::DeviceType::kCuda ? c10::Device(c10::kCUDA, 0)
+                                                     : c10::Device(c10::kCPU);
+}
+// A step's time includes its GPU work: kernels are asynchronous on CUDA.
+void finish_device_work(const ps::Config& config) {
+  if (config.device.type == ps::DeviceType::kCuda) torch::cuda::synchronize();
+}
+ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Config& config,
+                                int64_t batch, int64_t seq, uint64_t seed) {
+  ps::models::TokenBatch data = ps::models::random_tokens(spec, batch, seq, seed);
+  const c10::Device device = batch_device(config);
+  if (!device.is_cpu()) {
+    data.tokens = data.tokens.to(device);
+    data.targets = data.targets.to(device);
+  }
+  return data;
+}
+
 struct BaselineResult {
   std::vector<double> losses;
   double step_time_s = 0;
@@ -221,6 +248,7 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
                             int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print) {
   torch::manual_seed(seed);
   ps::models::Gpt model(spec);
+  model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
   const auto& o = config.optimizer;
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)
                                                      .betas({o.beta1, o.beta2})
@@ -229,12 +257,13 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
   BaselineResult r;
   std::vector<double> times;
   for (int64_t s = 0; s < steps; ++s) {
-    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
     const auto start = Clock::now();
     adamw.zero_grad();
     at::Tensor loss = model->loss(data.tokens, data.targets);
     loss.backward();
     adamw.step();
+    finish_device_work(config);
     const double t = seconds_since(start);
     r.losses.push_back(loss.item<double>());
     if (s > 0) times.push_back(t);
@@ -292,7 +321,7 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
     auto [model, optimizer] = build_engine(spec, config, seed);
     ps::Engine& engine = model.engine();
     for (int64_t s = 0; s < steps; ++s) {
-      auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+      auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
       optimizer.zero_grad();
       at::Tensor loss = model->loss(data.tokens, data.targets);
       model.backward(loss);
@@ -504,7 +533,7 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
   for (const Mode& m : modes) engines.push_back(build_engine(spec, m.config, seed));
   const size_t first_steady = 2;
   for (int64_t r = 0; r < steps; ++r) {
-    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(r));
+    auto data = batch_of(spec, base, batch, seq, seed + 1 + static_cast<uint64_t>(r));
     std::string line;
     for (size_t k = 0; k < modes.size(); ++k) {
       const size_t i = (static_cast<size_t>(r) + k) % modes.size();
@@ -658,7 +687,7 @@ int run() {
   std::vector<ps::IterationReport> reports;
   const int64_t rows = batch / world;  // this rank's rows of the global batch
   for (int64_t s = 0; s < steps; ++s) {
-    auto data = ps::models::random_tokens(spec, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
     const at::Tensor tokens = data.tokens.narrow(0, rank * rows, rows);
     const at::Tensor targets = data.targets.narrow(0, rank * rows, rows);
     const auto start = Clock::now();
@@ -666,6 +695,7 @@ int run() {
     at::Tensor loss = model->loss(tokens, targets);
     model.backward(loss);
     reports.push_back(optimizer.step());
+    finish_device_work(config);
     const double t = seconds_since(start);
     // The global batch's loss: the mean of the ranks' (equal row counts).
     losses.push_back(sum_over_ranks(*comm, {loss.item<double>()})[0] / world);

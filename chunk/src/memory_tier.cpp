@@ -3,11 +3,14 @@
 #include "patrickstar/chunk/allocation_faults.h"
 
 #include <ATen/Context.h>
-#include <ATen/core/CachingHostAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <cstring>
+
+#ifdef PATRICKSTAR_HAVE_CUDA
+#include "cuda/pinned_host.h"
+#endif
 
 namespace patrickstar {
 
@@ -186,25 +189,28 @@ HostTier::~HostTier() {
 }
 
 void* HostTier::raw_allocate(int64_t bytes, int64_t alignment) {
-  if (!pinned_) return aligned_system_alloc(bytes, alignment);
-  // The CUDA host allocator aligns to at least 512 bytes; keep the DataPtr to give the block back.
-  c10::DataPtr data = at::getHostAllocator(at::kCUDA)->allocate(static_cast<size_t>(bytes));
-  void* ptr = data.get();
-  if (ptr == nullptr) return nullptr;
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0,
-              "pinned host block ", ptr, " is not aligned to ", alignment, " bytes");
-  std::lock_guard<std::mutex> lock(pinned_mutex_);
-  pinned_blocks_.emplace(ptr, std::move(data));
-  return ptr;
+#ifdef PATRICKSTAR_HAVE_CUDA
+  if (pinned_) {
+    // Exactly `bytes` (LibTorch's pinned host allocator would round up to a power of two, which
+    // the tier's capacity would not see), page-aligned.
+    void* ptr = cuda_detail::pinned_host_allocate(bytes);
+    TORCH_CHECK(ptr == nullptr ||
+                    reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0,
+                "pinned host block ", ptr, " is not aligned to ", alignment, " bytes");
+    return ptr;
+  }
+#endif
+  return aligned_system_alloc(bytes, alignment);
 }
 
 void HostTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alignment*/) {
-  if (!pinned_) {
-    std::free(ptr);
+#ifdef PATRICKSTAR_HAVE_CUDA
+  if (pinned_) {
+    cuda_detail::pinned_host_free(ptr);
     return;
   }
-  std::lock_guard<std::mutex> lock(pinned_mutex_);
-  pinned_blocks_.erase(ptr);  // the DataPtr's deleter returns the block to the host allocator
+#endif
+  std::free(ptr);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -30,10 +30,14 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
   if (comm_ == nullptr) comm_ = make_local_communicator();
   rank_ = comm_->rank();
   world_ = comm_->world_size();
-  TORCH_CHECK(config_.device.type == DeviceType::kEmulated,
-              "patrickstar::Engine: device type \"cuda\" is not supported by the engine yet; this "
-              "build trains on the emulated device (\"client\": {\"device\": {\"type\": "
+  const std::string unavailable = device_unavailable_reason(config_);
+  TORCH_CHECK(unavailable.empty(), "patrickstar::Engine: device type \"cuda\": ", unavailable,
+              "; the emulated device trains on any machine (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
+  TORCH_CHECK(config_.device.type == DeviceType::kEmulated || world_ == 1,
+              "patrickstar::Engine: device type \"cuda\" with ", world_,
+              " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
+              "data parallel runs on the emulated device)");
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
   mixed_ = config_.precision() != Precision::kFp32;
@@ -41,9 +45,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
   CountingCpuAllocator& counter = CountingCpuAllocator::install();
   counter.reset_peak();
-  auto probe = std::make_unique<CpuMemoryProbe>(counter);
-  cpu_probe_ = probe.get();
-  probe_ = std::move(probe);
+  if (config_.device.type == DeviceType::kCuda) {
+    // On a GPU it is the caching allocator's: chunk payloads do not come from it (the CUDA tier
+    // allocates them itself), so everything it counts is non-model memory.
+    probe_ = make_cuda_memory_probe(0);
+    probe_->reset_peak();
+  } else {
+    auto probe = std::make_unique<CpuMemoryProbe>(counter);
+    cpu_probe_ = probe.get();
+    probe_ = std::move(probe);
+  }
   if (world_ > 1) {
     auto gathered = std::make_unique<GatheredBytesProbe>(std::move(probe_));
     gathered_probe_ = gathered.get();
@@ -167,7 +178,7 @@ void Engine::give_back_model(bool may_gather) {
         value = distributed()
                     ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
                           .view(p.tensor.sizes()).clone()
-                    : state_view(p.id, master).to(at::kFloat, /*non_blocking=*/false,
+                    : state_view(p.id, master).to(at::kCPU, at::kFloat, /*non_blocking=*/false,
                                                   /*copy=*/true);
       } catch (const std::exception&) {
         ++lost;
@@ -194,7 +205,16 @@ void Engine::give_back_model(bool may_gather) {
   }
   for (const at::Tensor& b : cast_buffers_) {
     try {
-      b.set_data(b.to(at::kFloat));
+      b.set_data(b.to(at::kCPU, at::kFloat));
+    } catch (const std::exception&) {
+      ++lost;
+    }
+  }
+  // On CUDA the other buffers come back to the CPU too, where the model was built.
+  for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
+    if (b.device().is_cpu()) continue;
+    try {
+      b.set_data(b.to(at::kCPU));
     } catch (const std::exception&) {
       ++lost;
     }
@@ -283,7 +303,7 @@ void Engine::register_parameters() {
                                     ? config_.device.host_capacity_bytes
                                     : MemoryTier::kUnlimited;
   host_ = std::make_unique<HostTier>(host_capacity);
-  device_ = std::make_unique<EmulatedDeviceTier>(config_.device.capacity_bytes);
+  device_ = make_device_tier(config_);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
   if (config_.scheduler.async_moves) {
     CopyQueueOptions queue_options;
@@ -393,7 +413,8 @@ void Engine::register_parameters() {
       Param& p = params_[static_cast<size_t>(id)];
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
-        p.tensor.set_data(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam).clone());
+        p.tensor.set_data(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam)
+                              .to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
       } catch (...) {
         all = false;
       }
@@ -433,8 +454,12 @@ void Engine::register_parameters() {
           if (mixed_) store_->view(p.id, ChunkKind::kParamFp32).copy_(t);
         }
         const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
-        p.live = storage_without_memory(nbytes);
-        p.fence = fence_storage(nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]));
+        // A CPU embedding's parameters compute on the host; the others where the device tier is.
+        const c10::Device where = host_only_[static_cast<size_t>(index)] ? c10::Device(c10::kCPU)
+                                                                        : device_->device();
+        p.live = storage_without_memory(nbytes, where);
+        p.fence = fence_storage(
+            nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]), where);
         t.set_data(tensor_over(p.fence, t.sizes(), half));
         moved.push_back(id);
       }
@@ -466,11 +491,13 @@ void Engine::register_parameters() {
   // Mixed precision: floating-point buffers (BatchNorm's running statistics) take the compute
   // dtype, as DeepSpeed's module.half()/bfloat16() does: LibTorch's operators want them to match
   // the half weights. The engine gives them back in fp32 when it goes.
-  if (mixed_) {
-    for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
-      if (b.scalar_type() != at::kFloat) continue;
-      b.set_data(b.to(half));
-      cast_buffers_.push_back(b);
+  // Buffers live where the model computes (on CUDA: the GPU; the engine gives them back on the
+  // CPU). Inputs are the trainer's to move, as in LibTorch.
+  for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
+    const bool cast = mixed_ && b.scalar_type() == at::kFloat;
+    if (cast) cast_buffers_.push_back(b);
+    if (cast || b.device() != device_->device()) {
+      b.set_data(b.to(device_->device(), cast ? half : b.scalar_type()));
     }
   }
 

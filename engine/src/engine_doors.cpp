@@ -15,6 +15,18 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
+namespace {
+// A module whose parameters are all a CPU embedding's computes on the host, wherever the device is.
+bool computes_on_host(const std::vector<TensorId>& params, const ChunkStore& store,
+                      const std::vector<bool>& host_only) {
+  if (params.empty()) return false;
+  for (TensorId id : params) {
+    if (!host_only[static_cast<size_t>(store.layout().placement(id).chunk_index)]) return false;
+  }
+  return true;
+}
+}  // namespace
+
 Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
   auto it = modules_.find(&module);
   if (it != modules_.end()) return *it->second;
@@ -43,7 +55,14 @@ void Engine::point_at_chunk(const Param& p) {
   const at::Tensor slot = store_->view(p.id, ChunkKind::kParam);
   TORCH_INTERNAL_ASSERT(store_->copy_complete(c), "parameter ", p.name, " points into ",
                         store_->describe(c), " while a copy of it is in flight");
-  repoint(p.live, slot.data_ptr());
+  if (slot.device() != p.live.device()) {
+    // Only an evaluation forward on CUDA gets here (a scheduled moment has the chunk on the
+    // device): compute reads a device copy of the slot, never host memory.
+    p.eval_copy = slot.to(p.live.device());
+    repoint(p.live, p.eval_copy.data_ptr());
+  } else {
+    repoint(p.live, slot.data_ptr());
+  }
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.live);
 }
 
@@ -54,6 +73,7 @@ void Engine::point_at_nothing(const Param& p) {
   if (p.gathered) return;  // a GatheredParameters scope holds it; its end gives it the fence
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.fence);
   repoint(p.live, nullptr);
+  p.eval_copy.reset();
 }
 
 void Engine::check_not_gathered(const ModuleInfo& module) const {
@@ -217,6 +237,7 @@ std::string Engine::describe_pinned() const {
 }
 
 int64_t Engine::pre_forward(torch::nn::Module& module) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   ModuleInfo& info = module_info(module);
   check_not_gathered(info);
   zero_grad_if_marker_reset();
@@ -291,6 +312,7 @@ void Engine::release(TensorId id, TensorState to) {
 }
 
 std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
   OpenScope& scope = scopes_[static_cast<size_t>(token)];
@@ -304,6 +326,13 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
         out = out.clone();
         break;
       }
+    }
+  }
+  // A CPU embedding on CUDA: its outputs go to the device (autograd brings their gradients back).
+  const c10::Device device = device_->device();
+  if (!device.is_cpu() && computes_on_host(scope.module->params, *store_, host_only_)) {
+    for (at::Tensor& out : outputs) {
+      if (out.defined()) out = out.to(device);
     }
   }
   // Only a training forward leaves a graph that will use the parameters again in backward.
@@ -322,6 +351,7 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
 }
 
 void Engine::forward_failed(int64_t token) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   const bool evaluation = token >= 0 && token < static_cast<int64_t>(scopes_.size()) &&
                           scopes_[static_cast<size_t>(token)].kind == ForwardKind::kEvaluation;
   post_forward(token, {});
@@ -333,6 +363,7 @@ void Engine::forward_failed(int64_t token) {
 }
 
 std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
   if (mixed_) {
@@ -346,6 +377,12 @@ std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tenso
     }
   }
   const OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  // A CPU embedding on CUDA reads its inputs (token ids) on the host.
+  if (!device_->device().is_cpu() && computes_on_host(scope.module->params, *store_, host_only_)) {
+    for (at::Tensor& x : inputs) {
+      if (x.defined()) x = x.to(at::kCPU);
+    }
+  }
   if (scope.kind != ForwardKind::kTraining || scope.module->params.empty()) return inputs;
   return with_pre_backward(inputs, hooks_, scope.module->post_hook_id);
 }

@@ -25,6 +25,7 @@ void Engine::recover_from_a_dead_backward(const char* where) {
 }
 
 void Engine::pre_backward(ModuleInfo& module) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   if (module.params.empty()) return;
   backward_started();
   check_not_gathered(module);
@@ -32,6 +33,7 @@ void Engine::pre_backward(ModuleInfo& module) {
 }
 
 void Engine::post_backward(ModuleInfo& module) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   post_backward_release(module);
   reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
 }
@@ -53,6 +55,7 @@ void Engine::post_backward_release(ModuleInfo& module) {
 }
 
 void Engine::on_gradient(TensorId id, const at::Tensor& param) {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   Param& p = params_[id];
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
@@ -190,6 +193,7 @@ void Engine::sync_trainable() {
 }
 
 void Engine::finish_backward() {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   flush_pending_gradients();
   // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
   for (Param& p : params_) {

@@ -51,34 +51,47 @@ inline std::vector<size_t> chunk_order(const Layout& layout, const std::vector<T
 // A storage object of `nbytes` without memory. The engine points a parameter's live storage at a
 // chunk slot while the parameter is in use; views that autograd saves share that storage object,
 // so they follow every re-pointing.
-inline c10::Storage storage_without_memory(int64_t nbytes) {
-  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
-                      c10::DataPtr(nullptr, c10::Device(c10::kCPU)), /*allocator=*/nullptr,
-                      /*resizable=*/false);
+// `device`: where the parameter computes (the CPU on the emulated device and for a CPU embedding,
+// the GPU on CUDA); the storage keeps it through every re-pointing.
+inline c10::Storage storage_without_memory(int64_t nbytes, c10::Device device) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::DataPtr(nullptr, device),
+                      /*allocator=*/nullptr, /*resizable=*/false);
 }
 
 // A storage object of `nbytes` whose data cannot be read: every access throws c10::Error with
 // `message` (LibTorch's own mechanism for storages without data).
-inline c10::Storage fence_storage(int64_t nbytes, std::string message) {
-  c10::Storage storage = storage_without_memory(nbytes);
+inline c10::Storage fence_storage(int64_t nbytes, std::string message, c10::Device device) {
+  c10::Storage storage = storage_without_memory(nbytes, device);
   storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
       std::move(message));
   return storage;
 }
 
-// A tensor of `sizes` and `dtype` over `storage` (which it shares).
+// A tensor of `sizes` and `dtype` over `storage` (which it shares), on the storage's device.
 inline at::Tensor tensor_over(const c10::Storage& storage, c10::IntArrayRef sizes,
                               at::ScalarType dtype) {
+  const c10::DispatchKey key =
+      storage.device().is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-      c10::scalarTypeToTypeMeta(dtype));
+      c10::Storage(storage), c10::DispatchKeySet(key), c10::scalarTypeToTypeMeta(dtype));
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
 }
 
 inline void repoint(const c10::Storage& storage, void* data) {
-  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
+  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(data, storage.device()));
 }
+
+// A copy of `t` in host memory (checkpoints and state dicts are host tensors on every device).
+inline at::Tensor host_copy(const at::Tensor& t) {
+  return t.to(at::kCPU, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+// The device tier `config` asks for: the emulated device (CPU memory with a hard capacity) or,
+// in builds with CUDA, a GPU's (compute_device.cpp: the engine's only CUDA-specific code).
+std::unique_ptr<MemoryTier> make_device_tier(const Config& config);
+// Empty when `config`'s device can be used here; else why not (no CUDA in this build, no GPU).
+std::string device_unavailable_reason(const Config& config);
 
 // Adds the wall time of its scope to `total` (the iteration report's collective time, the disk
 // tier's waits).

@@ -23,7 +23,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const 
   if (!distributed()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
     for (TensorId id : tensors_in_chunk_order(store_->layout())) {
-      values[static_cast<size_t>(id)] = state_view(id, master).clone();
+      values[static_cast<size_t>(id)] = host_copy(state_view(id, master));
     }
     finish_state_views();
     for (const Param& p : params_) out.emplace_back(p.name, values[static_cast<size_t>(p.id)]);
@@ -107,9 +107,9 @@ void Engine::save_checkpoint(const std::string& path) const {
   for (TensorId id : tensors_in_chunk_order(store_->layout())) {
     const Param& p = params_[static_cast<size_t>(id)];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
-    c.params[p.id] = {state_view(p.id, master).clone(),
-                      state_view(p.id, ChunkKind::kMomentum).clone(),
-                      state_view(p.id, ChunkKind::kVariance).clone()};
+    c.params[p.id] = {host_copy(state_view(p.id, master)),
+                      host_copy(state_view(p.id, ChunkKind::kMomentum)),
+                      host_copy(state_view(p.id, ChunkKind::kVariance))};
   }
   finish_state_views();
   std::string error;

@@ -49,7 +49,10 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   if (!distributed()) {
     values.resize(ids.size());
     for (size_t k : chunk_order(store_->layout(), ids)) {
-      values[k] = state_view(ids[k], master).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      // On the parameter's compute device (the GPU on CUDA), as the model's tensors would be.
+      values[k] = state_view(ids[k], master)
+                      .to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
+                          /*copy=*/true);
     }
     finish_state_views();
   } else {

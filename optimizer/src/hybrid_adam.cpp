@@ -1,5 +1,6 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/square.h>
 #include <ATen/ops/sum.h>
 #include <c10/util/Exception.h>
@@ -88,12 +89,27 @@ void* stream_for(const at::Tensor& t) {
 #endif
 }
 
-GradStats stats_of(const at::Tensor& grad) {
-  if (grad.device().is_cpu()) return grad_stats(grad);
-  // Device chunk: one reduction and one host sync per chunk (not per tensor).
-  GradStats stats;
-  stats.sum_squares = at::sum(at::square(grad.to(at::kDouble))).item<double>();
-  return stats;
+// The gradients' statistics over every chunk: the host kernel for chunks in host memory; on a GPU
+// one reduction per chunk, summed on the device and read once (one host synchronization per
+// step, not per chunk).
+GradStats stats_of(c10::ArrayRef<AdamChunk> chunks) {
+  GradStats total;
+  at::Tensor device_sum;
+  for (const AdamChunk& chunk : chunks) {
+    const at::Tensor& grad = grad_of(chunk);
+    if (grad.device().is_cpu()) {
+      total += grad_stats(grad);
+      continue;
+    }
+    const at::Tensor sum = at::sum(at::square(grad.to(at::kDouble)));
+    device_sum = device_sum.defined() ? at::add(device_sum, sum) : sum;
+  }
+  if (device_sum.defined()) {
+    GradStats on_device;
+    on_device.sum_squares = device_sum.item<double>();
+    total += on_device;
+  }
+  return total;
 }
 
 void restore_half(const AdamChunk& chunk) {
@@ -223,8 +239,7 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   StepReport report;
   report.loss_scale = loss_scaler_.scale();
 
-  GradStats total;
-  for (const auto& chunk : chunks) total += stats_of(grad_of(chunk));
+  GradStats total = stats_of(chunks);
   if (agree_) agree_(total);
 
   if (!total.finite()) {

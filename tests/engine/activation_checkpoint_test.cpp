@@ -20,6 +20,9 @@ using models::GptSpec;
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
+// On the emulated device, or on the CUDA engine with PATRICKSTAR_TEST_DEVICE=cuda.
+class ActivationCheckpoint : public OnTestDevice {};
+
 constexpr int kSteps = 20;
 
 struct EngineRun {
@@ -48,7 +51,7 @@ EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
   return run;
 }
 
-TEST(ActivationCheckpoint, RunsTheFunctionAgainInBackwardOnly) {
+TEST_F(ActivationCheckpoint, RunsTheFunctionAgainInBackwardOnly) {
   torch::manual_seed(0);
   at::Tensor w = torch::randn({3, 3}, torch::requires_grad());
   at::Tensor x = torch::randn({2, 3}, torch::requires_grad());
@@ -78,7 +81,7 @@ TEST(ActivationCheckpoint, RunsTheFunctionAgainInBackwardOnly) {
   EXPECT_EQ(calls, 6);
 }
 
-TEST(ActivationCheckpoint, PlainLibTorchGptGivesTheSameLossAndGradients) {
+TEST_F(ActivationCheckpoint, PlainLibTorchGptGivesTheSameLossAndGradients) {
   // Tolerance: 1e-6 relative. The recompute repeats the same kernels on the same values; only the
   // order in which a block input's two gradients (residual and LayerNorm path) are summed may
   // differ, which is fp32 rounding.
@@ -108,7 +111,7 @@ TEST(ActivationCheckpoint, PlainLibTorchGptGivesTheSameLossAndGradients) {
             << worst << "\n";
 }
 
-TEST(ActivationCheckpoint, EngineFp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
+TEST_F(ActivationCheckpoint, EngineFp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
   // Checkpointing frees activation memory for chunks: the device is smaller than EngineTraining's
   // so that chunks are still evicted every iteration.
   const std::vector<double> plain = train_plain(kSteps);
@@ -128,7 +131,7 @@ TEST(ActivationCheckpoint, EngineFp32MatchesPlainLibTorchWithEvictionsEveryItera
             << run.reports.back().evictions << "\n";
 }
 
-TEST(ActivationCheckpoint, LowersTheNonModelPeakTheEngineMeasures) {
+TEST_F(ActivationCheckpoint, LowersTheNonModelPeakTheEngineMeasures) {
   constexpr int kShortSteps = 3;  // the warm-up and two scheduled iterations
   const EngineRun full = train_engine(/*checkpointed=*/false, tight_config(), kShortSteps);
   const EngineRun dropped = train_engine(/*checkpointed=*/true, tight_config(), kShortSteps);
@@ -145,7 +148,7 @@ TEST(ActivationCheckpoint, LowersTheNonModelPeakTheEngineMeasures) {
   EXPECT_EQ(dropped.moments_per_iteration, full.moments_per_iteration + 6 * tiny(false).layers);
 }
 
-TEST(ActivationCheckpoint, Bf16TrainsThroughTheEngine) {
+TEST_F(ActivationCheckpoint, Bf16TrainsThroughTheEngine) {
   // The bound of EngineTraining.Bf16TracksFp32WithinTwoPercent: bf16 rounding, not checkpointing.
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_engine(
@@ -161,10 +164,10 @@ TEST(ActivationCheckpoint, Bf16TrainsThroughTheEngine) {
             << " over " << kSteps << " steps\n";
 }
 
-TEST(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
+TEST_F(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
   Gpt model = make_model(1, true);
   Engine engine(model.ptr(), tight_config());
-  auto batch = batch_of_step(0);
+  auto batch = on_test_device(batch_of_step(0));
   at::Tensor loss;
   {
     auto active = engine.activate();

@@ -167,5 +167,38 @@ TEST(EngineWarnings, AChunkSizeThatWastesMoreThanHalfIsReported) {
   }
 }
 
+// Where the CUDA engine cannot run (no GPU, or a build without CUDA), asking for it is refused at
+// construction with the reason, and the model is left as it was. (On a GPU scripts/gpu-check
+// trains through it instead.)
+TEST(CudaDevice, RefusedWithItsReasonWhereItCannotRun) {
+  if (torch::cuda::is_available()) {
+    GTEST_SKIP() << "a GPU is present, so the refusal cannot happen; scripts/gpu-check trains on it";
+  }
+  torch::nn::Sequential model = small_mlp();
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& p : model->parameters()) before.push_back(p.detach().clone());
+  const std::string error = error_of([&] {
+    Engine engine(model.ptr(), Config::from_string(R"({"client": {"device": {"type": "cuda"}}})"));
+  });
+#ifdef PATRICKSTAR_HAVE_CUDA
+  EXPECT_NE(error.find("device type \"cuda\": LibTorch sees no CUDA device"), std::string::npos)
+      << error;
+#else
+  EXPECT_NE(error.find("device type \"cuda\": this build of patrickstar has no CUDA support"),
+            std::string::npos)
+      << error;
+#endif
+  EXPECT_NE(error.find("\"type\": \"emulated\""), std::string::npos) << error;
+  // Untouched: the same fp32 CPU tensors, which plain LibTorch still trains.
+  const auto params = model->parameters();
+  ASSERT_EQ(params.size(), before.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(params[i].device().is_cpu());
+    EXPECT_TRUE(torch::equal(params[i], before[i])) << "parameter " << i;
+  }
+  torch::mse_loss(model->forward(torch::ones({2, 32})), torch::zeros({2, 8})).backward();
+  EXPECT_TRUE(params[0].grad().defined());
+}
+
 }  // namespace
 }  // namespace patrickstar

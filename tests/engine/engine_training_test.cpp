@@ -24,6 +24,9 @@ using models::GptSpec;
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
+// On the emulated device, or on the CUDA engine with PATRICKSTAR_TEST_DEVICE=cuda.
+class EngineTraining : public OnTestDevice {};
+
 constexpr int kSteps = 20;
 
 struct EngineRun {
@@ -48,7 +51,7 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
   EngineRun run;
   const int micro = config.gradient_accumulation_steps;
   for (int s = first_step; s < first_step + steps; ++s) {
-    auto batch = batch_of_step(s);
+    auto batch = on_test_device(batch_of_step(s));
     engine->zero_grad();
     double loss_sum = 0;
     for (int k = 0; k < micro; ++k) {
@@ -91,7 +94,7 @@ void expect_evictions_after_warmup(const EngineRun& run) {
   }
 }
 
-TEST(EngineTraining, Fp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
+TEST_F(EngineTraining, Fp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_engine(tight_config(), kSteps);
   ASSERT_EQ(run.losses.size(), plain.size());
@@ -106,7 +109,7 @@ TEST(EngineTraining, Fp32MatchesPlainLibTorchWithEvictionsEveryIteration) {
               max_relative_difference(run.losses, plain), kSteps);
 }
 
-TEST(EngineTraining, Fp32WithoutHybridAdamMatchesToo) {
+TEST_F(EngineTraining, Fp32WithoutHybridAdamMatchesToo) {
   const std::vector<double> plain = train_plain(kSteps);
   const EngineRun run = train_engine(
       tight_config(R"({"optimizer": {"params": {"use_hybrid_adam": false}}})"), kSteps);
@@ -114,7 +117,7 @@ TEST(EngineTraining, Fp32WithoutHybridAdamMatchesToo) {
   for (const auto& r : run.reports) EXPECT_EQ(r.adam.chunks_device, 0);
 }
 
-TEST(EngineTraining, HybridAdamRunsOnTheDeviceWhenTheModelFits) {
+TEST_F(EngineTraining, HybridAdamRunsOnTheDeviceWhenTheModelFits) {
   const std::vector<double> plain = train_plain(6);
   const EngineRun run = train_engine(
       tight_config(R"({"client": {"device": {"capacity_bytes": 268435456}}})"), 6);
@@ -134,7 +137,7 @@ TEST(EngineTraining, HybridAdamRunsOnTheDeviceWhenTheModelFits) {
 // mean is over iterations 2..9: iteration 1 still moves the warm-up's placement into the schedule.
 // The main job's target is <= 1.02x the bound; with unequal chunk sizes (bf16) the bound is
 // Belady by bytes, an estimate, and the same target is held.
-TEST(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
+TEST_F(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
   struct Case {
     const char* name;
     std::string extra;
@@ -173,7 +176,7 @@ TEST(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
 // and must load each at least once, while a steady iteration may load almost nothing). Keeping
 // only the current moment's chunks sent the two chunks a GPT block straddles back and forth at
 // every moment: 3.4x a steady iteration here in fp32 (issue: scale).
-TEST(EngineTraining, WarmupLoadsWithinTwiceASteadyIteration) {
+TEST_F(EngineTraining, WarmupLoadsWithinTwiceASteadyIteration) {
   struct Case {
     const char* name;
     std::string extra;
@@ -226,7 +229,7 @@ TEST(EngineTraining, WarmupLoadsWithinTwiceASteadyIteration) {
 
 // use_cpu_embedding: wte and wpe get chunks of their own that stay on the host (the embedding and
 // the tied LM head read them there; their Adam runs on the host). Training is unchanged.
-TEST(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
+TEST_F(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
   const std::vector<double> plain = train_plain(kSteps);
   const Config config = tight_config(R"({"use_cpu_embedding": true})");
   Gpt model = make_model(1);
@@ -261,14 +264,14 @@ TEST(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
   EXPECT_GE(run.reports.back().adam.chunks_host, 1);
 }
 
-TEST(EngineTraining, GradientAccumulationOfFourMicroBatchesEqualsOneBatchOfFour) {
+TEST_F(EngineTraining, GradientAccumulationOfFourMicroBatchesEqualsOneBatchOfFour) {
   const std::vector<double> plain = train_plain(8);
   const EngineRun run = train_engine(tight_config(R"({"gradient_accumulation_steps": 4})"), 8);
   // Losses are averaged over the micro-batches, gradients summed in another order: rounding only.
   EXPECT_LE(max_relative_difference(run.losses, plain), 1e-5);
 }
 
-TEST(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
+TEST_F(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
   // bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 0.2%) in weights, activations and
   // gradients; the fp32 master keeps the updates exact. Over 20 steps the loss stays within 2% of
   // fp32 training, which is what this test holds it to.
@@ -282,7 +285,7 @@ TEST(EngineTraining, Bf16TracksFp32WithinTwoPercent) {
   expect_evictions_after_warmup(run);
 }
 
-TEST(EngineTraining, Fp16WithDynamicLossScalingTracksFp32) {
+TEST_F(EngineTraining, Fp16WithDynamicLossScalingTracksFp32) {
   // fp16 keeps 11 significant bits; gradients are scaled by the loss scale (2^8 here, so the first
   // steps need not overflow) and unscaled inside the update. Any overflow skips a step, which
   // would move the curve away from fp32: the test holds fp16 to 2% of fp32 and checks the scale.
@@ -301,7 +304,7 @@ TEST(EngineTraining, Fp16WithDynamicLossScalingTracksFp32) {
               max_relative_difference(run.losses, plain), kSteps);
 }
 
-TEST(EngineTraining, ResumedRunContinuesBitExactly) {
+TEST_F(EngineTraining, ResumedRunContinuesBitExactly) {
   // Per process: ctest runs this test and its CPU-capability reruns at the same time.
   const std::string path =
       ::testing::TempDir() + "/ps_engine_resume_" + std::to_string(::getpid()) + ".pt";
@@ -317,7 +320,7 @@ TEST(EngineTraining, ResumedRunContinuesBitExactly) {
   std::remove(path.c_str());
 }
 
-TEST(EngineTraining, WeightsSaveAsAPlainLibTorchArchive) {
+TEST_F(EngineTraining, WeightsSaveAsAPlainLibTorchArchive) {
   const std::string path =
       ::testing::TempDir() + "/ps_engine_weights_" + std::to_string(::getpid()) + ".pt";
   Gpt model = make_model(1);

@@ -11,6 +11,7 @@
 
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
+#include "test_device.h"
 
 namespace patrickstar::test {
 
@@ -34,7 +35,17 @@ inline models::TokenBatch batch_of_step(int step) {
   return models::random_tokens(tiny(), kBatch, kSeq, 100 + step % 3);
 }
 
-// Small chunks (so there are several) and a device that holds only part of the model data.
+// A batch where the trainer puts it for the engine (the GPU under PATRICKSTAR_TEST_DEVICE=cuda).
+inline models::TokenBatch on_test_device(models::TokenBatch batch) {
+  if (!test_device().is_cpu()) {
+    batch.tokens = batch.tokens.to(test_device());
+    batch.targets = batch.targets.to(test_device());
+  }
+  return batch;
+}
+
+// Small chunks (so there are several) and a device that holds only part of the model data (on the
+// test device: tests/test_device.h).
 inline Config tight_config(const std::string& extra = "{}") {
   nlohmann::json j = {
       {"optimizer",
@@ -45,14 +56,16 @@ inline Config tight_config(const std::string& extra = "{}") {
        {{"device", {{"capacity_bytes", 1843200}}},
         {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", 0.7}, {"overall_gpu_mem_ratio", 1.0}}}}}};
   j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
+  Config config = Config::from_json(j);
+  use_test_device(config);
+  return config;
 }
 
 // One training step of `model` through `engine` on the batch of `step`: the forward under the
 // engine's doors, backward, step. Returns the step's report; the loss goes to *loss when given.
 inline IterationReport train_step(Engine& engine, models::Gpt& model, int step,
                                   double* loss = nullptr) {
-  auto batch = batch_of_step(step);
+  auto batch = on_test_device(batch_of_step(step));
   engine.zero_grad();
   at::Tensor out;
   {

@@ -17,7 +17,7 @@ struct CudaDeviceTier::CopyStream {
 
 CudaDeviceTier::CudaDeviceTier(int device_index, int64_t capacity_bytes)
     : MemoryTier(Tier::kDevice, "cuda:" + std::to_string(device_index), capacity_bytes,
-                 /*cache_blocks=*/false),  // the caching allocator caches already
+                 /*cache_blocks=*/false),  // freed payloads are the activations' room
       device_index_(device_index) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   copy_stream_ = std::make_unique<CopyStream>(
@@ -42,13 +42,23 @@ c10::Device CudaDeviceTier::device() const {
 
 void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  // Payloads come from cudaMalloc, not from LibTorch's caching allocator: its statistics are then
+  // exactly the non-model memory the tracer measures, and a freed payload goes back to the device
+  // at once, where the schedule counted on it for activations.
   void* ptr = nullptr;
-  try {
-    ptr = c10::cuda::CUDACachingAllocator::raw_alloc(static_cast<size_t>(bytes));
-  } catch (const c10::OutOfMemoryError&) {
+  cudaError_t status = cudaMalloc(&ptr, static_cast<size_t>(bytes));
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // clear it
+    // Blocks the caching allocator keeps for reuse are free memory to the schedule: release them.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    status = cudaMalloc(&ptr, static_cast<size_t>(bytes));
+  }
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
     return nullptr;  // MemoryTier::allocate turns this into its own out-of-memory error
   }
-  // The caching allocator aligns blocks to 512 bytes.
+  C10_CUDA_CHECK(status);
+  // cudaMalloc aligns to at least 256 bytes.
   TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0,
               "CUDA block ", ptr, " is not aligned to ", alignment, " bytes");
   return ptr;
@@ -56,7 +66,7 @@ void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
 
 void CudaDeviceTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alignment*/) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  c10::cuda::CUDACachingAllocator::raw_delete(ptr);
+  C10_CUDA_CHECK(cudaFree(ptr));  // synchronizes the device: no queued kernel still reads it
 }
 
 void CudaDeviceTier::copy(void* dst, const void* src, int64_t bytes, CopyDirection direction) {

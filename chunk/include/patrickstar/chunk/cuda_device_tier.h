@@ -1,10 +1,11 @@
-// The CUDA device tier: payloads from LibTorch's CUDA caching allocator, copies on a dedicated copy
-// stream ordered after the current stream's work with events. Only in builds with CUDA
-// (PATRICKSTAR_HAVE_CUDA defined); compiled in CI, run only where a GPU is present.
-// Thread-safe like every MemoryTier; owns its stream handle and events.
+// The CUDA device tier: payloads from cudaMalloc (outside LibTorch's caching allocator, retried
+// once after emptying its cache), copies on a dedicated copy stream ordered after the current
+// stream's work with events. Only in builds with CUDA (PATRICKSTAR_HAVE_CUDA defined); compiled in
+// CI, run only where a GPU is present. Thread-safe like every MemoryTier; owns its stream handle
+// and events.
 //
-// Note for the memory tracer: the caching allocator's allocated_bytes statistic includes these
-// payloads; non-model bytes on CUDA are that statistic minus used_bytes() of this tier.
+// Note for the memory tracer: the caching allocator's allocated_bytes statistic does not include
+// these payloads, so on CUDA it is the non-model memory as it stands.
 #pragma once
 
 #include "patrickstar/chunk/memory_tier.h"

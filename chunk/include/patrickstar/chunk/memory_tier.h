@@ -110,8 +110,9 @@ class MemoryTier {
   int64_t peak_reserved_bytes_ = 0;
 };
 
-// Host memory: pinned through LibTorch's CUDA host allocator when this build has CUDA and a GPU is
-// present (and pinning is not switched off), plain aligned memory otherwise.
+// Host memory: pinned (cudaHostAlloc, exactly the size asked for, back to the system when freed)
+// when this build has CUDA and a GPU is present (and pinning is not switched off), plain aligned
+// memory otherwise.
 class HostTier final : public MemoryTier {
  public:
   enum class Pinning : uint8_t { kAuto, kNever };
@@ -128,8 +129,6 @@ class HostTier final : public MemoryTier {
 
  private:
   bool pinned_ = false;
-  std::mutex pinned_mutex_;
-  std::unordered_map<void*, c10::DataPtr> pinned_blocks_;  // pinned blocks keep their DataPtr
 };
 
 // The emulated device: CPU memory with a hard capacity, standing in for a GPU. Copies are memcpy.

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -272,6 +273,9 @@ class Engine final : public ModuleHookHandler {
     int segments = 0;
     int64_t last_segment = -1;
     at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
+    // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
+    // (the schedule is not followed outside training; the copy goes when the door closes).
+    mutable at::Tensor eval_copy;
     // Data parallel: gradients written this backward (the group is reduced once every trainable
     // tensor of it has `segments` of them), and whether a door used it since its group's gather.
     int grads_this_backward = 0;
@@ -416,6 +420,11 @@ class Engine final : public ModuleHookHandler {
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<HybridAdam> adam_;
   HookTable hooks_;
+  // Held by every entry point autograd or a door calls (the doors, the backward hooks, gradients,
+  // the end of backward): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
+  // work on different threads, and the engine's state is one thread's at a time. Recursive: a
+  // checkpoint's recompute opens doors from inside a backward hook's work.
+  std::recursive_mutex entry_mutex_;
 
   Phase phase_ = Phase::kIdle;
   bool in_iteration_ = false;

@@ -42,9 +42,9 @@ class CpuMemoryProbe final : public MemoryProbe {
   int64_t floor_bytes_ = 0;
 };
 
-// CUDA: the caching allocator's allocated_bytes (aggregate pool) of `device`. Chunk payloads
-// allocated through the caching allocator are counted there too: the engine subtracts its own chunk
-// bytes. Throws c10::Error when the library was built without CUDA.
+// CUDA: the caching allocator's allocated_bytes (aggregate pool) of `device`: non-model memory,
+// since the CUDA device tier allocates chunk payloads outside that allocator (cudaMalloc). Throws
+// c10::Error when the library was built without CUDA.
 std::unique_ptr<MemoryProbe> make_cuda_memory_probe(c10::DeviceIndex device);
 
 // True when make_cuda_memory_probe is available in this build.

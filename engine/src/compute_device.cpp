@@ -1,0 +1,40 @@
+// Where the engine computes: the emulated device (CPU memory with a hard capacity; every test) or,
+// in builds with CUDA, GPU 0. The engine's only CUDA-specific decisions are here and in the tier
+// and probe it picks (chunk/src/cuda, memtracer/src/cuda); the rest reads the tier's device().
+#include <torch/cuda.h>
+
+#include <memory>
+#include <string>
+
+#include "patrickstar/chunk/cuda_device_tier.h"
+#include "patrickstar/chunk/memory_tier.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar::engine_detail {
+
+std::string device_unavailable_reason(const Config& config) {
+  if (config.device.type == DeviceType::kEmulated) return "";
+#ifndef PATRICKSTAR_HAVE_CUDA
+  return "this build of patrickstar has no CUDA support (configure with -DPATRICKSTAR_CUDA=ON and "
+         "the CUDA toolkit)";
+#else
+  if (!torch::cuda::is_available()) {
+    return "LibTorch sees no CUDA device on this machine (torch::cuda::is_available() is false)";
+  }
+  return "";
+#endif
+}
+
+std::unique_ptr<MemoryTier> make_device_tier(const Config& config) {
+  if (config.device.type == DeviceType::kEmulated) {
+    return std::make_unique<EmulatedDeviceTier>(config.device.capacity_bytes);
+  }
+#ifdef PATRICKSTAR_HAVE_CUDA
+  return std::make_unique<CudaDeviceTier>(/*device_index=*/0, config.device.capacity_bytes);
+#else
+  TORCH_CHECK(false, "patrickstar: internal: a CUDA device tier in a build without CUDA");
+#endif
+}
+
+}  // namespace patrickstar::engine_detail
