@@ -22,6 +22,12 @@ std::string device_unavailable_reason(const Config& config) {
   if (!torch::cuda::is_available()) {
     return "LibTorch sees no CUDA device on this machine (torch::cuda::is_available() is false)";
   }
+  const int64_t total = CudaDeviceTier::total_memory_bytes(0);
+  if (config.device.capacity_bytes > total) {
+    return "client.device.capacity_bytes is " + std::to_string(config.device.capacity_bytes) +
+           " bytes, more than GPU 0's " + std::to_string(total) +
+           " (it caps what patrickstar plans with; set it to at most the GPU's memory)";
+  }
   return "";
 #endif
 }

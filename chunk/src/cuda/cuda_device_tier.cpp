@@ -36,6 +36,14 @@ CudaDeviceTier::~CudaDeviceTier() {
   }
 }
 
+int64_t CudaDeviceTier::total_memory_bytes(int device_index) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  size_t free = 0;
+  size_t total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return static_cast<int64_t>(total);
+}
+
 c10::Device CudaDeviceTier::device() const {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index_));
 }

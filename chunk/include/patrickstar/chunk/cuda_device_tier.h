@@ -23,6 +23,9 @@ class CudaDeviceTier final : public MemoryTier {
   ~CudaDeviceTier() override;
 
   c10::Device device() const override;
+  // The memory of CUDA device `device_index` (cudaMemGetInfo's total), for checks against a
+  // configured capacity.
+  static int64_t total_memory_bytes(int device_index);
   // Waits for the current stream's queued work (an event), copies on the copy stream, makes the
   // current stream wait for the copy and returns once the copy is complete (so the caller may
   // free the source).
