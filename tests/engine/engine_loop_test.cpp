@@ -23,6 +23,11 @@ using test::seeded_net;
 using test::small_device;
 using test::target_of;
 
+// On the emulated device, or on the CUDA engine with PATRICKSTAR_TEST_DEVICE=cuda (the engine's
+// nets get their batches on test::test_device(); the plain twins stay on the CPU).
+class EngineLoop : public test::OnTestDevice {};
+using test::test_device;
+
 double evaluate(Net& model) {
   torch::NoGradGuard no_grad;
   model->eval();
@@ -31,7 +36,7 @@ double evaluate(Net& model) {
   return loss;
 }
 
-TEST(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
+TEST_F(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
   // The plain trainer.
   Net plain = seeded_net();
   torch::optim::Adam adam = plain_adam(plain->parameters());
@@ -61,7 +66,7 @@ TEST(EngineLoop, HelpersTakeTheUsersNetAndPlainBackwardDrivesTheEngine) {
   EXPECT_EQ(engine_model.engine().retrace_count(), 0);
 }
 
-TEST(EngineLoop, SeveralBackwardCallsBeforeAStepAccumulate) {
+TEST_F(EngineLoop, SeveralBackwardCallsBeforeAStepAccumulate) {
   // fp32 keeps a gradient space: two backward passes add up before the step, as in LibTorch.
   Net plain = seeded_net();
   torch::optim::Adam adam = plain_adam(plain->parameters());
@@ -94,7 +99,7 @@ struct StudentImpl : torch::nn::Module {
     at::Tensor hint;
     {
       torch::NoGradGuard no_grad;
-      hint = teacher->forward(x);
+      hint = teacher->forward(x.to(at::kCPU)).to(x.device());  // the teacher stays on the CPU
     }
     return patrickstar::call(fc, x) + hint;
   }
@@ -102,7 +107,7 @@ struct StudentImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
-TEST(EngineLoop, APlainModuleOfTheSameClassIsAPlainCall) {
+TEST_F(EngineLoop, APlainModuleOfTheSameClassIsAPlainCall) {
   torch::manual_seed(2);
   Net teacher;  // stays a plain LibTorch module
   torch::manual_seed(3);
@@ -114,7 +119,8 @@ TEST(EngineLoop, APlainModuleOfTheSameClassIsAPlainCall) {
   EXPECT_EQ(engine.registration().tensors, 2) << "only the student's own parameters";
   for (int s = 0; s < 4; ++s) {
     engine.zero_grad();
-    at::Tensor loss = torch::mse_loss(student->forward(input_of(s)), target_of(s));
+    at::Tensor loss = torch::mse_loss(student->forward(input_of(s).to(test_device())),
+                                      target_of(s).to(test_device()));
     loss.backward();
     engine.step();
     adam.zero_grad();
@@ -155,7 +161,7 @@ struct TaggerImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
-TEST(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
+TEST_F(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
   auto batch = [](int s) {
     torch::manual_seed(40 + s);
     return torch::randn({2, 8, 16});
@@ -168,7 +174,7 @@ TEST(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
   Engine engine(model, small_device());
   for (int s = 0; s < 5; ++s) {
     engine.zero_grad();
-    at::Tensor loss = model->forward(batch(s)).pow(2).mean();
+    at::Tensor loss = model->forward(batch(s).to(test_device())).pow(2).mean();
     loss.backward();
     engine.step();
     adam.zero_grad();
@@ -179,7 +185,7 @@ TEST(EngineLoop, OutputsThatAliasAParameterStayValidAfterTheDoorCloses) {
   }
 }
 
-TEST(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
+TEST_F(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
   Net net = seeded_net();
   std::vector<std::pair<std::string, at::Tensor>> weights;
   {
@@ -187,7 +193,8 @@ TEST(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
     for (int s = 0; s < 3; ++s) {
       engine.zero_grad();
       at::Tensor loss =
-          torch::mse_loss(net->forward(input_of(s).to(at::kBFloat16)).to(at::kFloat), target_of(s));
+          torch::mse_loss(net->forward(input_of(s).to(test_device(), at::kBFloat16)).to(at::kFloat),
+                          target_of(s).to(test_device()));
       loss.backward();
       engine.step();
     }
@@ -207,26 +214,26 @@ TEST(EngineLoop, DestroyingTheEngineGivesTheModelBackWithItsFp32Weights) {
   EXPECT_FALSE(torch::equal(net->named_parameters()["fc1.weight"], weights[0].second));
 }
 
-TEST(EngineLoop, FloatInputsAreCastToTheComputeDtype) {
+TEST_F(EngineLoop, FloatInputsAreCastToTheComputeDtype) {
   for (const std::string precision : {"bf16", "fp16"}) {
     Net plain = seeded_net();
     Net net = seeded_net();
     const std::string extra = "{\"" + precision + "\": {\"enabled\": true}}";
     auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device(extra));
     optimizer.zero_grad();
-    at::Tensor out = net->forward(input_of(0));  // float32 in, as the plain trainer passes it
+    at::Tensor out = net->forward(input_of(0).to(test_device()));  // float32, as a plain trainer
     EXPECT_EQ(out.scalar_type(), precision == "bf16" ? at::kBFloat16 : at::kHalf);
     at::Tensor expected = plain->forward(input_of(0));
-    EXPECT_TRUE(torch::allclose(out.to(at::kFloat), expected, 5e-2, 5e-2)) << precision;
+    EXPECT_TRUE(torch::allclose(out.to(at::kCPU, at::kFloat), expected, 5e-2, 5e-2)) << precision;
     // Integer inputs are left alone (an embedding's indices).
     torch::nn::Embedding table(10, 4);
     auto [emb, emb_optimizer] = initialize_engine([&] { return table; }, 0, small_device(extra));
-    EXPECT_EQ(patrickstar::call(table, torch::tensor({1, 2, 3})).scalar_type(),
+    EXPECT_EQ(patrickstar::call(table, torch::tensor({1, 2, 3}).to(test_device())).scalar_type(),
               precision == "bf16" ? at::kBFloat16 : at::kHalf);
   }
 }
 
-TEST(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIteration) {
+TEST_F(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIteration) {
   Net net = seeded_net();
   net->fc2->weight.requires_grad_(false);  // frozen at registration
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
@@ -251,7 +258,7 @@ TEST(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIterati
   EXPECT_FALSE(torch::equal(fc2_weight(), frozen)) << "the unfrozen parameter never trained";
 }
 
-TEST(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
+TEST_F(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
   // An accuracy helper that switches the model to eval() but forgets torch::NoGradGuard: its
   // forward runs in grad mode, and its output is dropped without a backward.
   auto accuracy_without_no_grad = [](Net& model) {

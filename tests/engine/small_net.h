@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "patrickstar/patrickstar.h"
+#include "test_device.h"
 
 namespace patrickstar::test {
 
@@ -48,18 +49,23 @@ inline torch::optim::Adam plain_adam(std::vector<at::Tensor> parameters) {
   return torch::optim::Adam(std::move(parameters), torch::optim::AdamOptions(1e-2));
 }
 
-// Adam at lr 1e-2, chunks of 600 elements, a 64 KiB emulated device; `extra` is merged in.
+// Adam at lr 1e-2, chunks of 600 elements, a 64 KiB device (on the test device:
+// tests/test_device.h); `extra` is merged in.
 inline Config small_device(const std::string& extra = "{}") {
   nlohmann::json j = {{"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-2}}}}},
                       {"default_chunk_size", 600},
                       {"client", {{"device", {{"capacity_bytes", 65536}}}}}};
   j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
+  Config config = Config::from_json(j);
+  use_test_device(config);
+  return config;
 }
 
-// A helper as a LibTorch trainer writes it: it takes the user's own module.
+// A helper as a LibTorch trainer writes it: it takes the user's own module and puts the batch
+// where the module's parameters are (the GPU for the engine on CUDA, the CPU for a plain twin).
 inline at::Tensor compute_loss(Net& model, int step) {
-  return torch::mse_loss(model->forward(input_of(step)), target_of(step));
+  const c10::Device device = model->fc1->weight.device();
+  return torch::mse_loss(model->forward(input_of(step).to(device)), target_of(step).to(device));
 }
 
 }  // namespace patrickstar::test
