@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
 #include "gpu_prediction.h"
@@ -516,16 +517,24 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
     nlohmann::json j = base.to_json();
     j["client"]["scheduler"]["async_moves"] = m.name != "sync";
     if (m.name == "resident") {
-      j["client"]["device"]["capacity_bytes"] = int64_t{64} << 30;  // holds any model here
+      // Holds any model here; on a GPU, all of its memory (the engine refuses more than it has).
+      int64_t resident = int64_t{64} << 30;
+#ifdef PATRICKSTAR_HAVE_CUDA
+      if (base.device.type == ps::DeviceType::kCuda) {
+        resident = ps::CudaDeviceTier::total_memory_bytes(0);
+      }
+#endif
+      j["client"]["device"]["capacity_bytes"] = resident;
     }
     m.config = ps::Config::from_json(j);
   }
   std::printf("compare-moves: %s, %lld parameters, %s, batch %lld, seq %lld, %lld rounds, device "
-              "%s (resident: 64 GiB), %d intra-op threads\n",
+              "%s (resident: %s), %d intra-op threads\n",
               spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
               std::string(ps::to_string(base.precision())).c_str(), static_cast<long long>(batch),
               static_cast<long long>(seq), static_cast<long long>(steps),
               mib(static_cast<double>(base.device.capacity_bytes)).c_str(),
+              mib(static_cast<double>(modes[0].config.device.capacity_bytes)).c_str(),
               torch::get_num_threads());
   std::fflush(stdout);
   // Three engines side by side (each registers its own copy of the model).
@@ -543,6 +552,7 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
       at::Tensor loss = model->loss(data.tokens, data.targets);
       model.backward(loss);
       const ps::IterationReport report = optimizer.step();
+      finish_device_work(base);
       const double t = seconds_since(start);
       Mode& m = modes[i];
       m.losses.push_back(loss.item<double>());

@@ -8,11 +8,13 @@
 #include <c10/core/Device.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <torch/torch.h>
 
 #include <cstdlib>
 #include <string>
 
 #include "patrickstar/engine/config.h"
+#include "patrickstar/memtracer/memory_probe.h"
 
 namespace patrickstar::test {
 
@@ -54,9 +56,30 @@ inline c10::Device test_device() {
   return on_cuda() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
 }
 
-// `config` on the test device (its capacity stays what the test chose).
+// On CUDA: the device bytes LibTorch keeps allocated once a matmul has run forward and backward
+// (the cuBLAS workspaces of the calling thread and of autograd's device thread, several MiB each),
+// which the engine's probe counts as non-model memory at every moment. The tests' capacities were
+// sized on the emulated device, which has no such thing; on CUDA they get this much more. 0 on the
+// emulated device.
+inline int64_t cuda_allowance_bytes() {
+  if (!on_cuda()) return 0;
+  static const int64_t allowance = [] {
+    {
+      const at::Tensor a = torch::ones({64, 64}, torch::device(torch::kCUDA).requires_grad(true));
+      torch::mm(a, a).sum().backward();
+    }
+    torch::cuda::synchronize();
+    return make_cuda_memory_probe(0)->live_bytes();
+  }();
+  return allowance;
+}
+
+// `config` on the test device; on CUDA its capacity grows by cuda_allowance_bytes().
 inline Config& use_test_device(Config& config) {
-  if (on_cuda()) config.device.type = DeviceType::kCuda;
+  if (on_cuda()) {
+    config.device.type = DeviceType::kCuda;
+    config.device.capacity_bytes += cuda_allowance_bytes();
+  }
   return config;
 }
 

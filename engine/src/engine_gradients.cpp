@@ -9,6 +9,7 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void Engine::backward_started() {
+  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
   if (in_backward_) return;
   zero_grad_if_marker_reset();
   in_backward_ = true;

@@ -57,7 +57,9 @@ void write_module(const torch::nn::Module& module, const std::string& prefix,
   for (const auto& item : module.named_buffers(/*recurse=*/false)) {
     // Buffers the engine cast to the compute dtype are saved in fp32, as the parameters are.
     const at::Tensor& b = item.value();
-    archive.write(item.key(), cast.count(b.unsafeGetTensorImpl()) ? b.to(at::kFloat) : b,
+    // Host tensors on every device (on CUDA the buffers live on the GPU).
+    archive.write(item.key(),
+                  b.to(at::kCPU, cast.count(b.unsafeGetTensorImpl()) ? at::kFloat : b.scalar_type()),
                   /*is_buffer=*/true);
   }
   for (const auto& child : module.named_children()) {

@@ -74,7 +74,9 @@ void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
 
 void CudaDeviceTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alignment*/) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  C10_CUDA_CHECK(cudaFree(ptr));  // synchronizes the device: no queued kernel still reads it
+  // Synchronizes the device: no queued kernel still reads it. Warns, never throws: this runs from
+  // the tier's destructor, maybe after an earlier CUDA error (whose own message must survive).
+  C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 
 void CudaDeviceTier::copy(void* dst, const void* src, int64_t bytes, CopyDirection direction) {

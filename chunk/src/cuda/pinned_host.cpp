@@ -23,7 +23,8 @@ void* pinned_host_allocate(int64_t bytes) {
 }
 
 void pinned_host_free(void* ptr) {
-  C10_CUDA_CHECK(cudaFreeHost(ptr));  // waits for copies still reading or writing it
+  // Waits for copies still reading or writing it. Warns, never throws (a destructor's path).
+  C10_CUDA_CHECK_WARN(cudaFreeHost(ptr));
 }
 
 }  // namespace patrickstar::cuda_detail
