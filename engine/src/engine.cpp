@@ -178,8 +178,7 @@ void Engine::give_back_model(bool may_gather) {
         value = distributed()
                     ? masters[where.chunk_index].narrow(0, where.offset_elems, where.numel)
                           .view(p.tensor.sizes()).clone()
-                    : state_view(p.id, master).to(at::kCPU, at::kFloat, /*non_blocking=*/false,
-                                                  /*copy=*/true);
+                    : host_copy(state_view(p.id, master));
       } catch (const std::exception&) {
         ++lost;
       }
@@ -413,8 +412,8 @@ void Engine::register_parameters() {
       Param& p = params_[static_cast<size_t>(id)];
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
-        p.tensor.set_data(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam)
-                              .to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+        p.tensor.set_data(
+            host_copy(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam)));
       } catch (...) {
         all = false;
       }

@@ -421,7 +421,7 @@ class Engine final : public ModuleHookHandler {
   std::unique_ptr<HybridAdam> adam_;
   HookTable hooks_;
   // Held by every entry point autograd or a door calls (the doors, the backward hooks, gradients,
-  // the end of backward): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
+  // a backward's start and end): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
   // work on different threads, and the engine's state is one thread's at a time. Recursive: a
   // checkpoint's recompute opens doors from inside a backward hook's work.
   std::recursive_mutex entry_mutex_;
