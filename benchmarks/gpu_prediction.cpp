@@ -54,7 +54,7 @@ std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& mo
         for (int64_t id : m.chunk_ids) c.device_bytes += 2.0 * static_cast<double>(store.chunk_bytes(id));
         for (int64_t id : m.host_chunk_ids) {
           if (store.kind_of(id) == ChunkKind::kParam) {
-            c.host_adam_params += static_cast<double>(store.chunk_elems());
+            c.host_adam_params += static_cast<double>(store.chunk(id).capacity_elems);
           }
         }
         break;

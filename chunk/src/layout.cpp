@@ -38,6 +38,10 @@ class FirstFitTree {
   }
 
   int64_t chunk_count() const { return chunk_count_; }
+  // Elements placed in chunk `chunk` so far (0 for a chunk not opened).
+  int64_t used(int64_t chunk) const {
+    return chunk_elems_ - room_[static_cast<size_t>(leaves_ + chunk)];
+  }
 
  private:
   int64_t chunk_elems_;
@@ -88,27 +92,49 @@ TensorId Layout::add_tensor(std::string_view name, c10::IntArrayRef sizes, int g
   return id;
 }
 
+int64_t Layout::tail_capacity(int64_t used_elems, int64_t chunk_elems) {
+  return std::min(chunk_elems, round_up_to(std::max<int64_t>(1, used_elems), kTailRoundElems));
+}
+
 PackingResult Layout::pack(std::span<const int64_t> numels, int64_t chunk_elems,
-                           int64_t world_size) {
+                           int64_t world_size, std::span<const int> groups) {
   TORCH_CHECK(chunk_elems > 0, "Layout: chunk size must be positive, got ", chunk_elems);
   TORCH_CHECK(world_size >= 1, "Layout: world_size must be >= 1, got ", world_size);
-  FirstFitTree tree(std::max<int64_t>(1, static_cast<int64_t>(numels.size())), chunk_elems);
-  int64_t total = 0;
-  for (int64_t n : numels) {
-    TORCH_CHECK(n <= chunk_elems, "Layout::pack: a tensor of ", n,
-                " elements does not fit a chunk of ", chunk_elems);
-    tree.place(n);
-    total += n;
+  TORCH_CHECK(groups.empty() || groups.size() == numels.size(), "Layout::pack: ", groups.size(),
+              " groups for ", numels.size(), " tensors");
+  int last_group = 0;
+  for (int g : groups) {
+    TORCH_CHECK(g >= 0, "Layout::pack: negative group ", g);
+    last_group = std::max(last_group, g);
   }
   PackingResult result;
   result.chunk_elems = chunk_elems;
-  result.chunk_count = round_up_to(tree.chunk_count(), world_size);
-  result.waste_elems = result.chunk_count * chunk_elems - total;
+  for (int group = 0; group <= last_group; ++group) {
+    FirstFitTree tree(std::max<int64_t>(1, static_cast<int64_t>(numels.size())), chunk_elems);
+    int64_t total = 0;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if (!groups.empty() && groups[i] != group) continue;
+      const int64_t n = numels[i];
+      TORCH_CHECK(n <= chunk_elems, "Layout::pack: a tensor of ", n,
+                  " elements does not fit a chunk of ", chunk_elems);
+      tree.place(n);
+      total += n;
+    }
+    const int64_t count = round_up_to(tree.chunk_count(), world_size);
+    int64_t capacity = count * chunk_elems;
+    if (world_size == 1 && count > 0) {
+      // The group's last chunk holds only what it uses (see place()).
+      capacity += tail_capacity(tree.used(count - 1), chunk_elems) - chunk_elems;
+    }
+    result.chunk_count += count;
+    result.waste_elems += capacity - total;
+  }
   return result;
 }
 
 PackingResult Layout::search_chunk_size(std::span<const int64_t> numels, int64_t min_elems,
-                                        int64_t max_elems, int64_t step_elems, int64_t world_size) {
+                                        int64_t max_elems, int64_t step_elems, int64_t world_size,
+                                        std::span<const int> groups) {
   TORCH_CHECK(min_elems > 0 && max_elems >= min_elems && step_elems > 0,
               "Layout: chunk size search needs 0 < min_elems <= max_elems and step_elems > 0, got "
               "min ",
@@ -124,13 +150,15 @@ PackingResult Layout::search_chunk_size(std::span<const int64_t> numels, int64_t
   for (int64_t n : numels) total += n;
   PackingResult best;
   for (int64_t size = first; size <= max_elems; size += step_elems) {
-    // No packing needs fewer than ceil(total / size) chunks: when even that bound cannot beat the
-    // best so far (ties keep the smaller size), skip the packing. The result stays exact.
+    // Sharded chunks are all full: no packing needs fewer than ceil(total / size) of them (groups
+    // only add chunks), so when even that bound cannot beat the best so far (ties keep the smaller
+    // size), skip the packing. One process cuts its last chunks: there the bound is 0.
     const int64_t min_chunks =
         round_up_to(std::max<int64_t>(1, (total + size - 1) / size), world_size);
-    const bool may_win = best.chunk_elems == 0 || min_chunks * size - total < best.waste_elems;
+    const int64_t bound = world_size > 1 ? min_chunks * size - total : 0;
+    const bool may_win = best.chunk_elems == 0 || bound < best.waste_elems;
     if (may_win) {
-      const PackingResult r = pack(numels, size, world_size);
+      const PackingResult r = pack(numels, size, world_size, groups);
       if (best.chunk_elems == 0 || r.waste_elems < best.waste_elems) best = r;
     }
     if (size > max_elems - step_elems) break;  // no overflow past max_elems
@@ -164,7 +192,7 @@ void Layout::finalize_search(int64_t min_elems, int64_t max_elems, int64_t step_
                 "; raise the search maximum to at least ", max_numel_);
   }
   const PackingResult best =
-      search_chunk_size(numels_, min_elems, max_elems, step_elems, world_size_);
+      search_chunk_size(numels_, min_elems, max_elems, step_elems, world_size_, groups_);
   place(best.chunk_elems);
 }
 
@@ -207,6 +235,29 @@ void Layout::place(int64_t chunk_elems) {
     const int64_t c = placements_[static_cast<size_t>(id)].chunk_index;
     chunk_tensors_[static_cast<size_t>(next[static_cast<size_t>(c)]++)] = id;
   }
+
+  // Capacities: chunk_elems, but with one process the last chunk of each group is cut to what it
+  // holds (rounded up to kTailRoundElems). Sharded chunks keep one size: a collective moves
+  // world_size equal slots.
+  chunk_capacity_.assign(static_cast<size_t>(chunk_count_), chunk_elems);
+  if (world_size_ == 1) {
+    for (int64_t c = 0; c < chunk_count_; ++c) {
+      const bool last_of_group =
+          c + 1 == chunk_count_ ||
+          chunk_groups_[static_cast<size_t>(c + 1)] != chunk_groups_[static_cast<size_t>(c)];
+      if (last_of_group) {
+        chunk_capacity_[static_cast<size_t>(c)] =
+            tail_capacity(chunk_used_elems_[static_cast<size_t>(c)], chunk_elems);
+      }
+    }
+  }
+  capacity_total_ = 0;
+  for (int64_t cap : chunk_capacity_) capacity_total_ += cap;
+}
+
+int64_t Layout::chunk_capacity(int64_t chunk_index) const {
+  check_chunk(chunk_index);
+  return chunk_capacity_[static_cast<size_t>(chunk_index)];
 }
 
 int Layout::chunk_group(int64_t chunk_index) const {
@@ -263,12 +314,13 @@ int64_t Layout::used_elems(int64_t chunk_index) const {
 
 int64_t Layout::waste_elems() const {
   TORCH_CHECK(finalized(), "Layout: waste asked before finalize()");
-  return chunk_count_ * chunk_elems_ - total_numel_;
+  return capacity_total_ - total_numel_;
 }
 
 double Layout::waste_fraction() const {
-  const int64_t all = chunk_count_ * chunk_elems_;
-  return all == 0 ? 0.0 : static_cast<double>(waste_elems()) / static_cast<double>(all);
+  return capacity_total_ == 0
+             ? 0.0
+             : static_cast<double>(waste_elems()) / static_cast<double>(capacity_total_);
 }
 
 std::string Layout::summary(at::ScalarType dtype) const {
@@ -278,7 +330,11 @@ std::string Layout::summary(at::ScalarType dtype) const {
     out << " (not placed yet)";
     return out.str();
   }
-  out << " in " << chunk_count_ << " chunks of " << chunk_elems_ << " elements; waste "
+  out << " in " << chunk_count_ << " chunks of " << chunk_elems_ << " elements";
+  if (chunk_count_ > 0 && capacity_total_ != chunk_count_ * chunk_elems_) {
+    out << " (" << capacity_total_ << " in all: last chunks cut to what they hold)";
+  }
+  out << "; waste "
       << waste_elems() << " elements = " << waste_bytes(dtype) << " bytes as " << dtype << " ("
       << waste_fraction() * 100.0 << "%)";
   return out.str();

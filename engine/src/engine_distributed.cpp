@@ -248,7 +248,7 @@ at::Tensor Engine::master_chunk_everywhere(int64_t index) const {
       owns(index)
           ? store_->chunk_view(store_->chunk_id(master, index))
                 .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-          : at::empty({store_->chunk_elems()}, at::kFloat);
+          : at::empty({store_->chunk(store_->chunk_id(master, index)).capacity_elems}, at::kFloat);
   comm_->broadcast(buffer, static_cast<int>(index % world_));
   return buffer;
 }

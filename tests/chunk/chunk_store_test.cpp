@@ -5,6 +5,7 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
@@ -458,6 +459,45 @@ TEST_F(ChunkStoreTest, AFailedCopyIsReportedWhereTheChunkIsNextUsedNamingIt) {
     EXPECT_THAT(message, HasSubstr("the link went down"));
   }
   EXPECT_EQ(flaky.used_bytes(), 0);
+  EXPECT_EQ(host_.used_bytes(), 0);
+}
+
+// A cut last chunk (one process, Layout::chunk_capacity): its payloads, views, moves and traffic
+// are its own size in every kind, and a block refuses to mix it with a full chunk.
+TEST_F(ChunkStoreTest, CutLastChunkIsItsOwnSizeEverywhere) {
+  Layout layout;
+  layout.add_tensor("w", {3000});
+  layout.add_tensor("b", {3000});
+  layout.finalize(4096);
+  ASSERT_EQ(layout.chunk_capacity(1), 3072);
+  ChunkStore store(std::move(layout),
+                   {{ChunkKind::kParam, at::kHalf}, {ChunkKind::kMomentum, at::kFloat}}, host_,
+                   device_);
+  const ChunkId p1 = store.chunk_id(ChunkKind::kParam, 1);
+  const ChunkId m1 = store.chunk_id(ChunkKind::kMomentum, 1);
+  EXPECT_EQ(store.chunk(p1).capacity_elems, 3072);
+  EXPECT_EQ(store.chunk_bytes(p1), 3072 * 2);
+  EXPECT_EQ(store.chunk_bytes(m1), 3072 * 4);
+  EXPECT_EQ(store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0)), 4096 * 2);
+  EXPECT_EQ(store.total_chunk_bytes(), (4096 + 3072) * (2 + 4));
+  EXPECT_EQ(store.waste_bytes(), (1096 + 72) * (2 + 4));
+
+  store.allocate(m1, Tier::kHost);
+  EXPECT_EQ(host_.used_bytes(), 3072 * 4);
+  EXPECT_EQ(store.chunk_view(m1).numel(), 3072);
+  store.view(1, ChunkKind::kMomentum).fill_(2.5f);
+  store.reset_move_counters();
+  store.move(m1, Tier::kDevice);
+  EXPECT_EQ(device_.used_bytes(), 3072 * 4);
+  EXPECT_EQ(host_.used_bytes(), 0);
+  EXPECT_EQ(store.move_counters().h2d_bytes, 3072 * 4);
+  EXPECT_TRUE(at::equal(store.view(1, ChunkKind::kMomentum), at::full({3000}, 2.5f)));
+  store.release(m1);
+
+  const std::vector<ChunkId> mixed = {store.chunk_id(ChunkKind::kParam, 0), p1};
+  EXPECT_THAT(error_of([&] { store.allocate_block(mixed, Tier::kHost); }),
+              HasSubstr("a block's slots are equal"));
+  EXPECT_EQ(store.tier(mixed[0]), Tier::kNone);  // nothing allocated
   EXPECT_EQ(host_.used_bytes(), 0);
 }
 

@@ -34,12 +34,33 @@ NaivePlacement naive_first_fit(const std::vector<int64_t>& numels, int64_t chunk
   return out;
 }
 
-int64_t naive_waste(const std::vector<int64_t>& numels, int64_t chunk_elems, int64_t world_size) {
-  int64_t total = 0;
-  for (int64_t n : numels) total += n;
-  int64_t chunks = naive_first_fit(numels, chunk_elems).chunk_count;
-  chunks = (chunks + world_size - 1) / world_size * world_size;
-  return chunks * chunk_elems - total;
+// Waste as the layout defines it: every group packed on its own, its chunk count rounded up to
+// world_size, and with one process its last chunk cut to what it holds rounded up to 1024 elements.
+int64_t naive_waste(const std::vector<int64_t>& numels, int64_t chunk_elems, int64_t world_size,
+                    const std::vector<int>& groups = {}) {
+  int64_t waste = 0;
+  for (int group = 0; group <= 3; ++group) {
+    std::vector<int64_t> mine;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if ((groups.empty() ? 0 : groups[i]) == group) mine.push_back(numels[i]);
+    }
+    if (mine.empty()) continue;
+    int64_t total = 0;
+    for (int64_t n : mine) total += n;
+    const NaivePlacement placed = naive_first_fit(mine, chunk_elems);
+    const int64_t chunks = (placed.chunk_count + world_size - 1) / world_size * world_size;
+    int64_t capacity = chunks * chunk_elems;
+    if (world_size == 1) {
+      int64_t last_used = 0;
+      for (const TensorPlacement& p : placed.placements) {
+        if (p.chunk_index == chunks - 1) last_used = std::max(last_used, p.offset_elems + p.numel);
+      }
+      const int64_t cut = std::min(chunk_elems, std::max<int64_t>(1024, (last_used + 1023) / 1024 * 1024));
+      capacity -= chunk_elems - cut;
+    }
+    waste += capacity - total;
+  }
+  return waste;
 }
 
 TEST(Layout, PacksFirstFitInRegistrationOrder) {
@@ -151,6 +172,11 @@ TEST(Layout, ChunkSizeSearchMatchesBruteForce) {
     const int64_t step = 1 + static_cast<int64_t>(rng() % 40);
     const int64_t max_elems = min_elems + 200 + static_cast<int64_t>(rng() % 1500);
     const int64_t world = 1 + static_cast<int64_t>(rng() % 3);
+    // Half the trials put tensors in groups 0 to 2 (the search packs each on its own).
+    std::vector<int> groups;
+    if (trial % 2 == 1) {
+      for (int i = 0; i < count; ++i) groups.push_back(static_cast<int>(rng() % 3));
+    }
     int64_t largest = 0;
     for (int64_t n : numels) largest = std::max(largest, n);
 
@@ -159,23 +185,26 @@ TEST(Layout, ChunkSizeSearchMatchesBruteForce) {
     int64_t best_waste = 0;
     for (int64_t size = min_elems; size <= max_elems; size += step) {
       if (size < largest) continue;
-      const int64_t waste = naive_waste(numels, size, world);
+      const int64_t waste = naive_waste(numels, size, world, groups);
       if (best_size < 0 || waste < best_waste) {
         best_size = size;
         best_waste = waste;
       }
     }
     if (best_size < 0) {
-      EXPECT_THROW(Layout::search_chunk_size(numels, min_elems, max_elems, step, world),
+      EXPECT_THROW(Layout::search_chunk_size(numels, min_elems, max_elems, step, world, groups),
                    c10::Error);
       continue;
     }
-    const PackingResult r = Layout::search_chunk_size(numels, min_elems, max_elems, step, world);
+    const PackingResult r =
+        Layout::search_chunk_size(numels, min_elems, max_elems, step, world, groups);
     EXPECT_EQ(r.chunk_elems, best_size) << "trial " << trial;
     EXPECT_EQ(r.waste_elems, best_waste) << "trial " << trial;
 
     Layout layout(world);
-    for (int i = 0; i < count; ++i) layout.add_tensor("t" + std::to_string(i), {numels[i]});
+    for (int i = 0; i < count; ++i) {
+      layout.add_tensor("t" + std::to_string(i), {numels[i]}, groups.empty() ? 0 : groups[i]);
+    }
     layout.finalize_search(min_elems, max_elems, step);
     EXPECT_EQ(layout.chunk_elems(), best_size);
     EXPECT_EQ(layout.waste_elems(), best_waste);
@@ -253,6 +282,82 @@ TEST(LayoutGroups, EachGroupFillsWholeCommGroups) {
   EXPECT_EQ(layout.chunk_group(2), 1);
   EXPECT_EQ(layout.chunk_group(3), 1);  // padding of group 1
   EXPECT_EQ(layout.waste_elems(), 4 * 100 - 160);
+}
+
+// With one process each group's last chunk holds only what it uses (rounded up to 1024 elements);
+// earlier chunks, and every chunk of a sharded layout, keep the chunk size.
+TEST(LayoutCapacity, OneProcessCutsEachGroupsLastChunk) {
+  Layout layout;
+  const TensorId a = layout.add_tensor("a", {3000});
+  layout.add_tensor("b", {3000});
+  const TensorId c = layout.add_tensor("c", {100});  // first-fit: into chunk 0's hole
+  layout.add_tensor("emb", {1500}, /*group=*/1);
+  layout.finalize(4096);
+  ASSERT_EQ(layout.chunk_count(), 3);
+  EXPECT_EQ(layout.placement(a).chunk_index, 0);
+  EXPECT_EQ(layout.placement(c).chunk_index, 0);
+  EXPECT_EQ(layout.chunk_capacity(0), 4096);  // not a last chunk: keeps its hole
+  EXPECT_EQ(layout.chunk_capacity(1), 3072);  // group 0's last: 3000 rounded up to 1024s
+  EXPECT_EQ(layout.chunk_capacity(2), 2048);  // group 1's last: 1500
+  EXPECT_EQ(layout.waste_elems(), (4096 - 3100) + (3072 - 3000) + (2048 - 1500));
+  EXPECT_NEAR(layout.waste_fraction(), 1616.0 / (4096 + 3072 + 2048), 1e-12);
+  EXPECT_THAT(layout.summary(), HasSubstr("9216 in all"));
+  EXPECT_THROW(layout.chunk_capacity(3), c10::Error);
+
+  // pack() and the search see the same capacities.
+  const std::vector<int64_t> numels = {3000, 3000, 100, 1500};
+  const std::vector<int> groups = {0, 0, 0, 1};
+  EXPECT_EQ(Layout::pack(numels, 4096, 1, groups).waste_elems, layout.waste_elems());
+  EXPECT_EQ(Layout::pack(numels, 4096, 1, groups).chunk_count, 3);
+  // One group: 1500 fits neither hole, so it opens chunk 2, which is cut to 2048.
+  EXPECT_EQ(Layout::pack(numels, 4096).waste_elems, (4096 - 3100) + (4096 - 3000) + (2048 - 1500));
+  EXPECT_THROW(Layout::pack(numels, 4096, 1, std::vector<int>{0, 1}), c10::Error);
+
+  Layout sharded(/*world_size=*/2);
+  sharded.add_tensor("a", {3000});
+  sharded.add_tensor("b", {3000});
+  sharded.finalize(4096);
+  EXPECT_EQ(sharded.chunk_capacity(1), 4096);  // collectives move equal slots
+  EXPECT_EQ(sharded.waste_elems(), 2 * 4096 - 6000);
+
+  // A chunk size at most the rounding is never cut.
+  Layout small;
+  small.add_tensor("x", {10});
+  small.finalize(100);
+  EXPECT_EQ(small.chunk_capacity(0), 100);
+}
+
+// The search packs groups on their own: a CPU embedding's group no longer shares the estimate
+// with the rest, so the size it picks wastes what the placement then wastes. Here packing all
+// tensors together would prefer 10,000 elements (a placement wasting 1,240 elements); per group,
+// 6,000 wastes 168.
+TEST(LayoutCapacity, SearchWasteIsThePlacementsWaste) {
+  Layout layout;
+  layout.add_tensor("emb", {4000}, /*group=*/1);
+  for (int i = 0; i < 5; ++i) layout.add_tensor("w" + std::to_string(i), {3000});
+  layout.finalize_search(5000, 10000, 500);
+  std::vector<int64_t> numels = {4000};
+  std::vector<int> groups = {1};
+  for (int i = 0; i < 5; ++i) {
+    numels.push_back(3000);
+    groups.push_back(0);
+  }
+  int64_t best_size = -1, best_waste = 0;  // brute force with the reference's waste
+  for (int64_t size = 5000; size <= 10000; size += 500) {
+    const int64_t waste = naive_waste(numels, size, 1, groups);
+    if (best_size < 0 || waste < best_waste) {
+      best_size = size;
+      best_waste = waste;
+    }
+  }
+  EXPECT_EQ(best_size, 6000);
+  EXPECT_EQ(best_waste, 168);
+  EXPECT_EQ(layout.chunk_elems(), best_size);
+  EXPECT_EQ(layout.waste_elems(), best_waste);
+  // The one-group search's choice, and what its placement would really waste.
+  const PackingResult flat = Layout::search_chunk_size(numels, 5000, 10000, 500);
+  EXPECT_EQ(flat.chunk_elems, 10000);
+  EXPECT_EQ(naive_waste(numels, flat.chunk_elems, 1, groups), 1240);
 }
 
 }  // namespace

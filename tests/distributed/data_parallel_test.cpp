@@ -264,7 +264,9 @@ TEST(DataParallel, Bf16TracksFp32WithinTwoPercent) {
 }
 
 // Each rank keeps the payloads of the chunk indices it owns: 1/N of the chunks, the chunk count
-// padded to a multiple of N (per tensor group), so per rank = (one-rank bytes + padding) / N.
+// padded to a multiple of N (per tensor group), so per rank = (one-rank bytes + padding) / N, where
+// the one-rank figure counts its last index at full size (one process cuts it to what it holds;
+// sharded chunks keep one size).
 TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
   for (const char* extra : {"{}", R"({"bf16": {"enabled": true}})",
                             R"({"default_chunk_size": 70000})"}) {
@@ -278,12 +280,25 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
     EXPECT_EQ(chunks_many % ranks(), 0);
     EXPECT_GE(chunks_many, chunks_one);
     EXPECT_LT(chunks_many, chunks_one + 2 * ranks());  // at most N - 1 per tensor group (1 here)
-    const int64_t per_index = single.registration().model_data_bytes / chunks_one;
+    int64_t per_index = 0;  // every kind's chunk of a full index
+    int64_t cut = 0;        // what one process saves on its last index
+    const ChunkStore& store = single.chunks();
+    for (int k = 0; k < kChunkKindCount; ++k) {
+      const auto kind = static_cast<ChunkKind>(k);
+      if (!store.has_kind(kind)) continue;
+      per_index += store.chunk_bytes(store.chunk_id(kind, 0));
+      cut += store.chunk_bytes(store.chunk_id(kind, 0)) -
+             store.chunk_bytes(store.chunk_id(kind, chunks_one - 1));
+    }
+    EXPECT_EQ(single.registration().model_data_bytes, chunks_one * per_index - cut) << extra;
     const int64_t padding = (chunks_many - chunks_one) * per_index;
+    const int64_t sharded_cut = ranks() > 1 ? 0 : cut;  // one rank is one process: it cuts too
     EXPECT_EQ(sharded.registration().model_data_bytes * ranks(),
-              single.registration().model_data_bytes + padding)
+              single.registration().model_data_bytes + cut - sharded_cut + padding)
         << extra;
-    EXPECT_EQ(sharded.registration().model_data_bytes, chunks_many / ranks() * per_index) << extra;
+    EXPECT_EQ(sharded.registration().model_data_bytes,
+              chunks_many / ranks() * per_index - sharded_cut)
+        << extra;
     if (me() == 0) {
       std::printf("%s: model data %lld bytes in one process, %lld per rank with %d ranks "
                   "(padding %lld bytes)\n", extra,

@@ -150,12 +150,24 @@ TEST(EngineWarnings, UnknownConfigKeysAreReportedOnceWhenTheEngineIsBuilt) {
 
 TEST(EngineWarnings, AChunkSizeThatWastesMoreThanHalfIsReported) {
   {
+    // One process cuts the last chunk to what it holds, but never below 1,024 elements: a
+    // 110-parameter model in a chunk of 1,000 leaves most of it empty.
+    WarningCollector warnings;
+    torch::nn::Linear model(10, 10);
+    Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1000})"));
+    EXPECT_EQ(warnings.count("default_chunk_size 1000 leaves"), 1)
+        << ::testing::PrintToString(warnings.messages);
+    EXPECT_GT(engine.registration().chunk_waste_fraction, 0.5);
+  }
+  {
+    // A chunk far larger than the model: the one chunk is cut to the model's 2,632 parameters
+    // rounded up to 3,072, so the size costs little and is not reported.
     WarningCollector warnings;
     torch::nn::Sequential model = small_mlp();
     Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1048576})"));
-    EXPECT_EQ(warnings.count("default_chunk_size 1048576 leaves"), 1)
-        << ::testing::PrintToString(warnings.messages);
-    EXPECT_GT(engine.registration().chunk_waste_fraction, 0.5);
+    EXPECT_EQ(warnings.count("default_chunk_size"), 0) << ::testing::PrintToString(warnings.messages);
+    EXPECT_NEAR(engine.registration().chunk_waste_fraction, 440.0 / 3072.0, 1e-12);
+    EXPECT_EQ(engine.chunks().chunk(0).capacity_elems, 3072);
   }
   {
     // Without the key the engine chooses the size: little waste, no warning.

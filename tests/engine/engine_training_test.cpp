@@ -135,8 +135,9 @@ TEST_F(EngineTraining, HybridAdamRunsOnTheDeviceWhenTheModelFits) {
 // The scheduler's traffic against the OPT bound of the same trace and budgets (memtracer's
 // opt_traffic_bound), including the chunks the host-side Adam needs on the host at the step. The
 // mean is over iterations 2..9: iteration 1 still moves the warm-up's placement into the schedule.
-// The main job's target is <= 1.02x the bound; with unequal chunk sizes (bf16) the bound is
-// Belady by bytes, an estimate, and the same target is held.
+// The main job's target is <= 1.02x the bound; with unequal chunk sizes (bf16, and fp32 too since
+// one process cuts its last chunk) the bound is Belady by bytes, an estimate, and the same target
+// is held.
 TEST_F(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
   struct Case {
     const char* name;

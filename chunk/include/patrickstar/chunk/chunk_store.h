@@ -96,6 +96,7 @@ class ChunkStore {
   std::span<const Chunk> chunks(ChunkKind kind) const;
   Tier tier(ChunkId id) const { return chunk(id).tier; }
   int64_t chunk_bytes(ChunkId id) const { return chunk(id).bytes; }
+  // The layout's chunk size; a chunk's own is chunk(id).capacity_elems (a last chunk may be cut).
   int64_t chunk_elems() const { return layout_.chunk_elems(); }
   // Sum of chunk_bytes over the chunks whose payload is in `tier`.
   int64_t resident_bytes(Tier tier) const;
@@ -119,10 +120,10 @@ class ChunkStore {
   // buffer a collective fills in one call): slot k of the block, chunk_bytes each, is ids[k]'s
   // payload; an id of -1 leaves its slot to the caller (what this rank sends, gathered in place).
   // Contents are uninitialized; the chunks' FREE tensors become HOLD. Returns the whole block as a
-  // flat tensor of ids.size() x chunk_elems() elements of the kind's dtype, valid while the block
+  // flat tensor of ids.size() x their capacity elements of the kind's dtype, valid while the block
   // lives: it goes back to its tier when the last of its chunks is released or moved away. Throws
   // c10::OutOfMemoryError from the tier (nothing changes) or c10::Error for a chunk that has a
-  // payload, chunks of different kinds, a repeated id, or no chunk at all.
+  // payload, chunks of different kinds or sizes, a repeated id, or no chunk at all.
   at::Tensor allocate_block(std::span<const ChunkId> ids, Tier tier);
   // Blocks from allocate_block() still alive.
   int64_t live_blocks() const;
@@ -156,7 +157,7 @@ class ChunkStore {
   // device, aliasing the payload (zero-copy). Valid only while the chunk stays where it is: a
   // move or release leaves it dangling. Throws c10::Error when the chunk has no payload.
   at::Tensor view(TensorId tensor, ChunkKind kind) const;
-  // The whole payload as a flat tensor of chunk_elems() elements (for the optimizer).
+  // The whole payload as a flat tensor of its capacity_elems (for the optimizer).
   at::Tensor chunk_view(ChunkId id) const;
 
   // --- tensor states -------------------------------------------------------------------------
