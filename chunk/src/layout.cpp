@@ -60,6 +60,43 @@ std::string shape_string(c10::IntArrayRef sizes) {
   return out.str();
 }
 
+// One tensor group packed first-fit: its chunk count (rounded up to world_size, so no comm group
+// mixes two groups), the capacity of its last chunk (cut to what it holds with one process) and
+// of all its chunks, and the elements it holds.
+struct GroupPacking {
+  int64_t chunk_count = 0;
+  int64_t last_capacity = 0;
+  int64_t capacity = 0;
+  int64_t used = 0;
+};
+
+// First fit of the tensors of `group` (every tensor when `groups` is empty), in order, into chunks
+// of `chunk_elems`; on_place(i, chunk, offset) sees where numels[i] goes. pack() and place() both
+// run it, so the search's waste is the placement's.
+template <typename OnPlace>
+GroupPacking pack_group(std::span<const int64_t> numels, std::span<const int> groups, int group,
+                        int64_t chunk_elems, int64_t world_size, OnPlace&& on_place) {
+  FirstFitTree tree(std::max<int64_t>(1, static_cast<int64_t>(numels.size())), chunk_elems);
+  GroupPacking g;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    if (!groups.empty() && groups[i] != group) continue;
+    const int64_t n = numels[i];
+    TORCH_CHECK(n <= chunk_elems, "Layout::pack: a tensor of ", n,
+                " elements does not fit a chunk of ", chunk_elems);
+    const auto [chunk, offset] = tree.place(n);
+    on_place(i, chunk, offset);
+    g.used += n;
+  }
+  g.chunk_count = round_up_to(tree.chunk_count(), world_size);
+  g.last_capacity = chunk_elems;
+  if (world_size == 1 && g.chunk_count > 0) {
+    // Sharded chunks keep one size (a collective moves equal slots); one process cuts the last.
+    g.last_capacity = Layout::tail_capacity(tree.used(g.chunk_count - 1), chunk_elems);
+  }
+  g.capacity = g.chunk_count * chunk_elems + (g.chunk_count > 0 ? g.last_capacity - chunk_elems : 0);
+  return g;
+}
+
 }  // namespace
 
 Layout::Layout(int64_t world_size) : world_size_(world_size) {
@@ -110,24 +147,10 @@ PackingResult Layout::pack(std::span<const int64_t> numels, int64_t chunk_elems,
   PackingResult result;
   result.chunk_elems = chunk_elems;
   for (int group = 0; group <= last_group; ++group) {
-    FirstFitTree tree(std::max<int64_t>(1, static_cast<int64_t>(numels.size())), chunk_elems);
-    int64_t total = 0;
-    for (size_t i = 0; i < numels.size(); ++i) {
-      if (!groups.empty() && groups[i] != group) continue;
-      const int64_t n = numels[i];
-      TORCH_CHECK(n <= chunk_elems, "Layout::pack: a tensor of ", n,
-                  " elements does not fit a chunk of ", chunk_elems);
-      tree.place(n);
-      total += n;
-    }
-    const int64_t count = round_up_to(tree.chunk_count(), world_size);
-    int64_t capacity = count * chunk_elems;
-    if (world_size == 1 && count > 0) {
-      // The group's last chunk holds only what it uses (see place()).
-      capacity += tail_capacity(tree.used(count - 1), chunk_elems) - chunk_elems;
-    }
-    result.chunk_count += count;
-    result.waste_elems += capacity - total;
+    const GroupPacking g = pack_group(numels, groups, group, chunk_elems, world_size,
+                                      [](size_t, int64_t, int64_t) {});
+    result.chunk_count += g.chunk_count;
+    result.waste_elems += g.capacity - g.used;
   }
   return result;
 }
@@ -201,22 +224,23 @@ void Layout::place(int64_t chunk_elems) {
   placements_.resize(static_cast<size_t>(n));
   chunk_groups_.clear();
   const int last_group = n == 0 ? 0 : *std::max_element(groups_.begin(), groups_.end());
+  chunk_capacity_.clear();
+  capacity_total_ = 0;
   int64_t first_chunk = 0;  // of the group being packed
   for (int group = 0; group <= last_group; ++group) {
-    FirstFitTree tree(std::max<int64_t>(1, n), chunk_elems);
-    for (TensorId id = 0; id < n; ++id) {
-      if (groups_[static_cast<size_t>(id)] != group) continue;
-      const int64_t numel = numels_[static_cast<size_t>(id)];
-      const auto [chunk, offset] = tree.place(numel);
-      placements_[static_cast<size_t>(id)] = TensorPlacement{first_chunk + chunk, offset, numel};
-    }
-    // Each group fills whole comm groups (world_size chunks), so no comm group mixes two groups.
-    first_chunk += round_up_to(tree.chunk_count(), world_size_);
+    const GroupPacking g =
+        pack_group(numels_, groups_, group, chunk_elems, world_size_,
+                   [&](size_t i, int64_t chunk, int64_t offset) {
+                     placements_[i] = TensorPlacement{first_chunk + chunk, offset, numels_[i]};
+                   });
+    first_chunk += g.chunk_count;
     chunk_groups_.resize(static_cast<size_t>(first_chunk), group);
+    chunk_capacity_.resize(static_cast<size_t>(first_chunk), chunk_elems);
+    if (g.chunk_count > 0) chunk_capacity_.back() = g.last_capacity;
+    capacity_total_ += g.capacity;
   }
   chunk_elems_ = chunk_elems;
-  chunk_count_ = round_up_to(first_chunk, world_size_);
-  chunk_groups_.resize(static_cast<size_t>(chunk_count_), 0);
+  chunk_count_ = first_chunk;  // every group's count is a multiple of world_size
 
   // Per-chunk tensor lists (CSR). Within a chunk, registration order is offset order.
   chunk_used_elems_.assign(static_cast<size_t>(chunk_count_), 0);
@@ -235,24 +259,6 @@ void Layout::place(int64_t chunk_elems) {
     const int64_t c = placements_[static_cast<size_t>(id)].chunk_index;
     chunk_tensors_[static_cast<size_t>(next[static_cast<size_t>(c)]++)] = id;
   }
-
-  // Capacities: chunk_elems, but with one process the last chunk of each group is cut to what it
-  // holds (rounded up to kTailRoundElems). Sharded chunks keep one size: a collective moves
-  // world_size equal slots.
-  chunk_capacity_.assign(static_cast<size_t>(chunk_count_), chunk_elems);
-  if (world_size_ == 1) {
-    for (int64_t c = 0; c < chunk_count_; ++c) {
-      const bool last_of_group =
-          c + 1 == chunk_count_ ||
-          chunk_groups_[static_cast<size_t>(c + 1)] != chunk_groups_[static_cast<size_t>(c)];
-      if (last_of_group) {
-        chunk_capacity_[static_cast<size_t>(c)] =
-            tail_capacity(chunk_used_elems_[static_cast<size_t>(c)], chunk_elems);
-      }
-    }
-  }
-  capacity_total_ = 0;
-  for (int64_t cap : chunk_capacity_) capacity_total_ += cap;
 }
 
 int64_t Layout::chunk_capacity(int64_t chunk_index) const {
