@@ -196,8 +196,9 @@ at::Tensor ChunkStore::allocate_block(std::span<const ChunkId> ids, Tier tier) {
                 " in a block: it already has a payload on ", to_string(c.tier));
     TORCH_CHECK(first == nullptr || c.kind == first->kind, "ChunkStore: a block holds chunks of one kind; ",
                 describe(c.id), " and ", describe(first->id), " differ");
-    TORCH_CHECK(first == nullptr || c.bytes == first->bytes, "ChunkStore: a block's slots are ",
-                "equal; ", describe(c.id), " has ", c.bytes, " bytes and ", describe(first->id), " ",
+    TORCH_CHECK(first == nullptr || c.bytes == first->bytes,
+                "ChunkStore: a block's slots are equal; ", describe(c.id), " has ", c.bytes,
+                " bytes and ", describe(first->id), " ",
                 first->bytes, " (a cut last chunk belongs to one process only)");
     for (size_t j = 0; j < k; ++j) {
       TORCH_CHECK(ids[j] != ids[k], "ChunkStore: ", describe(c.id), " appears twice in a block");

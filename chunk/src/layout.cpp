@@ -93,7 +93,8 @@ GroupPacking pack_group(std::span<const int64_t> numels, std::span<const int> gr
     // Sharded chunks keep one size (a collective moves equal slots); one process cuts the last.
     g.last_capacity = Layout::tail_capacity(tree.used(g.chunk_count - 1), chunk_elems);
   }
-  g.capacity = g.chunk_count * chunk_elems + (g.chunk_count > 0 ? g.last_capacity - chunk_elems : 0);
+  g.capacity = g.chunk_count * chunk_elems;
+  if (g.chunk_count > 0) g.capacity += g.last_capacity - chunk_elems;
   return g;
 }
 

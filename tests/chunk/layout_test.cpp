@@ -55,7 +55,8 @@ int64_t naive_waste(const std::vector<int64_t>& numels, int64_t chunk_elems, int
       for (const TensorPlacement& p : placed.placements) {
         if (p.chunk_index == chunks - 1) last_used = std::max(last_used, p.offset_elems + p.numel);
       }
-      const int64_t cut = std::min(chunk_elems, std::max<int64_t>(1024, (last_used + 1023) / 1024 * 1024));
+      const int64_t cut =
+          std::min(chunk_elems, std::max<int64_t>(1024, (last_used + 1023) / 1024 * 1024));
       capacity -= chunk_elems - cut;
     }
     waste += capacity - total;

@@ -6,8 +6,9 @@
 //   Registration only records name and shape; nothing is placed until finalize().
 // - Chunks have room for `chunk_elems` elements (a cut last chunk, below, for fewer). Tensors are
 //   placed in registration order, first-fit: each tensor goes to the lowest-numbered chunk that
-//   still has room for all of it, at the end of what that chunk already holds. A new chunk opens only when no open chunk has room. Small
-//   tensors registered late therefore fill holes left at the end of earlier chunks.
+//   still has room for all of it, at the end of what that chunk already holds. A new chunk opens
+//   only when no open chunk has room. Small tensors registered late therefore fill holes left at
+//   the end of earlier chunks.
 // - A tensor never spans two chunks, so its view is one contiguous slice of one payload. A tensor
 //   larger than a chunk is an error that names it and the smallest chunk size that would work.
 // - Offsets are in elements and unaligned: tensors are packed back to back (payloads themselves
@@ -68,7 +69,8 @@ class Layout {
   // Registers a tensor of this shape; returns its id (0, 1, 2, ... in registration order).
   // Tensors of different `group`s never share a chunk: each group is packed on its own (first-fit
   // in registration order), groups in increasing order, so a group's chunks are consecutive (the
-  // engine keeps group 1, CPU embeddings, on the host). Throws c10::Error after finalize() or for a negative size or group.
+  // engine keeps group 1, CPU embeddings, on the host). Throws c10::Error after finalize() or for
+  // a negative size or group.
   TensorId add_tensor(std::string_view name, c10::IntArrayRef sizes, int group = 0);
   // The group of the tensors in chunk `chunk_index` (an empty chunk: the group it pads).
   int chunk_group(int64_t chunk_index) const;
