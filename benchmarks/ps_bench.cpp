@@ -50,7 +50,7 @@ ABSL_FLAG(std::string, policy, "", "chunk eviction policy: opt, lru or static");
 ABSL_FLAG(std::string, chunk_size, "", "elements per chunk, or auto");
 ABSL_FLAG(std::string, config, "", "a patrickstar JSON config; the flags above override it");
 ABSL_FLAG(bool, baseline, false, "also train with plain LibTorch + torch::optim::AdamW");
-ABSL_FLAG(std::string, moves, "", "chunk moves: async (a copy thread overlaps compute) or sync (default: the config's, else async)");
+ABSL_FLAG(std::string, moves, "", "chunk moves: async (a copy thread, or a CUDA copy stream, overlaps compute) or sync (default: the config's, else async)");
 ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
 ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
 ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
@@ -974,7 +974,7 @@ int run() {
   }
   if (!absl::GetFlag(FLAGS_trace).empty()) {
     std::vector<ps::CopySpan> copies;
-    if (ps::CopyQueue* queue = engine.chunks().copy_queue(); queue != nullptr) {
+    if (ps::CopyEngine* queue = engine.chunks().copy_queue(); queue != nullptr) {
       queue->drain();  // the last step's prefetches complete, so every issued move has its copy
       copies = queue->spans();
     }

@@ -292,7 +292,7 @@ void* ChunkStore::allocate_in(Tier tier, int64_t bytes) {
   return target.allocate(bytes);
 }
 
-void ChunkStore::set_copy_queue(CopyQueue* queue) {
+void ChunkStore::set_copy_queue(CopyEngine* queue) {
   if (queue == queue_) return;
   finish_copies();
   queue_ = queue;
@@ -307,7 +307,13 @@ void ChunkStore::finish_copies() {
 
 void ChunkStore::wait_ready(const Chunk& c) const {
   if (queue_ == nullptr || c.ready == 0) return;
-  queue_->wait(c.ready);
+  // A device payload's readers are compute (kernels on CUDA, which may wait on the GPU); a host
+  // payload's are host code.
+  if (c.tier == Tier::kDevice) {
+    queue_->order_compute_after(c.ready);
+  } else {
+    queue_->wait(c.ready);
+  }
   const_cast<Chunk&>(c).ready = 0;  // an element of the (non-const) chunk list
 }
 
@@ -339,13 +345,8 @@ bool ChunkStore::move(ChunkId id, Tier tier) {
       device_.copy(payload, c.payload, c.bytes, direction);
     } else {
       // After the copy writing the source, if any (the queue runs copies in order).
-      MemoryTier* copier = &device_;
-      const void* source = c.payload;
-      const int64_t bytes = c.bytes;
-      event = queue_->submit(
-          [copier, payload, source, bytes, direction] {
-            copier->copy(payload, source, bytes, direction);
-          },
+      event = queue_->submit_copy(
+          device_, payload, c.payload, c.bytes, direction,
           describe(id) + (tier == Tier::kDevice ? " to the device" : " to the host"));
     }
   } catch (...) {

@@ -1,5 +1,7 @@
 #include "patrickstar/chunk/copy_queue.h"
 
+#include "patrickstar/chunk/memory_tier.h"
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -49,6 +51,18 @@ CopyEvent CopyQueue::submit(std::function<void()> copy, std::string label) {
   }
   run(task);
   return task.event;
+}
+
+CopyEvent CopyQueue::submit_copy(MemoryTier& device, void* dst, const void* src, int64_t bytes,
+                                 CopyDirection direction, std::string label) {
+  // A CUDA tier's copy orders itself after the calling thread's current stream, which on the copy
+  // thread is not the compute thread's: a CUDA tier takes a CudaCopyStream.
+  TORCH_CHECK(device.device().is_cpu(), "CopyQueue: the copy thread runs copies on the host; ",
+              "tier ", device.name(), " is on ", device.device().str(),
+              " and needs a CUDA copy engine (CudaCopyStream)");
+  MemoryTier* copier = &device;
+  return submit([copier, dst, src, bytes, direction] { copier->copy(dst, src, bytes, direction); },
+                std::move(label));
 }
 
 void CopyQueue::run(Task& task) {

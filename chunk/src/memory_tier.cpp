@@ -145,6 +145,14 @@ void MemoryTier::empty_cache() {
   empty_cache_locked();
 }
 
+int64_t MemoryTier::try_empty_cache() {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;
+  const int64_t bytes = cached_bytes_;
+  empty_cache_locked();
+  return bytes;
+}
+
 void MemoryTier::empty_cache_locked() {
   for (auto& [key, blocks] : cache_) {
     for (void* ptr : blocks) raw_deallocate(ptr, key.first, key.second);

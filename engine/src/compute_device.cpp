@@ -6,6 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "patrickstar/chunk/copy_queue.h"
+#include "patrickstar/chunk/cuda_copy_stream.h"
 #include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/chunk/memory_tier.h"
 
@@ -40,6 +42,22 @@ std::unique_ptr<MemoryTier> make_device_tier(const Config& config) {
   return std::make_unique<CudaDeviceTier>(/*device_index=*/0, config.device.capacity_bytes);
 #else
   TORCH_CHECK(false, "patrickstar: internal: a CUDA device tier in a build without CUDA");
+#endif
+}
+
+std::unique_ptr<CopyEngine> make_copy_engine(const Config& config) {
+  if (config.device.type == DeviceType::kEmulated) {
+    CopyQueueOptions options;
+    options.max_delay_us = config.scheduler.copy_delay_max_us;
+    options.delay_seed = static_cast<uint64_t>(config.scheduler.copy_delay_seed);
+    return std::make_unique<CopyQueue>(options);
+  }
+  // The engine refused copy delays on CUDA before it built anything.
+  TORCH_INTERNAL_ASSERT(config.scheduler.copy_delay_max_us == 0);
+#ifdef PATRICKSTAR_HAVE_CUDA
+  return std::make_unique<CudaCopyStream>(/*device_index=*/0);
+#else
+  TORCH_CHECK(false, "patrickstar: internal: a CUDA copy engine in a build without CUDA");
 #endif
 }
 

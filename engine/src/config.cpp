@@ -364,6 +364,12 @@ Config Config::from_json(const json& document) {
     }
     c.scheduler.policy = EvictionPolicy::kStatic;
   }
+  if (c.device.type == DeviceType::kCuda && c.scheduler.copy_delay_max_us > 0) {
+    errors.push_back(absl::StrCat(
+        "$.client.scheduler.copy_delay_max_us: ", c.scheduler.copy_delay_max_us,
+        " with $.client.device.type \"cuda\": injected copy delays test the emulated device's copy "
+        "thread; CUDA copies run on a stream (set it to 0)"));
+  }
   if (c.strict && !unknown.empty()) errors.insert(errors.end(), unknown.begin(), unknown.end());
   TORCH_CHECK(errors.empty(), "invalid patrickstar config (", errors.size(), " problem",
               errors.size() == 1 ? "" : "s", "):\n  ", absl::StrJoin(errors, "\n  "));

@@ -38,6 +38,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
               "patrickstar::Engine: device type \"cuda\" with ", world_,
               " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
               "data parallel runs on the emulated device)");
+  TORCH_CHECK(config_.device.type == DeviceType::kEmulated ||
+                  config_.scheduler.copy_delay_max_us == 0,
+              "patrickstar::Engine: client.scheduler.copy_delay_max_us is ",
+              config_.scheduler.copy_delay_max_us,
+              ": injected copy delays test the emulated device's copy thread; on device type "
+              "\"cuda\" copies run on a CUDA stream (set it to 0)");
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
   mixed_ = config_.precision() != Precision::kFp32;
@@ -305,10 +311,7 @@ void Engine::register_parameters() {
   device_ = make_device_tier(config_);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
   if (config_.scheduler.async_moves) {
-    CopyQueueOptions queue_options;
-    queue_options.max_delay_us = config_.scheduler.copy_delay_max_us;
-    queue_options.delay_seed = static_cast<uint64_t>(config_.scheduler.copy_delay_seed);
-    copy_queue_ = std::make_unique<CopyQueue>(queue_options);
+    copy_queue_ = make_copy_engine(config_);
     store_->set_copy_queue(copy_queue_.get());
   }
   const Layout* placed = &store_->layout();
@@ -525,7 +528,7 @@ void Engine::register_parameters() {
   scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
   if (copy_queue_ != nullptr) {
     // One clock for the scheduler's moves and the copy thread's spans (chunks().copy_queue()'s
-    // set_record_spans), so that a trace shows both on one time line.
+    // set_record_spans), so that a trace shows both on one time line (no spans on CUDA).
     const std::function<int64_t()> now_us = microseconds_since_now();
     scheduler_->set_clock(now_us);
     copy_queue_->set_clock(now_us);

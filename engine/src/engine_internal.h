@@ -90,6 +90,9 @@ inline at::Tensor host_copy(const at::Tensor& t) {
 // The device tier `config` asks for: the emulated device (CPU memory with a hard capacity) or,
 // in builds with CUDA, a GPU's (compute_device.cpp: the engine's only CUDA-specific code).
 std::unique_ptr<MemoryTier> make_device_tier(const Config& config);
+// The copy engine of asynchronous moves on that device: the copy thread (CopyQueue, with the
+// config's test delays) on the emulated device, a CUDA copy stream (CudaCopyStream) on a GPU.
+std::unique_ptr<CopyEngine> make_copy_engine(const Config& config);
 // Empty when `config`'s device can be used here; else why not (no CUDA in this build, no GPU).
 std::string device_unavailable_reason(const Config& config);
 

@@ -3,12 +3,14 @@
 // copy named (and fail every later copy), and the destructor finishes what was queued. Plain memory
 // only (no LibTorch kernels), so ThreadSanitizer sees every access.
 #include "patrickstar/chunk/copy_queue.h"
+#include "patrickstar/chunk/memory_tier.h"
 
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <string>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -190,6 +192,35 @@ TEST(CopyQueue, SeveralThreadsSubmitAndWait) {
     for (int k = 0; k < kCopies; ++k) EXPECT_EQ(out[static_cast<size_t>(t)][static_cast<size_t>(k)], k);
   }
   EXPECT_EQ(queue.last_submitted(), kThreads * kCopies);
+}
+
+// A tier whose memory is off the host (it says CUDA; it never hands out a block).
+class OffHostTier final : public MemoryTier {
+ public:
+  OffHostTier() : MemoryTier(Tier::kDevice, "gpu_like", 1 << 20, /*cache_blocks=*/false) {}
+  ~OffHostTier() override { release_all(); }
+  c10::Device device() const override { return c10::Device(c10::kCUDA, 0); }
+
+ protected:
+  void* raw_allocate(int64_t, int64_t) override { return nullptr; }
+  void raw_deallocate(void*, int64_t, int64_t) override {}
+};
+
+// The copy thread runs copies on the host, outside the compute thread's CUDA stream: a CUDA tier's
+// copies there would not wait for the compute writing their source. Refused, nothing queued.
+TEST(CopyQueue, RefusesATierWhoseMemoryIsOffTheHost) {
+  OffHostTier tier;
+  CopyQueue queue;
+  char from[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  char to[8] = {};
+  const std::string message = error_of([&] {
+    queue.submit_copy(tier, to, from, 8, CopyDirection::kHostToDevice, "param chunk 0 (id 0)");
+  });
+  EXPECT_THAT(message, HasSubstr("gpu_like"));
+  EXPECT_THAT(message, HasSubstr("cuda:0"));
+  EXPECT_THAT(message, HasSubstr("CudaCopyStream"));
+  EXPECT_EQ(queue.last_submitted(), 0);
+  EXPECT_EQ(to[0], 0);
 }
 
 }  // namespace

@@ -121,7 +121,7 @@ TEST(AsyncMoves, RandomCopyDelaysChangeNothingBitForBit) {
 TEST(AsyncMoves, TheTimelineShowsEachIssuedMoveAsOneCopyOnTheSameClock) {
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), tight_config());
-  CopyQueue* queue = engine.chunks().copy_queue();
+  CopyEngine* queue = engine.chunks().copy_queue();
   ASSERT_NE(queue, nullptr);
   queue->set_record_spans(true);
   for (int s = 0; s < 5; ++s) {

@@ -149,6 +149,8 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
        "$.client.mem_tracer.overall_gpu_mem_ratio: expected a number in (0, 1], got 1.2"},
       {R"({"client": {"mem_tracer": {"with_static_partition": true}, "scheduler": {"policy": "opt"}}})",
        "contradicts $.client.scheduler.policy"},
+      {R"({"client": {"device": {"type": "cuda"}, "scheduler": {"copy_delay_max_us": 50}}})",
+       R"($.client.scheduler.copy_delay_max_us: 50 with $.client.device.type "cuda": injected copy delays test the emulated device's copy thread)"},
       {R"({"optimizer": )", "not JSON"},
       // Found by fuzz/config_fuzzer: a number beyond double's range escaped as an uncaught
       // nlohmann::json out_of_range, and a byte count above INT64_MAX wrapped to a negative one.

@@ -3,9 +3,65 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+namespace patrickstar {
+namespace {
+
+// Every live CUDA tier, for the caching allocator's free-memory callback below. Never destroyed:
+// the callback may run during static destruction.
+std::mutex& live_tiers_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+std::vector<CudaDeviceTier*>& live_tiers() {
+  static auto* tiers = new std::vector<CudaDeviceTier*>;
+  return *tiers;
+}
+
+}  // namespace
+
+int64_t CudaDeviceTier::release_cached_payloads() {
+  std::lock_guard<std::mutex> lock(live_tiers_mutex());
+  int64_t bytes = 0;
+  for (CudaDeviceTier* tier : live_tiers()) bytes += tier->try_empty_cache();
+  return bytes;
+}
+
+// LibTorch's caching allocator runs every registered callback when it finds no free block of its
+// own, before it asks CUDA for more (with its lock held): payloads our tier keeps for reuse are
+// the activations' room in the schedule, so they go back to the device then. A tier busy on
+// another thread at that moment keeps its cache (try_empty_cache), which cannot deadlock with a
+// tier that waits for LibTorch's lock (raw_allocate's emptyCache). Not while the current stream is
+// being captured into a CUDA graph (cudaFree is not allowed then). The callback runs whenever
+// LibTorch's pool grows, not only when the device is nearly full: in steady iterations its pool
+// has stopped growing, so the cache survives them.
+class ReleaseChunkPayloadCaches final : public c10::FreeMemoryCallback {
+ public:
+  bool Execute() override {
+    if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+      return false;
+    }
+    return CudaDeviceTier::release_cached_payloads() > 0;
+  }
+};
+
+}  // namespace patrickstar
+
+namespace c10 {
+namespace {
+REGISTER_FREE_MEMORY_CALLBACK(patrickstar_chunk_payload_caches,
+                              patrickstar::ReleaseChunkPayloadCaches)
+}  // namespace
+}  // namespace c10
 
 namespace patrickstar {
 
@@ -16,8 +72,12 @@ struct CudaDeviceTier::CopyStream {
 };
 
 CudaDeviceTier::CudaDeviceTier(int device_index, int64_t capacity_bytes)
+    // Freed payloads are kept for the next payload of their size: cudaFree waits for the whole
+    // device, which would stall the copies and compute that asynchronous moves overlap. They are
+    // the activations' room all the same: the free-memory callback above gives them back when
+    // LibTorch's allocator runs short.
     : MemoryTier(Tier::kDevice, "cuda:" + std::to_string(device_index), capacity_bytes,
-                 /*cache_blocks=*/false),  // freed payloads are the activations' room
+                 /*cache_blocks=*/true),
       device_index_(device_index) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   copy_stream_ = std::make_unique<CopyStream>(
@@ -26,9 +86,16 @@ CudaDeviceTier::CudaDeviceTier(int device_index, int64_t capacity_bytes)
                  nullptr, nullptr});
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->ready, cudaEventDisableTiming));
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->done, cudaEventDisableTiming));
+  std::lock_guard<std::mutex> lock(live_tiers_mutex());
+  live_tiers().push_back(this);
 }
 
 CudaDeviceTier::~CudaDeviceTier() {
+  {
+    std::lock_guard<std::mutex> lock(live_tiers_mutex());
+    auto& tiers = live_tiers();
+    tiers.erase(std::remove(tiers.begin(), tiers.end(), this), tiers.end());
+  }
   release_all();
   if (copy_stream_) {
     cudaEventDestroy(copy_stream_->ready);
@@ -51,8 +118,8 @@ c10::Device CudaDeviceTier::device() const {
 void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   // Payloads come from cudaMalloc, not from LibTorch's caching allocator: its statistics are then
-  // exactly the non-model memory the tracer measures, and a freed payload goes back to the device
-  // at once, where the schedule counted on it for activations.
+  // exactly the non-model memory the tracer measures. A freed payload waits in the tier's cache
+  // until the free-memory callback above gives it to LibTorch's allocator.
   void* ptr = nullptr;
   cudaError_t status = cudaMalloc(&ptr, static_cast<size_t>(bytes));
   if (status == cudaErrorMemoryAllocation) {
@@ -74,7 +141,9 @@ void* CudaDeviceTier::raw_allocate(int64_t bytes, int64_t alignment) {
 
 void CudaDeviceTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alignment*/) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  // Synchronizes the device: no queued kernel still reads it. Warns, never throws: this runs from
+  // Synchronizes the device: no queued kernel or copy still uses it (a payload that waits in the
+  // cache instead is reused only by writers ordered after the compute stream: a copy issued after
+  // an event recorded on it, or a zero fill or kernel on it). Warns, never throws: this runs from
   // the tier's destructor, maybe after an earlier CUDA error (whose own message must survive).
   C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }

@@ -1,11 +1,14 @@
 // ChunkStore: the chunks of every kind over one Layout, their payloads in the tiers, moves between
 // host and device, zero-copy tensor views and the per-tensor state machine.
 // NOT thread-safe: one thread (the engine's) drives it; only move_counters() may be read from
-// any thread. With a CopyQueue (set_copy_queue), moves are asynchronous: move() allocates the
-// destination, queues the copy and returns; the chunk's payload is the destination from then on,
-// and every access to its bytes through the store (view, chunk_view, entering COMPUTE) first waits
-// for that copy (an error in it surfaces there, naming the chunk). A payload a queued copy reads
-// or writes goes back to its tier only once that copy completed. The store owns the payloads (freed on release() and in the destructor) but only
+// any thread. With a copy engine (set_copy_queue: a CopyQueue, or a CudaCopyStream on CUDA), moves
+// are asynchronous: move() allocates the destination, queues the copy and returns; the chunk's
+// payload is the destination from then on, and every access to its bytes through the store (view,
+// chunk_view, entering COMPUTE) first orders the caller after that copy (an error in it surfaces
+// there, naming the chunk): a host payload is waited for on the host; a device payload is waited
+// for by compute (CopyEngine::order_compute_after: on the host on the emulated device, on the GPU
+// on CUDA). A payload a queued copy reads or writes goes back to its tier only once that copy
+// completed. The store owns the payloads (freed on release() and in the destructor) but only
 // refers to the tiers, which the caller owns and which must outlive the store. Usage:
 //
 //   patrickstar::HostTier host;
@@ -131,11 +134,14 @@ class ChunkStore {
   // --- asynchronous moves --------------------------------------------------------------------
   // Moves go through `queue` from now on (nullptr: synchronous, the default). The queue must
   // outlive the store; switching needs no copy in flight (finish_copies() first).
-  void set_copy_queue(CopyQueue* queue);
-  CopyQueue* copy_queue() const { return queue_; }
-  // Blocks until the chunk's last queued copy completed (throws that copy's error).
+  void set_copy_queue(CopyEngine* queue);
+  CopyEngine* copy_queue() const { return queue_; }
+  // Orders the caller after the chunk's last queued copy (throws that copy's error): blocks until
+  // it completed for a host payload; for a device payload orders compute after it
+  // (CopyEngine::order_compute_after).
   void wait_ready(ChunkId id) const;
-  // True when no queued copy writes the chunk's payload any more.
+  // True when nothing the caller does next can overtake a queued copy writing the chunk's
+  // payload: that copy completed, or the caller was ordered after it (wait_ready).
   bool copy_complete(ChunkId id) const;
   // Waits for every queued copy and gives back the payloads they were holding.
   void finish_copies();
@@ -217,7 +223,7 @@ class ChunkStore {
   std::vector<std::vector<TensorState>> states_;  // [slot][tensor]
   std::vector<Block> blocks_;                     // entries with memory == nullptr are free
   std::vector<int64_t> block_of_;                 // per chunk id: its block in blocks_, or -1
-  CopyQueue* queue_ = nullptr;                    // asynchronous moves (not owned)
+  CopyEngine* queue_ = nullptr;                   // asynchronous moves (not owned)
   std::vector<PendingFree> pending_frees_;
 
   std::atomic<int64_t> h2d_bytes_{0};

@@ -1,19 +1,26 @@
-// CopyQueue: copies issued in order and run by one copy thread, each with a completion event, so
-// that a chunk's bytes cross while compute goes on (the emulated device's copy engine; a CUDA tier
-// would be a copy stream with CUDA events). Usage:
+// Copy engines: the chunk store's asynchronous moves. A CopyEngine issues copies in order, each with
+// a completion event; compute is ordered after the event of the chunk it needs, and a payload a copy
+// reads or writes goes back to its tier only after that event. Two engines:
+//   - CopyQueue (this header): a copy thread that runs each copy on the host (the emulated device,
+//     where compute runs on the host too), so the ordering rules run in every test here;
+//   - CudaCopyStream (cuda_copy_stream.h, CUDA builds): a CUDA copy stream with CUDA events, where
+//     compute waits on the GPU (a stream waits on an event), not on the host.
+//
+// CopyQueue usage:
 //
 //   patrickstar::CopyQueue queue;                                  // starts the copy thread
 //   CopyEvent e = queue.submit([&] { std::memcpy(dst, src, n); }, "param chunk 3 (id 3) to device");
 //   ...                                                            // compute goes on meanwhile
 //   queue.wait(e);   // returns once that copy (and every copy issued before it) completed
 //
-// Rules: copies run one at a time in the order they were submitted, so a copy that reads what an
-// earlier one writes sees it complete. Completion of event e happens-before wait(e) returns (and
-// before done(e) returns true), so bytes the copy wrote may be read after it without a race. A copy
-// that throws fails its event: wait() throws c10::Error naming the copy's label and the cause, and
-// every copy after it fails too, unrun ("an earlier copy failed: ..."), because its source may be
-// what the failed copy should have written. The destructor waits for every copy (errors are not
-// rethrown there). Thread-safe: any thread may submit and wait.
+// Rules (every engine): copies run one at a time in the order they were submitted, so a copy that
+// reads what an earlier one writes sees it complete. Completion of event e happens-before wait(e)
+// returns (and before done(e) returns true), so bytes the copy wrote may be read after it without
+// a race. A copy that throws fails its event: wait() throws c10::Error naming the copy's label and
+// the cause, and every copy after it fails too ("an earlier copy failed: ..."), because its source
+// may be what the failed copy should have written (CopyQueue does not run them; a CUDA stream may
+// have run those issued before the failure was known). The destructor waits for every copy (errors
+// are not rethrown there). Thread-safe: any thread may submit and wait.
 //
 // Timeline: with set_record_spans(true) the queue keeps one CopySpan per copy it ran (on the copy
 // thread, from its start to its end) and one per wait that blocked (on the waiting thread), timed
@@ -32,6 +39,9 @@
 #include <vector>
 
 namespace patrickstar {
+
+class MemoryTier;                     // memory_tier.h
+enum class CopyDirection : uint8_t;   // memory_tier.h
 
 // A clock in microseconds since this call (steady_clock), callable from any thread: the default
 // timeline clock of CopyQueue and Scheduler; the engine gives both the same one.
@@ -58,10 +68,49 @@ struct CopyQueueOptions {
   uint64_t delay_seed = 0;
 };
 
-class CopyQueue {
+// What the chunk store asks of a copy engine. Events of one engine are ordered: every event <= e
+// completed once e did. "Compute" is the work the calling thread issues: operators on the host
+// (emulated device), kernels on the thread's current CUDA stream (CUDA).
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+
+  // Queues a copy of `bytes` from `src` to `dst` between a host payload and a payload of `device`
+  // (the device tier), after every copy submitted before and after the compute the calling thread
+  // issued so far (which may still write `src`); returns its event.
+  virtual CopyEvent submit_copy(MemoryTier& device, void* dst, const void* src, int64_t bytes,
+                                CopyDirection direction, std::string label) = 0;
+  // Blocks the calling thread until `event` completed (host code may then read what it wrote, and
+  // free what it read). Throws c10::Error when that copy failed or could not run.
+  virtual void wait(CopyEvent event) = 0;
+  // Orders the compute the calling thread issues from now on after `event`, throwing like wait()
+  // for a failure already known. Where compute runs on the host this is wait(); on CUDA the
+  // current stream waits on the event on the GPU and the host goes on.
+  virtual void order_compute_after(CopyEvent event) { wait(event); }
+  // True when `event` completed (successfully or not); never blocks.
+  virtual bool done(CopyEvent event) const = 0;
+  // Waits for every copy submitted so far; throws the first failure among them not reported yet.
+  virtual void drain() = 0;
+
+  // The last event submitted (0 before any).
+  virtual CopyEvent last_submitted() const = 0;
+  // Seconds callers spent blocked on the host in wait()/drain() since construction or the last
+  // reset (the copy time compute did not hide, where compute runs on the host).
+  virtual double waited_seconds() const = 0;
+  virtual void reset_waited_seconds() = 0;
+
+  // Timeline (off by default). The clock must be callable from any thread. An engine that cannot
+  // time its copies on the host (CUDA) records no spans.
+  virtual void set_clock(std::function<int64_t()> now_us) = 0;
+  virtual void set_record_spans(bool on) = 0;
+  virtual std::vector<CopySpan> spans() const = 0;
+  virtual void clear_spans() = 0;
+};
+
+class CopyQueue final : public CopyEngine {
  public:
   explicit CopyQueue(CopyQueueOptions options = {});
-  ~CopyQueue();
+  ~CopyQueue() override;
   CopyQueue(const CopyQueue&) = delete;
   CopyQueue& operator=(const CopyQueue&) = delete;
 
@@ -70,25 +119,22 @@ class CopyQueue {
   // Queues `copy` after every copy submitted before; returns its event at once (threaded), or
   // after running it (not threaded; a throw is kept for wait() all the same).
   CopyEvent submit(std::function<void()> copy, std::string label);
-  // Blocks until `event` completed. Throws c10::Error when that copy failed or could not run.
-  void wait(CopyEvent event);
-  // True when `event` completed (successfully or not); never blocks.
-  bool done(CopyEvent event) const;
-  // Waits for every copy submitted so far; throws the first failure among them not reported yet.
-  void drain();
+  // submit() of device.copy(): the copy thread runs the copy on the host, so `device` must be a
+  // tier whose memory the host reads (the emulated device); throws c10::Error for a CUDA tier.
+  CopyEvent submit_copy(MemoryTier& device, void* dst, const void* src, int64_t bytes,
+                        CopyDirection direction, std::string label) override;
+  void wait(CopyEvent event) override;
+  bool done(CopyEvent event) const override;
+  void drain() override;
 
-  // The last event submitted (0 before any).
-  CopyEvent last_submitted() const;
-  // Seconds callers spent blocked in wait()/drain() since construction or the last reset (the
-  // copy time compute did not hide).
-  double waited_seconds() const;
-  void reset_waited_seconds();
+  CopyEvent last_submitted() const override;
+  double waited_seconds() const override;
+  void reset_waited_seconds() override;
 
-  // Timeline (off by default). The clock must be callable from any thread.
-  void set_clock(std::function<int64_t()> now_us);
-  void set_record_spans(bool on);
-  std::vector<CopySpan> spans() const;
-  void clear_spans();
+  void set_clock(std::function<int64_t()> now_us) override;
+  void set_record_spans(bool on) override;
+  std::vector<CopySpan> spans() const override;
+  void clear_spans() override;
 
  private:
   struct Task {

@@ -1,8 +1,11 @@
 // The CUDA device tier: payloads from cudaMalloc (outside LibTorch's caching allocator, retried
-// once after emptying its cache), copies on a dedicated copy stream ordered after the current
-// stream's work with events. Only in builds with CUDA (PATRICKSTAR_HAVE_CUDA defined); compiled in
-// CI, run only where a GPU is present. Thread-safe like every MemoryTier; owns its stream handle
-// and events.
+// once after emptying its cache), kept for reuse when freed (cudaFree would wait for the whole
+// device) and given back when LibTorch's allocator runs short (a free-memory callback registered
+// with it); synchronous copies (copy(), used without a copy engine) on a dedicated copy stream
+// ordered after the current stream's work with events. Asynchronous moves go through a
+// CudaCopyStream (cuda_copy_stream.h). Only in builds with CUDA (PATRICKSTAR_HAVE_CUDA defined);
+// compiled in CI, run only where a GPU is present. Thread-safe like every MemoryTier; owns its
+// stream handle and events.
 //
 // Note for the memory tracer: the caching allocator's allocated_bytes statistic does not include
 // these payloads, so on CUDA it is the non-model memory as it stands.
@@ -26,6 +29,9 @@ class CudaDeviceTier final : public MemoryTier {
   // The memory of CUDA device `device_index` (cudaMemGetInfo's total), for checks against a
   // configured capacity.
   static int64_t total_memory_bytes(int device_index);
+  // Gives the cached payloads of every live CUDA tier back to the device (tiers busy on another
+  // thread keep theirs); returns the bytes given back. LibTorch's allocator calls this when short.
+  static int64_t release_cached_payloads();
   // Waits for the current stream's queued work (an event), copies on the copy stream, makes the
   // current stream wait for the copy and returns once the copy is complete (so the caller may
   // free the source).

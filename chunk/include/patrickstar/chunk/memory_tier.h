@@ -85,6 +85,9 @@ class MemoryTier {
   // Every subclass destructor calls this: frees the cache and any block still handed out (with a
   // warning, since some user outlived its tier).
   void release_all();
+  // empty_cache() unless another thread holds the tier at that moment (then nothing); returns the
+  // bytes given back. For callbacks that may run while the tier's own thread waits on them.
+  int64_t try_empty_cache();
 
  private:
   struct Block {

@@ -75,11 +75,11 @@ struct SchedulerConfig {
   EvictionPolicy policy = EvictionPolicy::kOpt;
   int prefetch_depth = 4;      // moments ahead to prefetch; 0 turns prefetching off
   int64_t reserve_bytes = 0;   // device bytes kept free at every moment
-  // Chunk moves on a copy queue (a copy thread on the emulated device) that overlap compute;
-  // false: every move completes before the call that made it returns.
+  // Chunk moves on a copy engine that overlap compute (a copy thread on the emulated device, a
+  // CUDA copy stream on "cuda"); false: every move completes before the call that made it returns.
   bool async_moves = true;
-  // Testing: the copy thread sleeps a seeded pseudo-random time in [0, copy_delay_max_us] before
-  // each copy (results must not change).
+  // Testing: the emulated device's copy thread sleeps a seeded pseudo-random time in
+  // [0, copy_delay_max_us] before each copy (results must not change). Refused on "cuda".
   int copy_delay_max_us = 0;
   int copy_delay_seed = 0;
 };

@@ -81,7 +81,8 @@ struct IterationReport {
   // iteration (the warm start, at most the device's chunk budget); 0 in other iterations.
   int64_t warm_start_h2d_bytes = 0;
   // Asynchronous moves: how long compute waited for chunk copies this iteration (the copy time
-  // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed.
+  // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed. On CUDA
+  // the host's waits only: a stream waiting on a copy's event on the GPU is not counted.
   double copy_wait_seconds = 0;
   int64_t device_chunk_peak_bytes = 0;  // the device tier's peak during the iteration
   int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
@@ -403,7 +404,7 @@ class Engine final : public ModuleHookHandler {
   std::unordered_map<const torch::nn::Module*, std::string> module_names_;
   std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
 
-  std::unique_ptr<CopyQueue> copy_queue_;  // asynchronous moves; outlives the store (declared first)
+  std::unique_ptr<CopyEngine> copy_queue_;  // asynchronous moves; outlives the store (declared first)
   double copy_wait_at_iteration_start_ = 0;
   std::unique_ptr<MemoryTier> host_;
   std::unique_ptr<MemoryTier> device_;
