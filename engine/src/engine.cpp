@@ -30,6 +30,14 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
   if (comm_ == nullptr) comm_ = make_local_communicator();
   rank_ = comm_->rank();
   world_ = comm_->world_size();
+  // A Config built in code skips from_json's check of this pair; before the device's own checks,
+  // so it is refused the same on every machine.
+  TORCH_CHECK(config_.device.type == DeviceType::kEmulated ||
+                  config_.scheduler.copy_delay_max_us == 0,
+              "patrickstar::Engine: client.scheduler.copy_delay_max_us is ",
+              config_.scheduler.copy_delay_max_us,
+              ": injected copy delays test the emulated device's copy thread; on device type "
+              "\"cuda\" copies run on a CUDA stream (set it to 0)");
   const std::string unavailable = device_unavailable_reason(config_);
   TORCH_CHECK(unavailable.empty(), "patrickstar::Engine: device type \"cuda\": ", unavailable,
               "; the emulated device trains on any machine (\"client\": {\"device\": {\"type\": "
@@ -38,12 +46,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
               "patrickstar::Engine: device type \"cuda\" with ", world_,
               " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
               "data parallel runs on the emulated device)");
-  TORCH_CHECK(config_.device.type == DeviceType::kEmulated ||
-                  config_.scheduler.copy_delay_max_us == 0,
-              "patrickstar::Engine: client.scheduler.copy_delay_max_us is ",
-              config_.scheduler.copy_delay_max_us,
-              ": injected copy delays test the emulated device's copy thread; on device type "
-              "\"cuda\" copies run on a CUDA stream (set it to 0)");
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
   mixed_ = config_.precision() != Precision::kFp32;

@@ -213,4 +213,20 @@ TEST(CudaDevice, RefusedWithItsReasonWhereItCannotRun) {
 }
 
 }  // namespace
+// Copy delays test the emulated device's copy thread: a Config built in code (from_json refuses
+// the pair itself) that asks for them on "cuda" is refused at construction, before the device's
+// own checks, so the same on every machine, GPU or not; the model is left as it was.
+TEST(CudaDevice, CopyDelaysAreRefusedBeforeAnythingIsBuilt) {
+  torch::nn::Sequential model = small_mlp();
+  const at::Tensor before = model->parameters()[0].detach().clone();
+  Config config;
+  config.device.type = DeviceType::kCuda;
+  config.scheduler.copy_delay_max_us = 40;
+  const std::string error = error_of([&] { Engine engine(model.ptr(), config); });
+  EXPECT_NE(error.find("client.scheduler.copy_delay_max_us is 40"), std::string::npos) << error;
+  EXPECT_NE(error.find("copy thread"), std::string::npos) << error;
+  EXPECT_TRUE(model->parameters()[0].device().is_cpu());
+  EXPECT_TRUE(torch::equal(model->parameters()[0], before));
+}
+
 }  // namespace patrickstar
