@@ -28,6 +28,7 @@
 #include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
+#include "dashed_flags.h"
 #include "gpu_prediction.h"
 #include "patrickstar/memtracer/cost_model.h"
 #include "patrickstar/models/gpt.h"
@@ -1001,17 +1002,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "trains a GPT of the model zoo through patrickstar on random data; e.g.\n"
       "  ps_bench --model gpt_mini --device emulated:24MiB --steps 6 --baseline --json out.json");
-  // Flags are spelled with dashes (--chunk-size); Abseil names them with underscores.
-  std::vector<std::string> args(argv, argv + argc);
-  std::vector<char*> pointers;
-  for (std::string& arg : args) {
-    if (arg.rfind("--", 0) == 0) {
-      for (size_t i = 2; i < arg.size() && arg[i] != '='; ++i) {
-        if (arg[i] == '-') arg[i] = '_';
-      }
-    }
-    pointers.push_back(arg.data());
-  }
+  std::vector<std::string> args;
+  std::vector<char*> pointers = patrickstar::dashed_flags(argc, argv, args);
   absl::ParseCommandLine(static_cast<int>(pointers.size()), pointers.data());
   try {
     return run();

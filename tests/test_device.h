@@ -5,56 +5,16 @@
 // passed; a misspelt value fails them.
 #pragma once
 
-#include <c10/core/Device.h>
-#include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include <cstdlib>
-#include <string>
+#include <cstdint>
 
 #include "patrickstar/engine/config.h"
 #include "patrickstar/memtracer/memory_probe.h"
+#include "test_device_switch.h"
 
 namespace patrickstar::test {
-
-// The switch's value: "" or "emulated" (the default), or "cuda".
-inline std::string test_device_name() {
-  const char* value = std::getenv("PATRICKSTAR_TEST_DEVICE");
-  return value == nullptr ? "" : value;
-}
-
-inline bool on_cuda() { return test_device_name() == "cuda"; }
-
-// Why the tests cannot run on device `name` here ("" when they can), and whether that is an error
-// (a value the switch does not take) rather than a reason to skip.
-struct TestDeviceProblem {
-  std::string why;
-  bool error = false;
-};
-inline TestDeviceProblem test_device_problem(const std::string& name, bool gpu_present) {
-  if (name.empty() || name == "emulated") return {};
-  if (name != "cuda") {
-    return {"PATRICKSTAR_TEST_DEVICE is \"" + name + "\"; it takes \"emulated\" (the default) or "
-            "\"cuda\"", true};
-  }
-#ifndef PATRICKSTAR_HAVE_CUDA
-  (void)gpu_present;
-  return {"PATRICKSTAR_TEST_DEVICE=cuda, but this build has no CUDA support: the test did not run",
-          false};
-#else
-  if (!gpu_present) {
-    return {"PATRICKSTAR_TEST_DEVICE=cuda, but LibTorch sees no CUDA device on this machine: the "
-            "test did not run", false};
-  }
-  return {};
-#endif
-}
-
-// Where the trainer puts its inputs (the engine computes there).
-inline c10::Device test_device() {
-  return on_cuda() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
-}
 
 // On CUDA: the device bytes LibTorch keeps allocated once a matmul has run forward and backward
 // (the cuBLAS workspaces of the calling thread and of autograd's device thread, several MiB each),
@@ -82,16 +42,5 @@ inline Config& use_test_device(Config& config) {
   }
   return config;
 }
-
-// The fixture of the tests that honour the switch.
-class OnTestDevice : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const TestDeviceProblem problem =
-        test_device_problem(test_device_name(), torch::cuda::is_available());
-    if (problem.error) GTEST_FAIL() << problem.why;
-    if (!problem.why.empty()) GTEST_SKIP() << problem.why;
-  }
-};
 
 }  // namespace patrickstar::test

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "patrickstar/patrickstar.h"
+#include "test_device.h"
 
 namespace patrickstar {
 namespace {
@@ -49,7 +50,10 @@ double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Te
   return worst;
 }
 
-TEST(EnginePrecision, AccumulatedBf16GradientsReachAdamInFp32) {
+// On the test device (tests/test_device.h); the plain references compute on the CPU.
+class EnginePrecision : public test::OnTestDevice {};
+
+TEST_F(EnginePrecision, AccumulatedBf16GradientsReachAdamInFp32) {
   // The reference: the same bf16 model in plain LibTorch; each micro-batch's bf16 gradients summed
   // in fp32, then one fp32 Adam step on the fp32 weights.
   torch::nn::Sequential plain = mlp();
@@ -73,17 +77,18 @@ TEST(EnginePrecision, AccumulatedBf16GradientsReachAdamInFp32) {
   const std::vector<at::Tensor> rounded_reference = adam_once(initial, rounded);
 
   torch::nn::Sequential model = mlp();
-  Engine engine(model.ptr(), Config::from_string(R"({"bf16": {"enabled": true},
+  Config config = Config::from_string(R"({"bf16": {"enabled": true},
       "gradient_accumulation_steps": 2, "default_chunk_size": 1024,
-      "optimizer": {"type": "Adam", "params": {"lr": 0.01, "eps": 0.1}}})"));
+      "optimizer": {"type": "Adam", "params": {"lr": 0.01, "eps": 0.1}}})");
+  Engine engine(model.ptr(), test::use_test_device(config));
   engine.zero_grad();
   for (int k = 0; k < 2; ++k) {
     at::Tensor out;
     {
       auto active = engine.activate();
-      out = patrickstar::call(model, micro_input(k).to(at::kBFloat16));
+      out = patrickstar::call(model, micro_input(k).to(test::test_device(), at::kBFloat16));
     }
-    engine.backward(torch::mse_loss(out.to(at::kFloat), micro_target(k)));
+    engine.backward(torch::mse_loss(out.to(at::kFloat), micro_target(k).to(test::test_device())));
   }
   engine.step();
   std::vector<at::Tensor> trained;
@@ -129,18 +134,21 @@ std::vector<at::Tensor> train_shared(Sharing sharing, bool checkpointed, const s
   auto model = std::make_shared<SharedNetImpl>(sharing, checkpointed);
   const std::string precision = dtype == "bf16" ? R"("bf16": {"enabled": true},)" : "";
   // eps 1: the update follows the gradient's value, so a lost or overwritten gradient shows.
-  Engine engine(model, Config::from_string("{" + precision + R"("default_chunk_size": 512,
+  Config config = Config::from_string("{" + precision + R"("default_chunk_size": 512,
       "optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1.0}},
-      "client": {"device": {"capacity_bytes": 65536}}})"));
+      "client": {"device": {"capacity_bytes": 65536}}})");
+  Engine engine(model, test::use_test_device(config));
+  const c10::Device device = test::test_device();
   for (int s = 0; s < 4; ++s) {
     engine.zero_grad();
     at::Tensor y;
     {
       auto active = engine.activate();
-      at::Tensor x = micro_input(s).narrow(1, 0, 8);
+      at::Tensor x = micro_input(s).narrow(1, 0, 8).to(device);
       y = model->forward(dtype == "bf16" ? x.to(at::kBFloat16) : x);
     }
-    engine.backward(torch::mse_loss(y.to(at::kFloat), micro_target(s).narrow(1, 0, 4)));
+    engine.backward(
+        torch::mse_loss(y.to(at::kFloat), micro_target(s).narrow(1, 0, 4).to(device)));
     engine.step();
   }
   std::vector<at::Tensor> weights;
@@ -149,7 +157,8 @@ std::vector<at::Tensor> train_shared(Sharing sharing, bool checkpointed, const s
 }
 
 class SharedWithCheckpoint
-    : public ::testing::TestWithParam<std::tuple<Sharing, std::string>> {};
+    : public test::OnTestDevice,
+      public ::testing::WithParamInterface<std::tuple<Sharing, std::string>> {};
 
 TEST_P(SharedWithCheckpoint, EveryUseAccumulatesAndNoGradientIsReadAsAWeight) {
   const auto [sharing, dtype] = GetParam();

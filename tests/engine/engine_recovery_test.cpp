@@ -19,6 +19,7 @@ namespace patrickstar {
 namespace {
 
 using test::error_of;
+using test::test_device;
 
 enum class Failure { kNone, kBetweenDoors, kInsideDoor, kInBackward, kBigTemporary, kBranch };
 
@@ -49,9 +50,10 @@ struct NetImpl : torch::nn::Module {
       case Failure::kInsideDoor: return patrickstar::call(fc2, h.narrow(1, 0, 3));  // Linear throws
       case Failure::kInBackward: h = ThrowInBackward::apply(h); break;
       case Failure::kBigTemporary: {
-        // A temporary larger than the device, freed before the next moment: the warm-up's live
-        // readings never see it, the trace's interval peak does.
-        at::Tensor big = torch::ones({1 << 20});
+        // A temporary larger than the device (on the device the forward runs on), freed before
+        // the next moment: the warm-up's live readings never see it, the trace's interval peak
+        // does.
+        at::Tensor big = torch::ones({1 << 20}, h.device());
         h = h + big.sum() * 0;
         break;
       }
@@ -68,7 +70,9 @@ Config net_config(const std::string& extra = "{}") {
                       {"default_chunk_size", 300},
                       {"client", {{"device", {{"capacity_bytes", 1 << 20}}}}}};
   j.merge_patch(nlohmann::json::parse(extra));
-  return Config::from_json(j);
+  Config config = Config::from_json(j);
+  test::use_test_device(config);
+  return config;
 }
 
 at::Tensor input_of(int step) {
@@ -88,9 +92,10 @@ struct Trainer {
   }
   at::Tensor loss(int step, Failure failure = Failure::kNone) {
     auto active = engine->activate();
-    at::Tensor x = input_of(step);
+    at::Tensor x = input_of(step).to(test_device());
     if (engine->config().precision() != Precision::kFp32) x = x.to(at::kBFloat16);
-    return torch::mse_loss(net->forward(x, failure).to(at::kFloat), target_of(step));
+    return torch::mse_loss(net->forward(x, failure).to(at::kFloat),
+                           target_of(step).to(test_device()));
   }
   double train_step(int step, Failure failure = Failure::kNone) {
     engine->zero_grad();
@@ -99,12 +104,15 @@ struct Trainer {
     engine->step();
     return l.item<double>();
   }
-  // Weights and optimizer state (every chunk but the gradient space), and the loss scale.
+  // Weights and optimizer state (every chunk but the gradient space), and the loss scale. Copied
+  // to the host: a chunk may be on either tier, and on another one when compared.
   std::vector<at::Tensor> state() const {
     std::vector<at::Tensor> out;
     const ChunkStore& store = engine->chunks();
     for (ChunkId id = 0; id < store.chunk_count(); ++id) {
-      if (store.kind_of(id) != ChunkKind::kGrad) out.push_back(store.chunk_view(id).clone());
+      if (store.kind_of(id) != ChunkKind::kGrad) {
+        out.push_back(store.chunk_view(id).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+      }
     }
     out.push_back(torch::tensor(engine->loss_scale()));
     return out;
@@ -137,7 +145,10 @@ std::vector<double> clean_losses(const Config& config, int steps) {
   return losses;
 }
 
-class EngineRecovery : public ::testing::TestWithParam<std::string> {
+// On the emulated device, or on the CUDA engine with PATRICKSTAR_TEST_DEVICE=cuda (the engine's
+// nets get their batches on test_device(); the plain twins stay on the CPU).
+class EngineRecovery : public test::OnTestDevice,
+                       public ::testing::WithParamInterface<std::string> {
  protected:
   Config config() const { return net_config(GetParam()); }
 };
@@ -302,15 +313,17 @@ INSTANTIATE_TEST_SUITE_P(Precisions, EngineRecovery,
                          });
 
 // The same on the GPT of the model zoo with a device that forces moves every iteration: a dropped
-// micro-batch in the middle of training leaves no trace behind.
-TEST(EngineRecoveryGpt, DroppedMicroBatchWithMovesEveryIteration) {
+// micro-batch in the middle of training leaves no trace behind. On the test device, as above.
+class EngineRecoveryGpt : public test::OnTestDevice {};
+
+TEST_F(EngineRecoveryGpt, DroppedMicroBatchWithMovesEveryIteration) {
   using namespace test;  // NOLINT: the shared helpers of gpt_training.h
   const std::vector<double> plain = train_plain(6);
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), tight_config());
   std::vector<double> losses;
   for (int s = 0; s < 6; ++s) {
-    auto batch = batch_of_step(s);
+    auto batch = on_test_device(batch_of_step(s));
     engine.zero_grad();
     if (s == 2) {
       auto active = engine.activate();

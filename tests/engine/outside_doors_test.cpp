@@ -26,6 +26,15 @@ using test::plain_adam;
 using test::seeded_net;
 using test::small_device;
 using test::target_of;
+using test::test_device;
+
+// On the emulated device, or on the CUDA engine with PATRICKSTAR_TEST_DEVICE=cuda (the engine's
+// nets get their inputs on test_device(); the plain twins stay on the CPU). The GatheredParameters
+// suite's fixture takes the library class's name in this file, so the tests spell the class
+// patrickstar::GatheredParameters, as a trainer outside the namespace does.
+class OutsideDoors : public test::OnTestDevice {};
+class GatheredParameters : public test::OnTestDevice {};
+class EngineOptimizerBase : public test::OnTestDevice {};
 
 struct ConvNetImpl : torch::nn::Module {
   ConvNetImpl() {
@@ -58,16 +67,16 @@ void expect_contains(const std::string& text, const std::string& part) {
   EXPECT_NE(text.find(part), std::string::npos) << "missing \"" << part << "\" in: " << text;
 }
 
-TEST(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDoor) {
+TEST_F(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDoor) {
   Net net = seeded_net();
   Engine engine(net.ptr(), small_device());
   // A Linear called directly, and a forward that forgets one door.
-  std::string m = error_of([&] { net->fc1(input_of(0)); });
+  std::string m = error_of([&] { net->fc1(input_of(0).to(test_device())); });
   expect_contains(m, "parameter 'fc1.");
   expect_contains(m, "module 'fc1', torch::nn::LinearImpl");
   expect_contains(m, "outside its door");
   expect_contains(m, "patrickstar::call");
-  m = error_of([&] { net->forward_forgetting_a_door(input_of(0)); });
+  m = error_of([&] { net->forward_forgetting_a_door(input_of(0).to(test_device())); });
   expect_contains(m, "parameter 'fc2.");
   expect_contains(m, "module 'fc2', torch::nn::LinearImpl");
   // The parameters keep their shapes (LibTorch's shape checks pass; the data read is refused).
@@ -82,11 +91,11 @@ TEST(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDo
   torch::manual_seed(1);
   ConvNet conv_net;
   Engine conv_engine(conv_net.ptr(), small_device(R"({"bf16": {"enabled": true}})"));
-  at::Tensor images = torch::randn({2, 3, 8, 8}).to(at::kBFloat16);
+  at::Tensor images = torch::randn({2, 3, 8, 8}).to(test_device(), at::kBFloat16);
   m = error_of([&] { conv_net->conv(images); });
   expect_contains(m, "parameter 'conv.");
   expect_contains(m, "torch::nn::Conv2dImpl");
-  m = error_of([&] { conv_net->bn(torch::randn({2, 4, 6, 6}).to(at::kBFloat16)); });
+  m = error_of([&] { conv_net->bn(torch::randn({2, 4, 6, 6}).to(test_device(), at::kBFloat16)); });
   expect_contains(m, "parameter 'bn.");
   expect_contains(m, "torch::nn::BatchNorm2dImpl");
   // Through the doors it runs (BatchNorm's running statistics are in the compute dtype too).
@@ -94,7 +103,7 @@ TEST(OutsideDoors, AModuleCalledWithoutItsDoorNamesTheParameterItsModuleAndTheDo
   EXPECT_EQ(conv_net->forward(images).sizes(), (std::vector<int64_t>{2, 4, 6, 6}));
 }
 
-TEST(OutsideDoors, AnL2PenaltyOutsideTheDoorsIsAnErrorNotZero) {
+TEST_F(OutsideDoors, AnL2PenaltyOutsideTheDoorsIsAnErrorNotZero) {
   Net plain = seeded_net();
   const double expected = l2_penalty(*plain).item<double>();
   ASSERT_GT(expected, 1.0);
@@ -104,11 +113,12 @@ TEST(OutsideDoors, AnL2PenaltyOutsideTheDoorsIsAnErrorNotZero) {
   expect_contains(m, "outside its door");
   expect_contains(m, "GatheredParameters");
   // In a read-only scope the penalty has its value.
-  GatheredParameters gathered(*net, GatheredParameters::Mode::kReadOnly);
+  patrickstar::GatheredParameters gathered(*net,
+                                            patrickstar::GatheredParameters::Mode::kReadOnly);
   EXPECT_NEAR(l2_penalty(*net).item<double>(), expected, 1e-6 * expected);
 }
 
-TEST(OutsideDoors, APenaltyBehindTheDoorTrainsAsInLibTorch) {
+TEST_F(OutsideDoors, APenaltyBehindTheDoorTrainsAsInLibTorch) {
   constexpr double kWeight = 1e-2;
   Net plain = seeded_net();
   torch::optim::Adam adam = plain_adam(plain->parameters());
@@ -129,7 +139,7 @@ TEST(OutsideDoors, APenaltyBehindTheDoorTrainsAsInLibTorch) {
   EXPECT_EQ(model.engine().retrace_count(), 0);
 }
 
-TEST(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
+TEST_F(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
     Net net = seeded_net();
@@ -137,18 +147,20 @@ TEST(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
     Engine engine(net.ptr(), small_device(extra));
     for (int s = 0; s < 3; ++s) {
       engine.zero_grad();
-      at::Tensor loss = torch::mse_loss(net->forward(input_of(s)).to(at::kFloat), target_of(s));
+      at::Tensor loss = torch::mse_loss(net->forward(input_of(s).to(test_device())).to(at::kFloat),
+                                        target_of(s).to(test_device()));
       loss.backward();
       engine.step();
     }
     const auto master = engine.fp32_state_dict();
     const at::ScalarType half = net->fc1->weight.scalar_type();
     {
-      GatheredParameters gathered(*net);
+      // The values are on the parameters' device (the GPU on CUDA), the state dict on the host.
+      patrickstar::GatheredParameters gathered(*net);
       const auto params = net->named_parameters();
       for (const auto& [name, value] : master) {
         EXPECT_EQ(params[name].scalar_type(), at::kFloat) << name;
-        EXPECT_TRUE(torch::equal(params[name], value)) << name;
+        EXPECT_TRUE(torch::equal(params[name].cpu(), value)) << name;
       }
       // A plain LibTorch archive of the model, loadable without the engine.
       std::stringstream archive;
@@ -156,7 +168,7 @@ TEST(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
       Net loaded;
       torch::load(loaded, archive);
       for (const auto& [name, value] : master) {
-        EXPECT_TRUE(torch::equal(loaded->named_parameters()[name], value)) << name;
+        EXPECT_TRUE(torch::equal(loaded->named_parameters()[name].cpu(), value)) << name;
       }
     }
     // Back in the engine: the half dtype again, nothing to read outside the doors.
@@ -164,14 +176,15 @@ TEST(GatheredParameters, GivesTheFp32MasterWeightsAndTakesThemBack) {
     expect_contains(error_of([&] { net->fc1->weight.sum(); }), "outside its door");
     // Training goes on, on the same trace.
     engine.zero_grad();
-    at::Tensor loss = torch::mse_loss(net->forward(input_of(3)).to(at::kFloat), target_of(3));
+    at::Tensor loss = torch::mse_loss(net->forward(input_of(3).to(test_device())).to(at::kFloat),
+                                      target_of(3).to(test_device()));
     loss.backward();
     EXPECT_NO_THROW(engine.step());
     EXPECT_EQ(engine.retrace_count(), 0);
   }
 }
 
-TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
+TEST_F(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   auto reinit = [](torch::nn::Linear& fc) {
     torch::NoGradGuard no_grad;
     torch::manual_seed(77);
@@ -184,7 +197,7 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   Net net = seeded_net();
   auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
   {
-    GatheredParameters gathered(*net->fc1);
+    patrickstar::GatheredParameters gathered(*net->fc1);
     reinit(net->fc1);
   }
   for (int s = 0; s < 5; ++s) {
@@ -204,7 +217,7 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   Net half_net = seeded_net();
   Engine engine(half_net.ptr(), small_device(R"({"bf16": {"enabled": true}})"));
   {
-    GatheredParameters gathered(*half_net->fc1);
+    patrickstar::GatheredParameters gathered(*half_net->fc1);
     reinit(half_net->fc1);
   }
   Net reference = seeded_net();
@@ -215,11 +228,11 @@ TEST(GatheredParameters, ValuesWrittenInTheScopeAreTrainedOn) {
   reference->to(at::kBFloat16);
   torch::NoGradGuard no_grad;
   const at::Tensor x = input_of(0).to(at::kBFloat16);
-  EXPECT_TRUE(torch::allclose(half_net->forward(x).to(at::kFloat), reference->forward(x).to(at::kFloat),
-                              1e-2, 1e-2));
+  EXPECT_TRUE(torch::allclose(half_net->forward(x.to(test_device())).to(at::kCPU, at::kFloat),
+                              reference->forward(x).to(at::kFloat), 1e-2, 1e-2));
 }
 
-TEST(GatheredParameters, RefusesWhatItCannotDoAndChangesNothing) {
+TEST_F(GatheredParameters, RefusesWhatItCannotDoAndChangesNothing) {
   Net net = seeded_net();
   Engine engine(net.ptr(), small_device());
   const auto before = engine.fp32_state_dict();
@@ -231,39 +244,45 @@ TEST(GatheredParameters, RefusesWhatItCannotDoAndChangesNothing) {
   };
   // Not a parameter of this engine.
   at::Tensor stranger = torch::zeros({3});
-  expect_contains(error_of([&] { GatheredParameters g(engine, {stranger}); }),
+  expect_contains(error_of([&] { patrickstar::GatheredParameters g(engine, {stranger}); }),
                   "not a parameter of this engine's model");
   // Held by another scope.
   {
-    GatheredParameters first(*net->fc1, GatheredParameters::Mode::kReadOnly);
-    expect_contains(error_of([&] { GatheredParameters g(*net); }), "another GatheredParameters");
+    patrickstar::GatheredParameters first(*net->fc1,
+                                          patrickstar::GatheredParameters::Mode::kReadOnly);
+    expect_contains(error_of([&] { patrickstar::GatheredParameters g(*net); }),
+                    "another GatheredParameters");
     // A door over a held parameter.
-    expect_contains(error_of([&] { net->forward(input_of(0)); }), "held by a GatheredParameters");
+    expect_contains(error_of([&] { net->forward(input_of(0).to(test_device())); }),
+                    "held by a GatheredParameters");
   }
   // In an open door.
   {
     ModuleScope scope(*net->fc2);
-    expect_contains(
-        error_of([&] { GatheredParameters g(*net->fc2, GatheredParameters::Mode::kReadOnly); }),
-        "open door");
+    expect_contains(error_of([&] {
+                      patrickstar::GatheredParameters g(
+                          *net->fc2, patrickstar::GatheredParameters::Mode::kReadOnly);
+                    }),
+                    "open door");
     scope.done(torch::zeros({1}));
   }
   // Read-write while a forward is in progress; read-only is fine then.
   at::Tensor loss = compute_loss(net, 0);
-  expect_contains(error_of([&] { GatheredParameters g(*net); }), "Mode::kReadOnly");
+  expect_contains(error_of([&] { patrickstar::GatheredParameters g(*net); }), "Mode::kReadOnly");
   {
-    GatheredParameters g(*net, GatheredParameters::Mode::kReadOnly);
+    patrickstar::GatheredParameters g(*net, patrickstar::GatheredParameters::Mode::kReadOnly);
     torch::NoGradGuard no_grad;
     net->fc1->weight.zero_();  // discarded
   }
   loss.backward();
-  expect_contains(error_of([&] { GatheredParameters g(*net); }), "gradients wait for step()");
+  expect_contains(error_of([&] { patrickstar::GatheredParameters g(*net); }),
+                  "gradients wait for step()");
   engine.zero_grad();
   unchanged();
-  // A changed shape is not written back.
+  // A changed shape (on the parameter's device) is not written back.
   {
-    GatheredParameters g(*net->fc1);
-    net->fc1->weight.set_data(torch::ones({2, 2}));
+    patrickstar::GatheredParameters g(*net->fc1);
+    net->fc1->weight.set_data(torch::ones({2, 2}, test_device()));
     expect_contains(error_of([&] { g.end(); }), "nothing was written back");
   }
   unchanged();
@@ -284,7 +303,7 @@ double train_step(Net& model, torch::optim::Optimizer& optimizer, int step) {
   return loss.item<double>();
 }
 
-TEST(EngineOptimizerBase, HelpersTakingTorchOptimOptimizerAndLrSchedulersTrainAsLibTorch) {
+TEST_F(EngineOptimizerBase, HelpersTakingTorchOptimOptimizerAndLrSchedulersTrainAsLibTorch) {
   Net plain = seeded_net();
   torch::optim::Adam adam = plain_adam(plain->parameters());
   torch::optim::StepLR plain_schedule(adam, /*step_size=*/2, /*gamma=*/0.5);
@@ -305,7 +324,7 @@ TEST(EngineOptimizerBase, HelpersTakingTorchOptimOptimizerAndLrSchedulersTrainAs
   expect_contains(error_of([&] { torch::save(optimizer, archive); }), "save_checkpoint");
 }
 
-TEST(EngineOptimizerBase, ZeroGradThroughTheBaseDiscardsGradients) {
+TEST_F(EngineOptimizerBase, ZeroGradThroughTheBaseDiscardsGradients) {
   // A GAN's discriminator: the generator's backward leaves gradients in it, which its next
   // zero_grad() discards; here through torch::optim::Optimizer& (LibTorch's non-virtual zero_grad).
   Net plain = seeded_net();
@@ -327,7 +346,7 @@ TEST(EngineOptimizerBase, ZeroGradThroughTheBaseDiscardsGradients) {
   }
 }
 
-TEST(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndCheckpoints) {
+TEST_F(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndCheckpoints) {
   // Between forward and backward, as LibTorch tutorials order it, then the engine's own backward
   // (fp16 loss scaling and accumulation use it); with activation checkpointing, whose recompute
   // opens doors inside the backward; and zero_grad(false), which zeroes the marker in place.
@@ -340,10 +359,12 @@ TEST(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndChec
     torch::optim::Optimizer& optimizer = engine_optimizer;
     auto forward = [&](Net& m, int s) {
       if (variant != "checkpoint") return compute_loss(m, s);
+      // The batch where the model's parameters are, as compute_loss puts it.
+      const c10::Device device = m->fc1->weight.device();
       at::Tensor h = patrickstar::checkpoint(
           [&](const at::Tensor& x) { return torch::relu(patrickstar::call(m->fc1, x)); },
-          input_of(s).requires_grad_());
-      return torch::mse_loss(patrickstar::call(m->fc2, h), target_of(s));
+          input_of(s).to(device).requires_grad_());
+      return torch::mse_loss(patrickstar::call(m->fc2, h), target_of(s).to(device));
     };
     for (int s = 0; s < 4; ++s) {
       at::Tensor expected = forward(plain, s);
@@ -365,7 +386,8 @@ TEST(EngineOptimizerBase, ZeroGradThroughTheBaseReachesTheEnginesBackwardAndChec
   }
 }
 
-TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoadsIntoAPlainModel) {
+TEST_F(GatheredParameters,
+       MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoadsIntoAPlainModel) {
   torch::manual_seed(1);
   ConvNet net;
   // A device with room to spare: this test is about buffers, not moves, and a bf16 convolution's
@@ -376,7 +398,8 @@ TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoad
   {
     // A training forward updates the running statistics (in bf16).
     engine.zero_grad();
-    at::Tensor loss = net->forward(torch::randn({2, 3, 8, 8})).to(at::kFloat).pow(2).mean();
+    at::Tensor loss =
+        net->forward(torch::randn({2, 3, 8, 8}).to(test_device())).to(at::kFloat).pow(2).mean();
     loss.backward();
     engine.step();
   }
@@ -384,7 +407,7 @@ TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoad
   std::stringstream archive;
   at::Tensor running_mean;
   {
-    GatheredParameters gathered(*net);
+    patrickstar::GatheredParameters gathered(*net);
     EXPECT_EQ(net->bn->running_mean.scalar_type(), at::kFloat);
     running_mean = net->bn->running_mean.clone();
     torch::save(net, archive);
@@ -393,18 +416,19 @@ TEST(GatheredParameters, MixedPrecisionBuffersAreFp32InTheScopeAndTheArchiveLoad
   ConvNet loaded;
   torch::load(loaded, archive);
   EXPECT_EQ(loaded->bn->running_mean.scalar_type(), at::kFloat);
-  EXPECT_TRUE(torch::equal(loaded->bn->running_mean, running_mean));
+  EXPECT_TRUE(torch::equal(loaded->bn->running_mean.cpu(), running_mean.cpu()));
   EXPECT_FALSE(torch::equal(running_mean, torch::zeros_like(running_mean)));
   for (const auto& [name, value] : engine.fp32_state_dict()) {
-    EXPECT_TRUE(torch::equal(loaded->named_parameters()[name], value)) << name;
+    EXPECT_TRUE(torch::equal(loaded->named_parameters()[name].cpu(), value)) << name;
   }
 }
 
-TEST(GatheredParameters, AStepInsideAReadWriteScopeIsRefusedAndAScopeMayOutliveItsEngine) {
+TEST_F(GatheredParameters, AStepInsideAReadWriteScopeIsRefusedAndAScopeMayOutliveItsEngine) {
   Net net = seeded_net();
   auto engine = std::make_unique<Engine>(net.ptr(), small_device());
   const auto master = engine->fp32_state_dict();
-  auto scope = std::make_unique<GatheredParameters>(*engine, std::vector<at::Tensor>{net->fc1->weight});
+  auto scope = std::make_unique<patrickstar::GatheredParameters>(
+      *engine, std::vector<at::Tensor>{net->fc1->weight});
   expect_contains(error_of([&] { engine->step(); }), "read-write GatheredParameters");
   engine.reset();  // warns; the scope's end then does nothing
   EXPECT_NO_THROW(scope.reset());

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "patrickstar/patrickstar.h"
+#include "test_device.h"
 
 namespace patrickstar {
 namespace {
@@ -24,7 +25,10 @@ std::pair<at::Tensor, at::Tensor> data_of_step(int step) {
   return {x, torch::tanh(x.flip(1))};
 }
 
-TEST(SequentialDoors, SequentialModelTrainsLikePlainLibTorch) {
+// On the test device (tests/test_device.h); the plain twins train on the CPU.
+class SequentialDoors : public test::OnTestDevice {};
+
+TEST_F(SequentialDoors, SequentialModelTrainsLikePlainLibTorch) {
   constexpr int kSteps = 10;
   std::vector<double> plain;
   {
@@ -40,19 +44,21 @@ TEST(SequentialDoors, SequentialModelTrainsLikePlainLibTorch) {
     }
   }
   // Two chunks (one per Linear) and a device that cannot hold both with their gradients.
-  const Config config = Config::from_json(
+  Config config = Config::from_json(
       {{"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.01}}}}},
        {"default_chunk_size", 2112},
        {"client",
         {{"device", {{"capacity_bytes", 48000}}},
          {"mem_tracer", {{"warmup_gpu_chunk_mem_ratio", 1.0}, {"overall_gpu_mem_ratio", 1.0}}}}}});
+  test::use_test_device(config);
   auto [model, optimizer] = initialize_engine(make_mlp, 0, config);
   std::vector<double> losses;
   int64_t moved = 0;
   for (int s = 0; s < kSteps; ++s) {
     auto [x, y] = data_of_step(s);
     optimizer.zero_grad();
-    at::Tensor loss = torch::mse_loss(model->forward(x), y);
+    at::Tensor loss =
+        torch::mse_loss(model->forward(x.to(test::test_device())), y.to(test::test_device()));
     model.backward(loss);
     const IterationReport r = optimizer.step();
     if (s > 0) moved += r.h2d_bytes;
@@ -80,12 +86,13 @@ struct WithStack : torch::nn::Module {
   torch::nn::Sequential stack{nullptr};
 };
 
-TEST(SequentialDoors, MemberSequentialThroughCall) {
+TEST_F(SequentialDoors, MemberSequentialThroughCall) {
+  Config config = Config::from_json({{"default_chunk_size", 2112}});
   auto [model, optimizer] = initialize_engine(
-      [] { return std::make_shared<WithStack>(); }, 0,
-      Config::from_json({{"default_chunk_size", 2112}}));
+      [] { return std::make_shared<WithStack>(); }, 0, test::use_test_device(config));
   auto [x, y] = data_of_step(0);
-  at::Tensor loss = torch::mse_loss(model->forward(x), y);
+  at::Tensor loss =
+      torch::mse_loss(model->forward(x.to(test::test_device())), y.to(test::test_device()));
   model.backward(loss);
   optimizer.step();
   std::set<std::string> labels;

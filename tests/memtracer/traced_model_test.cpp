@@ -1,8 +1,10 @@
-// The memtracer pieces together on a real (small) model on the emulated device: the counting
-// allocator measures activations, the recorder builds the warm-up trace, the scheduler places
-// chunks (sizes given, moves tracked by a mover), and from iteration 1 on, at every moment, the
-// chunk bytes resident over an interval plus the non-model peak measured over it stay within the
-// capacity.
+// The memtracer pieces together on a real (small) model on the test device
+// (tests/test_device_switch.h): the probe measures activations (on the emulated device the counting
+// allocator, on CUDA the caching allocator's statistics), the recorder builds the warm-up trace,
+// the scheduler places chunks (sizes given, moves tracked by a mover), and from iteration 1 on, at
+// every moment, the chunk bytes resident over an interval plus the non-model peak measured over it
+// stay within the capacity.
+#include <memory>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/scheduler.h"
 #include "patrickstar/memtracer/trace.h"
+#include "test_device_switch.h"
 
 namespace patrickstar {
 namespace {
@@ -38,10 +41,11 @@ class TrackingMover final : public ChunkMover {
 };
 
 struct Mlp {
-  Mlp() {
+  explicit Mlp(c10::Device device) {
     torch::manual_seed(0);
     for (int i = 0; i < 4; ++i) layers.emplace_back(kHidden, kHidden);
     for (auto& layer : layers) {
+      layer->to(device);
       for (auto& p : layer->parameters()) params.push_back(p);
     }
   }
@@ -81,13 +85,22 @@ void train_iteration(Mlp& mlp, torch::optim::SGD& sgd, const torch::Tensor& inpu
   }
 }
 
-TEST(EmulatedModel, ChunksPlusMeasuredNonModelStayWithinCapacity) {
-  CountingCpuAllocator& counter = CountingCpuAllocator::install();
-  CpuMemoryProbe probe(counter);
-  Mlp mlp;
+// The probe of the test device: what the engine would measure there.
+std::unique_ptr<MemoryProbe> test_device_probe() {
+  if (test::on_cuda()) return make_cuda_memory_probe(0);
+  return std::make_unique<CpuMemoryProbe>(CountingCpuAllocator::install());
+}
+
+class TracedModel : public test::OnTestDevice {};
+
+TEST_F(TracedModel, ChunksPlusMeasuredNonModelStayWithinCapacity) {
+  const std::unique_ptr<MemoryProbe> measure = test_device_probe();
+  MemoryProbe& probe = *measure;
+  const c10::Device device = test::test_device();
+  Mlp mlp(device);
   torch::optim::SGD sgd(mlp.params, 0.01);
-  const torch::Tensor input = torch::randn({Mlp::kBatch, Mlp::kHidden});
-  const torch::Tensor target = torch::randn({Mlp::kBatch, Mlp::kHidden});
+  const torch::Tensor input = torch::randn({Mlp::kBatch, Mlp::kHidden}).to(device);
+  const torch::Tensor target = torch::randn({Mlp::kBatch, Mlp::kHidden}).to(device);
 
   // Calibration: how much do activations take? (The capacity below is set from it.)
   TraceRecorder calibration(&probe);
