@@ -42,7 +42,7 @@ ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
 ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
 ABSL_FLAG(std::string, device, "",
           "emulated:<bytes> (e.g. emulated:64MiB), cuda, or cuda:<bytes> (a cap below the GPU's "
-          "memory; cuda alone: the config's capacity_bytes, 4 GiB by default)");
+          "memory; cuda alone: the config's capacity_bytes, by default what GPU 0 has free)");
 ABSL_FLAG(std::string, host_memory, "", "host capacity for chunks, e.g. 8GiB (default unlimited)");
 ABSL_FLAG(std::string, offload_nvme, "",
           "a folder for the disk tier: the host Adam's optimizer states live in files there "
@@ -217,6 +217,9 @@ ps::Config build_config() {
   }
   ps::Config merged = ps::Config::from_json(j);
   merged.warnings = base.warnings;  // the document's unknown keys (to_json() drops them)
+  // "auto" (the default) made concrete, so every engine of the run gets the same capacity and the
+  // figures name it.
+  merged.device.capacity_bytes = ps::resolved_device_capacity(merged);
   return merged;
 }
 

@@ -34,11 +34,14 @@ inline int64_t cuda_allowance_bytes() {
   return allowance;
 }
 
-// `config` on the test device; on CUDA its capacity grows by cuda_allowance_bytes().
+// `config` on the test device; on CUDA a capacity it sets grows by cuda_allowance_bytes() ("auto"
+// stays "auto": the GPU's own memory).
 inline Config& use_test_device(Config& config) {
   if (on_cuda()) {
     config.device.type = DeviceType::kCuda;
-    config.device.capacity_bytes += cuda_allowance_bytes();
+    if (config.device.capacity_bytes != DeviceConfig::kAutoCapacity) {
+      config.device.capacity_bytes += cuda_allowance_bytes();
+    }
   }
   return config;
 }

@@ -1,6 +1,7 @@
 // Where the engine computes: the emulated device (CPU memory with a hard capacity; every test) or,
 // in builds with CUDA, GPU 0. The engine's only CUDA-specific decisions are here and in the tier
 // and probe it picks (chunk/src/cuda, memtracer/src/cuda); the rest reads the tier's device().
+#include <ATen/Context.h>
 #include <torch/cuda.h>
 
 #include <memory>
@@ -35,6 +36,8 @@ std::string device_unavailable_reason(const Config& config) {
 }
 
 std::unique_ptr<MemoryTier> make_device_tier(const Config& config) {
+  TORCH_INTERNAL_ASSERT(config.device.capacity_bytes != DeviceConfig::kAutoCapacity,
+                        "the engine resolves an \"auto\" capacity first");
   if (config.device.type == DeviceType::kEmulated) {
     return std::make_unique<EmulatedDeviceTier>(config.device.capacity_bytes);
   }
@@ -62,3 +65,28 @@ std::unique_ptr<CopyEngine> make_copy_engine(const Config& config) {
 }
 
 }  // namespace patrickstar::engine_detail
+
+namespace patrickstar {
+
+int64_t resolved_device_capacity(const Config& config) {
+  if (config.device.type == DeviceType::kEmulated) {
+    return config.device.capacity_bytes == DeviceConfig::kAutoCapacity
+               ? DeviceConfig::kEmulatedAutoCapacity
+               : config.device.capacity_bytes;
+  }
+  const std::string unavailable = engine_detail::device_unavailable_reason(config);
+  TORCH_CHECK(unavailable.empty(), "patrickstar: device type \"cuda\": ", unavailable);
+#ifdef PATRICKSTAR_HAVE_CUDA
+  // LibTorch's CUDA side (its caching allocator among it) starts on first use; the engine's probe
+  // and the reading below need it started even where the trainer has not touched CUDA yet.
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  if (config.device.capacity_bytes != DeviceConfig::kAutoCapacity) {
+    return config.device.capacity_bytes;
+  }
+  return CudaDeviceTier::available_memory_bytes(/*device_index=*/0);
+#else
+  TORCH_CHECK(false, "patrickstar: internal: a CUDA capacity in a build without CUDA");
+#endif
+}
+
+}  // namespace patrickstar

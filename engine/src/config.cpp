@@ -96,6 +96,21 @@ class ObjectReader {
     if (const json* v = find(key)) read_byte_size(*v, child_path(key), out);
   }
 
+  // A positive byte count, or the string "auto" (any case), read as `auto_value` (0 is refused:
+  // it would read as "auto").
+  void byte_size_or_auto(const std::string& key, int64_t& out, int64_t auto_value) {
+    const json* v = find(key);
+    if (v == nullptr) return;
+    if (v->is_string() && absl::AsciiStrToLower(v->get<std::string>()) == "auto") {
+      out = auto_value;
+      return;
+    }
+    int64_t bytes = -1;
+    read_byte_size(*v, child_path(key), bytes, ", or \"auto\"");
+    if (bytes == 0) error(child_path(key), *v, "a positive byte count, or \"auto\"");
+    if (bytes > 0) out = bytes;
+  }
+
   template <typename Enum>
   void choice(const std::string& key, Enum& out,
               std::initializer_list<std::pair<const char*, Enum>> options) {
@@ -136,7 +151,8 @@ class ObjectReader {
     error(path, v, absl::StrCat("a number ", range));
   }
 
-  void read_byte_size(const json& v, const std::string& path, int64_t& out) {
+  void read_byte_size(const json& v, const std::string& path, int64_t& out,
+                      const char* alternative = "") {
     const bool fits = v.is_number_unsigned()
                           ? v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
                           : v.is_number_integer() && v.get<int64_t>() >= 0;
@@ -151,7 +167,9 @@ class ObjectReader {
       } catch (const c10::Error&) {
       }
     }
-    error(path, v, "a byte count: a non-negative integer or a string such as \"2GiB\"");
+    error(path, v,
+          absl::StrCat("a byte count: a non-negative integer or a string such as \"2GiB\"",
+                       alternative));
   }
 
   static bool is_whole(double d) { return std::isfinite(d) && d == std::floor(d); }
@@ -330,12 +348,10 @@ Config Config::from_json(const json& document) {
     ObjectReader device = client.child("device");
     device.choice("type", c.device.type,
                   {{"emulated", DeviceType::kEmulated}, {"cuda", DeviceType::kCuda}});
-    device.byte_size("capacity_bytes", c.device.capacity_bytes);
+    device.byte_size_or_auto("capacity_bytes", c.device.capacity_bytes,
+                             DeviceConfig::kAutoCapacity);
     device.byte_size("host_capacity_bytes", c.device.host_capacity_bytes);
     device.finish();
-    if (c.device.capacity_bytes == 0) {
-      errors.push_back("$.client.device.capacity_bytes: expected a positive byte count, got 0");
-    }
 
     ObjectReader scheduler = client.child("scheduler");
     scheduler.choice("policy", c.scheduler.policy,
@@ -438,7 +454,9 @@ json Config::to_json() const {
                                {"use_async_mem_monitor", mem_tracer.use_async_mem_monitor},
                                {"with_static_partition", mem_tracer.with_static_partition}};
   j["client"]["device"] = {{"type", std::string(to_string(device.type))},
-                           {"capacity_bytes", device.capacity_bytes},
+                           {"capacity_bytes", device.capacity_bytes == DeviceConfig::kAutoCapacity
+                                                  ? nlohmann::json("auto")
+                                                  : nlohmann::json(device.capacity_bytes)},
                            {"host_capacity_bytes", device.host_capacity_bytes}};
   j["client"]["scheduler"] = {{"policy", std::string(eviction_policy_name(scheduler.policy))},
                               {"prefetch_depth", scheduler.prefetch_depth},

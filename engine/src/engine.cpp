@@ -46,6 +46,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
               "patrickstar::Engine: device type \"cuda\" with ", world_,
               " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
               "data parallel runs on the emulated device)");
+  // From here on config().device.capacity_bytes is the capacity in use, never "auto".
+  config_.device.capacity_bytes = resolved_device_capacity(config_);
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
   mixed_ = config_.precision() != Precision::kFp32;

@@ -33,6 +33,7 @@ TEST(Config, EmptyDocumentTakesTheDocumentedDefaults) {
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
   EXPECT_TRUE(c.chunk_size_auto);  // without default_chunk_size the engine chooses the size
   EXPECT_EQ(c.device.type, DeviceType::kEmulated);
+  EXPECT_EQ(c.device.capacity_bytes, DeviceConfig::kAutoCapacity);  // the engine resolves it
   EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kOpt);
   EXPECT_TRUE(c.warnings.empty());
 }
@@ -138,9 +139,13 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
       {R"({"default_chunk_size": 9223372036854775807})",
        "$.default_chunk_size: expected a number of elements from 1 to 1099511627776"},
       {R"({"client": {"device": {"capacity_bytes": "2 parsecs"}}})",
-       R"($.client.device.capacity_bytes: expected a byte count: a non-negative integer or a string such as "2GiB", got "2 parsecs")"},
-      {R"({"client": {"device": {"capacity_bytes": 0}}})",
-       "$.client.device.capacity_bytes: expected a positive byte count, got 0"},
+       R"($.client.device.capacity_bytes: expected a byte count: a non-negative integer or a string such as "2GiB", or "auto", got "2 parsecs")"},
+      {R"({"client": {"device": {"capacity_bytes": -1}}})",
+       "$.client.device.capacity_bytes: expected a byte count: a non-negative integer"},
+      {R"({"client": {"device": {"capacity_bytes": "0GiB"}}})",
+       R"($.client.device.capacity_bytes: expected a positive byte count, or "auto", got "0GiB")"},
+      {R"({"client": {"device": {"host_capacity_bytes": "auto"}}})",
+       R"($.client.device.host_capacity_bytes: expected a byte count: a non-negative integer or a string such as "2GiB", got "auto")"},
       {R"({"client": {"device": {"type": "tpu"}}})",
        R"($.client.device.type: expected one of "emulated", "cuda", got "tpu")"},
       {R"({"client": {"scheduler": {"policy": "fifo"}}})",
@@ -214,6 +219,23 @@ TEST(Config, ChunkSizeIsTheEnginesChoiceUnlessTheDocumentSetsIt) {
   // The effective config round-trips either way.
   EXPECT_TRUE(Config::from_json(Config::from_string("{}").to_json()).chunk_size_auto);
   EXPECT_EQ(Config::from_json(set.to_json()).default_chunk_size, Config::kMaxChunkElems);
+}
+
+TEST(Config, DeviceCapacityIsAutoUnlessTheDocumentSetsIt) {
+  for (const char* document : {R"({})", R"({"client": {"device": {"capacity_bytes": "auto"}}})",
+                               R"({"client": {"device": {"capacity_bytes": "AUTO"}}})"}) {
+    SCOPED_TRACE(document);
+    const Config c = Config::from_string(document);
+    EXPECT_EQ(c.device.capacity_bytes, DeviceConfig::kAutoCapacity);
+    EXPECT_EQ(c.to_json()["client"]["device"]["capacity_bytes"], "auto");
+    EXPECT_EQ(Config::from_json(c.to_json()).device.capacity_bytes, DeviceConfig::kAutoCapacity);
+  }
+  const Config set = Config::from_string(R"({"client": {"device": {"capacity_bytes": "3GiB"}}})");
+  EXPECT_EQ(set.device.capacity_bytes, int64_t{3} << 30);
+  EXPECT_EQ(set.to_json()["client"]["device"]["capacity_bytes"], int64_t{3} << 30);
+  // What an engine uses: the number when set; "auto" on the emulated device is 4 GiB.
+  EXPECT_EQ(resolved_device_capacity(set), int64_t{3} << 30);
+  EXPECT_EQ(resolved_device_capacity(Config::from_string("{}")), int64_t{4} << 30);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "error_message.h"
+#include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -210,6 +211,29 @@ TEST(CudaDevice, RefusedWithItsReasonWhereItCannotRun) {
   }
   torch::mse_loss(model->forward(torch::ones({2, 32})), torch::zeros({2, 8})).backward();
   EXPECT_TRUE(params[0].grad().defined());
+}
+
+// "auto" (the default capacity) is resolved when the engine is built, and config() reports the
+// capacity in use: 4 GiB on the emulated device; on CUDA what GPU 0 has, or, without a GPU, the
+// refusal with the device's reason.
+TEST(DeviceCapacity, AutoIsResolvedWhenTheEngineIsBuilt) {
+  torch::nn::Sequential model = small_mlp();
+  Engine engine(model.ptr(), Config::from_string("{}"));
+  EXPECT_EQ(engine.config().device.capacity_bytes, int64_t{4} << 30);
+  EXPECT_EQ(engine.device_tier().capacity_bytes(), int64_t{4} << 30);
+
+  Config cuda;
+  cuda.device.type = DeviceType::kCuda;
+#ifdef PATRICKSTAR_HAVE_CUDA
+  if (torch::cuda::is_available()) {
+    const int64_t capacity = resolved_device_capacity(cuda);
+    EXPECT_GT(capacity, 0);
+    EXPECT_LE(capacity, CudaDeviceTier::total_memory_bytes(0));
+    return;
+  }
+#endif
+  const std::string error = error_of([&] { resolved_device_capacity(cuda); });
+  EXPECT_NE(error.find("device type \"cuda\": "), std::string::npos) << error;
 }
 
 }  // namespace

@@ -72,7 +72,8 @@ struct CudaCopyStream::State {
       }
       poll();
     }
-    waited_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto waited = std::chrono::steady_clock::now() - start;
+    waited_seconds += std::chrono::duration<double>(waited).count();
   }
 
   void fail(CopyEvent event, std::string why) {
@@ -96,6 +97,55 @@ struct CudaCopyStream::State {
                 ", which was never submitted (last ", submitted, ")");
   }
 
+  // A GPU-side wait of compute on a copy: timing events recorded on the compute stream just
+  // before and just after its cudaStreamWaitEvent. The time between them is how long the stream
+  // stood still waiting for the copy (about 0 when the copy was done before compute got there).
+  struct GpuWait {
+    cudaEvent_t before = nullptr;
+    cudaEvent_t after = nullptr;
+  };
+
+  void recycle(const GpuWait& w) {
+    if (w.before != nullptr) spare_timing.push_back(w.before);
+    if (w.after != nullptr) spare_timing.push_back(w.after);
+  }
+
+  cudaEvent_t take_timing_event() {
+    if (!spare_timing.empty()) {
+      cudaEvent_t e = spare_timing.back();
+      spare_timing.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaEventCreate(&e));  // timing on
+    return e;
+  }
+
+  // Lock held. Adds the GPU-side waits to waited_seconds (`count`) or drops them; with `block`
+  // first waits for them to complete, else takes only those already complete. Never throws: an
+  // error here is warned about (the copies' own errors surface at their waits).
+  void settle_gpu_waits(bool block, bool count) {
+    while (!gpu_waits.empty()) {
+      const GpuWait w = gpu_waits.front();
+      cudaError_t status = block ? cudaEventSynchronize(w.after) : cudaEventQuery(w.after);
+      if (status == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return;
+      }
+      float ms = 0;
+      if (status == cudaSuccess) status = cudaEventElapsedTime(&ms, w.before, w.after);
+      if (status == cudaSuccess) {
+        if (count) waited_seconds += static_cast<double>(ms) / 1000.0;
+      } else {
+        (void)cudaGetLastError();
+        TORCH_WARN("CudaCopyStream: the time of a GPU-side copy wait could not be read (",
+                   cudaGetErrorString(status), "); it is left out of waited_seconds()");
+      }
+      recycle(w);
+      gpu_waits.pop_front();
+    }
+  }
+
   cudaEvent_t take_event() {
     if (!spare.empty()) {
       cudaEvent_t e = spare.back();
@@ -113,6 +163,8 @@ struct CudaCopyStream::State {
   cudaEvent_t after_compute = nullptr;  // recorded on the caller's stream before each copy
   std::deque<InFlight> in_flight;       // in event order
   std::vector<cudaEvent_t> spare;       // events of completed copies, for reuse
+  std::deque<GpuWait> gpu_waits;        // GPU-side waits not yet added to waited_seconds
+  std::vector<cudaEvent_t> spare_timing;  // timing events of settled waits, for reuse
   CopyEvent submitted = 0;
   CopyEvent completed = 0;  // every event <= completed finished
   CopyEvent failed = 0;     // the first failed event (0: none)
@@ -139,6 +191,11 @@ CudaCopyStream::~CudaCopyStream() {
     if (f.done != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(f.done));
   }
   for (cudaEvent_t e : state_->spare) C10_CUDA_CHECK_WARN(cudaEventDestroy(e));
+  for (const State::GpuWait& w : state_->gpu_waits) {
+    C10_CUDA_CHECK_WARN(cudaEventDestroy(w.before));
+    C10_CUDA_CHECK_WARN(cudaEventDestroy(w.after));
+  }
+  for (cudaEvent_t e : state_->spare_timing) C10_CUDA_CHECK_WARN(cudaEventDestroy(e));
   if (state_->after_compute != nullptr) {
     C10_CUDA_CHECK_WARN(cudaEventDestroy(state_->after_compute));
   }
@@ -208,9 +265,35 @@ void CudaCopyStream::order_compute_after(CopyEvent event) {
     } else {
       c10::cuda::CUDAGuard guard(s.device());
       // The GPU-side wait: kernels issued on this stream from now on start after the copy; the
-      // host goes on. A later reuse of `f.done` for another copy does not change this wait.
-      C10_CUDA_CHECK(
-          cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(s.device()).stream(), f.done, 0));
+      // host goes on. A later reuse of `f.done` for another copy does not change this wait. Timing
+      // events around it measure how long the stream stands still (waited_seconds()).
+      // The timing is a figure, never a reason to fail the ordering: an error there is warned
+      // about and that wait goes untimed.
+      const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(s.device()).stream();
+      s.settle_gpu_waits(/*block=*/false, /*count=*/true);  // keeps the list short
+      State::GpuWait w;
+      try {
+        w.before = s.take_timing_event();
+        w.after = s.take_timing_event();
+        C10_CUDA_CHECK(cudaEventRecord(w.before, compute));
+      } catch (const c10::Error& e) {
+        TORCH_WARN_ONCE("CudaCopyStream: a GPU-side copy wait goes untimed: ",
+                        e.what_without_backtrace());
+        s.recycle(w);
+        w = State::GpuWait{};
+      }
+      C10_CUDA_CHECK(cudaStreamWaitEvent(compute, f.done, 0));
+      if (w.before != nullptr) {
+        const cudaError_t status = cudaEventRecord(w.after, compute);
+        if (status == cudaSuccess) {
+          s.gpu_waits.push_back(w);
+        } else {
+          (void)cudaGetLastError();
+          TORCH_WARN_ONCE("CudaCopyStream: a GPU-side copy wait goes untimed: ",
+                          cudaGetErrorString(status));
+          s.recycle(w);
+        }
+      }
       return;
     }
   }
@@ -241,11 +324,16 @@ CopyEvent CudaCopyStream::last_submitted() const {
 
 double CudaCopyStream::waited_seconds() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
+  c10::cuda::CUDAGuard guard(state_->device());
+  // The compute issued so far that waits on a copy has to run before its wait can be timed.
+  state_->settle_gpu_waits(/*block=*/true, /*count=*/true);
   return state_->waited_seconds;
 }
 
 void CudaCopyStream::reset_waited_seconds() {
   std::lock_guard<std::mutex> lock(state_->mutex);
+  c10::cuda::CUDAGuard guard(state_->device());
+  state_->settle_gpu_waits(/*block=*/true, /*count=*/false);
   state_->waited_seconds = 0;
 }
 

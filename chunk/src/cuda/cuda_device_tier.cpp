@@ -111,6 +111,22 @@ int64_t CudaDeviceTier::total_memory_bytes(int device_index) {
   return static_cast<int64_t>(total);
 }
 
+int64_t CudaDeviceTier::available_memory_bytes(int device_index) {
+  const auto device = static_cast<c10::DeviceIndex>(device_index);
+  c10::cuda::CUDAGuard guard(device);
+  size_t free = 0;
+  size_t total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  // Before LibTorch's CUDA side started, its allocator holds nothing (and cannot be asked).
+  int64_t held = 0;
+  if (c10::cuda::CUDACachingAllocator::get()->initialized()) {
+    constexpr auto kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    held = stats.reserved_bytes[kAggregate].current;
+  }
+  return static_cast<int64_t>(free) + held;
+}
+
 c10::Device CudaDeviceTier::device() const {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index_));
 }

@@ -94,8 +94,9 @@ class CopyEngine {
 
   // The last event submitted (0 before any).
   virtual CopyEvent last_submitted() const = 0;
-  // Seconds callers spent blocked on the host in wait()/drain() since construction or the last
-  // reset (the copy time compute did not hide, where compute runs on the host).
+  // Seconds compute spent waiting for copies since construction or the last reset (the copy time
+  // compute did not hide): callers blocked on the host in wait()/drain(), and where compute waits
+  // on the GPU (CUDA), the time its stream stood at order_compute_after()'s waits.
   virtual double waited_seconds() const = 0;
   virtual void reset_waited_seconds() = 0;
 

@@ -18,8 +18,10 @@
 // that event at once (no later copy is issued); an error the GPU reports later surfaces at the
 // first query or wait that sees it; either way wait() and order_compute_after() throw naming the
 // copy, and every later copy fails too, as in CopyQueue. Timeline:
-// copies run on the GPU, so no spans are recorded (set_record_spans is accepted and records none),
-// and waited_seconds() counts host waits only, not the time a stream waited on the GPU.
+// copies run on the GPU, so no spans are recorded (set_record_spans is accepted and records none).
+// waited_seconds() counts host waits and the GPU-side ones: order_compute_after() brackets its
+// stream wait with two timing events, and the time between them (the stream standing still until
+// the copy completed) is added once they completed (waited_seconds() waits for that).
 // Thread-safe.
 #pragma once
 

@@ -29,6 +29,10 @@ class CudaDeviceTier final : public MemoryTier {
   // The memory of CUDA device `device_index` (cudaMemGetInfo's total), for checks against a
   // configured capacity.
   static int64_t total_memory_bytes(int device_index);
+  // What CUDA device `device_index` has for this process now: the driver's free memory plus what
+  // LibTorch's caching allocator holds there (its cached blocks go back when a payload needs them).
+  // The engine's capacity when the config says "auto".
+  static int64_t available_memory_bytes(int device_index);
   // Gives the cached payloads of every live CUDA tier back to the device (tiers busy on another
   // thread keep theirs); returns the bytes given back. LibTorch's allocator calls this when short.
   static int64_t release_cached_payloads();

@@ -65,9 +65,16 @@ struct MemTracerConfig {
 // "client": {"device": {...}}: where chunks live. Sizes are bytes, as numbers or strings with a unit
 // ("2GiB", "512MiB", "1.5GB").
 struct DeviceConfig {
+  // capacity_bytes = kAutoCapacity (0, or "auto" in JSON; the default): the emulated device gets
+  // kEmulatedAutoCapacity; CUDA gets what GPU 0 has for this process when the engine is built (the
+  // driver's free memory plus what LibTorch's caching allocator holds there). The engine's
+  // config() reports the capacity it used.
+  static constexpr int64_t kAutoCapacity = 0;
+  static constexpr int64_t kEmulatedAutoCapacity = int64_t{4} << 30;  // 4 GiB
+
   DeviceType type = DeviceType::kEmulated;
-  int64_t capacity_bytes = int64_t{4} << 30;  // the emulated device's hard capacity (4 GiB)
-  int64_t host_capacity_bytes = 0;            // 0: unlimited
+  int64_t capacity_bytes = kAutoCapacity;  // the device's hard capacity (a cap below a GPU's memory)
+  int64_t host_capacity_bytes = 0;         // 0: unlimited
 };
 
 // "client": {"scheduler": {...}}: how chunks move once the warm-up trace exists.
@@ -127,6 +134,11 @@ struct Config {
   // The effective configuration, every key present; from_json(to_json()) gives this config back.
   nlohmann::json to_json() const;
 };
+
+// The device capacity an engine built now with `config` uses: its capacity_bytes, or for "auto"
+// DeviceConfig::kEmulatedAutoCapacity on the emulated device and what GPU 0 has for this process
+// now on CUDA. Throws c10::Error, with the reason, when the device cannot be used here.
+int64_t resolved_device_capacity(const Config& config);
 
 // Parses a byte size: a non-negative integer, or a string "<number>[unit]" with unit B, KB, MB, GB,
 // TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024). Throws c10::Error naming `what`.
