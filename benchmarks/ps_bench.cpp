@@ -68,7 +68,8 @@ ABSL_FLAG(int64_t, search_steps, 3, "--find-max-model: steps a trial must comple
 ABSL_FLAG(bool, compare_moves, false,
           "train the model three ways in one run, one step of each per round: everything "
           "resident, and --device with synchronous and with asynchronous moves; print the median "
-          "step times as ratios to the resident run and the copy time compute waited for");
+          "step times as ratios to the resident run and the copy time compute waited for (on "
+          "CUDA the three share GPU 0: --device cuda:<bytes> at most a third of its free memory)");
 ABSL_FLAG(std::string, predict, "",
           "also predict the step time on a GPU (h100) from the iteration this run recorded: "
           "memtracer's cost model, its assumptions printed beside the figures");
@@ -521,11 +522,18 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
     nlohmann::json j = base.to_json();
     j["client"]["scheduler"]["async_moves"] = m.name != "sync";
     if (m.name == "resident") {
-      // Holds any model here; on a GPU, all of its memory (the engine refuses more than it has).
+      // Holds any model here. On a GPU the three engines share its memory: the resident one gets
+      // what the other two leave of what GPU 0 has free.
       int64_t resident = int64_t{64} << 30;
 #ifdef PATRICKSTAR_HAVE_CUDA
       if (base.device.type == ps::DeviceType::kCuda) {
-        resident = ps::CudaDeviceTier::total_memory_bytes(0);
+        const int64_t cap = base.device.capacity_bytes;
+        const int64_t available = ps::CudaDeviceTier::available_memory_bytes(0);
+        TORCH_CHECK(cap <= available / 3, "--compare-moves on CUDA builds three engines side by "
+                    "side on GPU 0 (resident, sync, async): give --device cuda:<bytes> with at "
+                    "most a third of the ", available, " bytes GPU 0 has free (got ", cap,
+                    " bytes, \"auto\" being all of it)");
+        resident = available - 2 * cap;
       }
 #endif
       j["client"]["device"]["capacity_bytes"] = resident;
