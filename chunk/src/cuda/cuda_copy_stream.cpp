@@ -110,17 +110,6 @@ struct CudaCopyStream::State {
     if (w.after != nullptr) spare_timing.push_back(w.after);
   }
 
-  cudaEvent_t take_timing_event() {
-    if (!spare_timing.empty()) {
-      cudaEvent_t e = spare_timing.back();
-      spare_timing.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    C10_CUDA_CHECK(cudaEventCreate(&e));  // timing on
-    return e;
-  }
-
   // Lock held. Adds the GPU-side waits to waited_seconds (`count`) or drops them; with `block`
   // first waits for them to complete, else takes only those already complete. Never throws: an
   // error here is warned about (the copies' own errors surface at their waits).
@@ -146,16 +135,18 @@ struct CudaCopyStream::State {
     }
   }
 
-  cudaEvent_t take_event() {
-    if (!spare.empty()) {
-      cudaEvent_t e = spare.back();
-      spare.pop_back();
+  // An event from `pool` (one a settled copy or wait gave back), else a new one with `flags`.
+  static cudaEvent_t take_event(std::vector<cudaEvent_t>& pool, unsigned int flags) {
+    if (!pool.empty()) {
+      cudaEvent_t e = pool.back();
+      pool.pop_back();
       return e;
     }
     cudaEvent_t e = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
     return e;
   }
+
 
   const int device_index;
   c10::cuda::CUDAStream stream;
@@ -215,7 +206,7 @@ CopyEvent CudaCopyStream::submit_copy(MemoryTier& device, void* dst, const void*
     const cudaStream_t copy = s.stream.stream();
     try {
       c10::cuda::CUDAGuard guard(s.device());
-      done = s.take_event();
+      done = State::take_event(s.spare, cudaEventDisableTiming);
       // The compute that may still write the source (or read the destination's old bytes) was
       // issued on this thread's current stream: the copy stream waits for it on the GPU.
       const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(s.device()).stream();
@@ -273,8 +264,8 @@ void CudaCopyStream::order_compute_after(CopyEvent event) {
       s.settle_gpu_waits(/*block=*/false, /*count=*/true);  // keeps the list short
       State::GpuWait w;
       try {
-        w.before = s.take_timing_event();
-        w.after = s.take_timing_event();
+        w.before = State::take_event(s.spare_timing, cudaEventDefault);  // timing on
+        w.after = State::take_event(s.spare_timing, cudaEventDefault);
         C10_CUDA_CHECK(cudaEventRecord(w.before, compute));
       } catch (const c10::Error& e) {
         TORCH_WARN_ONCE("CudaCopyStream: a GPU-side copy wait goes untimed: ",
