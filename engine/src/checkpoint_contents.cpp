@@ -25,6 +25,7 @@ void write_checkpoint_file(const CheckpointContents& c, const std::string& path)
   archive.write("rank", at::tensor(c.rank));
   archive.write("chunk_elems", at::tensor(c.chunk_elems));
   archive.write("adam_step", at::tensor(c.adam_step));
+  archive.write("param_steps", at::tensor(c.param_steps, at::kLong));
   archive.write("iteration", at::tensor(c.iteration));
   archive.write("scaler", at::tensor({c.scaler.scale, static_cast<double>(c.scaler.step),
                                       static_cast<double>(c.scaler.last_overflow_step),
@@ -99,6 +100,21 @@ CheckpointContents read_checkpoint_file(const std::string& path) {
   }
   c.chunk_elems = integer("chunk_elems", 1);
   c.adam_step = integer("adam_step", 0);
+  {
+    const at::Tensor steps = tensor("param_steps", /*required=*/false);
+    if (steps.defined()) {
+      if (steps.scalar_type() != at::kLong || steps.dim() != 1 ||
+          steps.size(0) != static_cast<int64_t>(c.names.size())) {
+        refuse("has a record \"param_steps\" that is not one 64-bit integer per parameter");
+      }
+      const at::Tensor values = steps.contiguous();
+      for (int64_t i = 0; i < values.size(0); ++i) {
+        const int64_t v = values.data_ptr<int64_t>()[i];
+        if (v < 0) refuse("has a negative Adam step for parameter " + c.names[i]);
+        c.param_steps.push_back(v);
+      }
+    }
+  }
   c.iteration = integer("iteration", 0);
   {
     const at::Tensor s = tensor("scaler");

@@ -43,6 +43,10 @@ struct CheckpointContents {
   int64_t rank = 0;
   int64_t chunk_elems = 1;
   int64_t adam_step = 0;
+  // Adam steps per parameter, in registration order (torch::optim::Adam's per-parameter step).
+  // Empty when the file predates them: every parameter is then at adam_step (what the engine that
+  // wrote it used for all of them).
+  std::vector<int64_t> param_steps;
   int64_t iteration = 0;
   LossScalerState scaler;
   std::map<int64_t, CheckpointParam> params;  // by registration index: those this file holds

@@ -135,6 +135,8 @@ Engine::~Engine() {
 
 void Engine::give_back_model(bool may_gather) {
   if (store_ == nullptr) return;
+  for (Param& p : params_) p.grad_consumed = false;
+  clear_gradient_handles();  // no grad() may keep pointing into a chunk
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
   torch::NoGradGuard no_grad;

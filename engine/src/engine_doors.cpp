@@ -85,17 +85,20 @@ void Engine::check_not_gathered(const ModuleInfo& module) const {
   }
 }
 
-void Engine::zero_grad_if_marker_reset() {
+void Engine::zero_grad_if_marker_reset(bool door) {
   // Inside a backward (a checkpoint's recompute opens doors there) the request waits for the
   // engine's next call after it.
   if (in_backward_ || in_checkpoint_recompute()) return;
-  // Reset (set_to_none, the default), replaced, or zeroed in place (set_to_none false).
+  // Module::zero_grad() and other edits of the parameters' grad() (engine_grad_handles.cpp).
+  take_gradient_edits(door);
+  // The optimizer's marker: reset (set_to_none, the default), replaced, or zeroed in place
+  // (set_to_none false).
   const at::Tensor& grad = zero_grad_marker_.grad();
   if (grad.defined() && grad.is_same(zero_grad_marker_grad_) &&
       grad._version() == zero_grad_marker_version_) {
     return;
   }
-  zero_grad();
+  zero_grad(/*set_to_none=*/!grad.defined());
 }
 
 void Engine::arm_zero_grad_marker() {
@@ -240,7 +243,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   ModuleInfo& info = module_info(module);
   check_not_gathered(info);
-  zero_grad_if_marker_reset();
+  zero_grad_if_marker_reset(/*door=*/true);
   // A checkpointed forward runs without gradients but is part of the training step: it is a moment
   // like any other (the trace must not depend on where activations are dropped), and its recompute
   // in backward comes through here again as a training forward.

@@ -12,6 +12,7 @@ void Engine::backward_started() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
   if (in_backward_) return;
   zero_grad_if_marker_reset();
+  clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   in_backward_ = true;
   // Plain loss.backward(): the end of this pass finishes the engine's backward.
   queue_end_of_backward([this] { finish_backward(); });
@@ -100,6 +101,7 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   }
   param.mutable_grad().reset();
   p.has_grad = true;
+  p.grad_defined = true;
   grads_in_half_slots_ = !grad_space_;
   p.compute_refs = 0;
   store_->set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
@@ -127,6 +129,7 @@ void Engine::flush_pending_gradients() {
     store_->set_state(p.id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
     p.pending_grad.reset();
     p.has_grad = true;
+    p.grad_defined = true;
     grads_in_half_slots_ = true;
     p.compute_refs = 0;
     point_at_nothing(p);
@@ -157,6 +160,7 @@ void Engine::backward(const at::Tensor& loss) {
     }
   }
   const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
+  clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   in_backward_ = true;
   const char* what = "patrickstar: the backward failed; the iteration was discarded (its gradients "
                      "are dropped, weights and optimizer state are unchanged) and the next forward "
@@ -221,6 +225,7 @@ void Engine::finish_backward() {
   hooks_in_forward_ = false;
   ++backwards_since_step_;
   phase_ = Phase::kBackwardDone;
+  show_gradients(GradientsShown::kAfterBackward);
 }
 
 
@@ -255,6 +260,11 @@ void Engine::discard_gradients() {
     TORCH_WARN("patrickstar: discarding the iteration's gradients, some half weights could not be "
                "restored from their fp32 masters and hold gradients (", unrestored, ")");
   }
+  for (Param& p : params_) {
+    p.grad_consumed = false;
+    p.grad_defined = false;
+  }
+  clear_gradient_handles();
   for (Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
     p.grads_this_backward = 0;
@@ -307,7 +317,13 @@ void Engine::drop_iteration() {
   phase_ = Phase::kIdle;
 }
 
-void Engine::zero_grad() {
+void Engine::zero_grad(bool set_to_none) {
+  // set_to_none false: LibTorch keeps the gradients defined (zeros), and its step updates those
+  // parameters even where the next loss does not reach them.
+  std::vector<char> kept;
+  if (!set_to_none) {
+    for (const Param& p : params_) kept.push_back(p.grad_defined ? 1 : 0);
+  }
   recover_from_a_dead_backward("zero_grad()");
   arm_zero_grad_marker();
   discard_gradients();
@@ -319,6 +335,10 @@ void Engine::zero_grad() {
     if (in_iteration_) recorder_->rewind_to(0);
     open_moment_ = -1;
     phase_ = Phase::kIdle;
+  }
+  if (!set_to_none) {
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].grad_defined = kept[i] != 0;
+    show_gradients(GradientsShown::kWithdrawn);
   }
 }
 

@@ -103,6 +103,7 @@ void Engine::save_checkpoint(const std::string& path) const {
   c.rank = rank_;
   c.chunk_elems = store_->chunk_elems();
   c.adam_step = adam_->step_count();
+  for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
   const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
@@ -205,6 +206,9 @@ void Engine::load_checkpoint(const std::string& path_given) {
   }
   finish_state_views();
   adam_->set_step_count(c.adam_step);
+  for (Param& p : params_) {
+    p.adam_steps = c.param_steps.empty() ? c.adam_step : c.param_steps[static_cast<size_t>(p.id)];
+  }
   adam_->loss_scaler().load_state(c.scaler);
   if (grad_space_) zero_grad();
 }

@@ -119,6 +119,17 @@ IterationReport Engine::run_adam() {
                         probe_->live_bytes(), to_host);
   note_memory("step");
 
+  // LibTorch's Adam steps every parameter whose grad() is defined: one that a zero_grad(false) left
+  // at zeros and that this iteration's loss did not reach is stepped with a zero gradient (a
+  // gradient space holds those zeros already; a half slot takes them now, the step writes the new
+  // weight over them). Data parallel: not done (docs/design.md).
+  if (!distributed()) {
+    for (Param& p : params_) {
+      if (!p.grad_defined || p.has_grad) continue;
+      if (!grad_space_) store_->view(p.id, ChunkKind::kParam).zero_();
+      p.has_grad = true;
+    }
+  }
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;
   std::vector<DiskRun> disk_runs;  // with a disk tier, one per run
@@ -134,7 +145,10 @@ IterationReport Engine::run_adam() {
       }
       const int64_t begin = store_->layout().placement(tensors[k]).offset_elems;
       int64_t end = begin;
+      // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter).
+      const int64_t adam_steps = params_[tensors[k]].adam_steps;
       while (k < tensors.size() && params_[tensors[k]].has_grad &&
+             params_[tensors[k]].adam_steps == adam_steps &&
              store_->layout().placement(tensors[k]).offset_elems == end) {
         end += store_->layout().numel(tensors[k]);
         ++k;
@@ -143,6 +157,7 @@ IterationReport Engine::run_adam() {
         return store_->chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
       };
       AdamChunk run;
+      run.step = adam_steps + 1;
       // States in the disk tier come to the update through the source below.
       const bool from_disk = disk_ != nullptr && disk_->on_disk(i);
       if (disk_ != nullptr) disk_runs.push_back({i, begin, end, from_disk, mixed_});
@@ -307,6 +322,10 @@ IterationReport Engine::step() {
     if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
+    if (p.has_grad) {
+      if (!report.skipped) ++p.adam_steps;
+      p.grad_consumed = !grad_space_;  // the half slot holds the new weight now
+    }
     p.has_grad = false;
   }
   for (at::Tensor& sum : reduced_grads_) sum.reset();
@@ -362,6 +381,7 @@ IterationReport Engine::step() {
   backwards_since_step_ = 0;
   hooks_in_forward_ = false;
   phase_ = Phase::kIdle;
+  show_gradients(GradientsShown::kAfterStep);
   return report;
 }
 

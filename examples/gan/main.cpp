@@ -4,7 +4,8 @@
 //
 // The port from plain LibTorch is what `use_engine` switches: the doors (patrickstar::call in the
 // modules' forward) and initialize_engine for each model. The loop is the same code either way:
-// plain loss.backward(), and zero_grad() and step() through torch::optim::Optimizer&.
+// plain loss.backward(), the models' own zero_grad() (discriminator->zero_grad(), as LibTorch's
+// DCGAN example writes it) and step() through torch::optim::Optimizer&.
 //
 // The program trains 20 steps without the engine on 2 threads and on 1 thread, then with the engines
 // on 2 threads on devices that force chunk moves, and exits non-zero when any loss or BatchNorm
@@ -125,7 +126,7 @@ Record train(bool use_engine, int threads) {
 
   for (int s = 0; s < kSteps; ++s) {
     // The discriminator: real samples, then fakes, two backward calls before its step.
-    d_opt.zero_grad();
+    discriminator->zero_grad();
     auto real = real_batch(s);
     auto real_loss = torch::binary_cross_entropy_with_logits(discriminator->forward(real),
                                                              torch::ones({kBatch, 1}));
@@ -137,7 +138,7 @@ Record train(bool use_engine, int threads) {
     d_opt.step();
     // The generator: its loss back-propagates through the discriminator, whose gradients from this
     // backward are discarded by its next zero_grad().
-    g_opt.zero_grad();
+    generator->zero_grad();
     auto g_loss = torch::binary_cross_entropy_with_logits(discriminator->forward(fake),
                                                           torch::ones({kBatch, 1}));
     g_loss.backward();

@@ -232,6 +232,8 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
               plan.on_device.size(), " entries for ", chunks.size(), " chunks");
   for (size_t i = 0; i < chunks.size(); ++i) {
     check_chunk(chunks[i], i, plan.on_device[i]);
+    TORCH_CHECK(chunks[i].step >= 0, "HybridAdam: chunk ", i, " has step ", chunks[i].step,
+                "; a chunk's step is 1 or more (0: the optimizer's own count plus one)");
     TORCH_CHECK(!chunks[i].states_from_source || source != nullptr, "HybridAdam: chunk ", i,
                 " takes its states from a source and step() was given none");
   }
@@ -258,10 +260,22 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
 
   const GradMultiplier multiplier =
       gradient_multiplier(total, loss_scaler_.scale(), options_.max_grad_norm());
-  const AdamStepConstants constants = make_adam_step_constants(
-      options_.lr(), options_.beta1(), options_.beta2(), options_.eps(), options_.weight_decay(),
-      options_.decoupled(), step_ + 1, multiplier.multiplier);
+  // Chunks may be at different steps (torch::optim::Adam counts steps per parameter): the
+  // constants are made once per distinct step.
+  auto constants_of = [&](int64_t step) {
+    return make_adam_step_constants(options_.lr(), options_.beta1(), options_.beta2(),
+                                    options_.eps(), options_.weight_decay(), options_.decoupled(),
+                                    step, multiplier.multiplier);
+  };
+  int64_t cached_step = step_ + 1;
+  AdamStepConstants cached = constants_of(cached_step);
   for (size_t k = 0; k < chunks.size(); ++k) {
+    const int64_t step = chunks[k].step > 0 ? chunks[k].step : step_ + 1;
+    if (step != cached_step) {
+      cached = constants_of(step);
+      cached_step = step;
+    }
+    const AdamStepConstants& constants = cached;
     with_states(chunks[k], k, source, /*updates=*/true,
                 [&](const AdamChunk& c) { update_chunk(c, constants); });
   }

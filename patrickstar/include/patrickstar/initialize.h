@@ -115,7 +115,7 @@ class EngineOptimizer : public torch::optim::Optimizer {
 
   // The engine's zero_grad (set_to_none is accepted for LibTorch's signature; gradients live in
   // the chunks either way).
-  void zero_grad(bool /*set_to_none*/ = true) const { engine_->zero_grad(); }
+  void zero_grad(bool set_to_none = true) const { engine_->zero_grad(set_to_none); }
   // The engine's step; returns its report.
   IterationReport step() {
     sync_lr();

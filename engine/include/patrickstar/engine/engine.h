@@ -185,8 +185,10 @@ class Engine final : public ModuleHookHandler {
   IterationReport step();
   // Discards the gradients accumulated since the last step, at any point of an iteration. Where
   // gradients sit in the half weights' slots (mixed precision without a gradient space) the half
-  // weights come back from the fp32 master.
-  void zero_grad();
+  // weights come back from the fp32 master. `set_to_none` false keeps, as in LibTorch, the
+  // gradients defined at zero: the next step updates those parameters even where the loss does
+  // not reach them (one process; see the README's table of LibTorch idioms).
+  void zero_grad(bool set_to_none = true);
   // A leaf tensor whose .grad() the engine keeps defined. torch::optim::Optimizer::zero_grad (not
   // virtual) resets or zeroes it when EngineOptimizer is used through a torch::optim::Optimizer&;
   // the engine takes that as zero_grad() at its next call outside a backward (a door, backward(),
@@ -281,6 +283,18 @@ class Engine final : public ModuleHookHandler {
     // tensor of it has `segments` of them), and whether a door used it since its group's gather.
     int grads_this_backward = 0;
     bool touched = false;
+    // The gradient as LibTorch code sees it (engine_grad_handles.cpp). grad_defined: LibTorch's
+    // tensor.grad() would be defined (a gradient came since the last reset). grad_handle: what the
+    // engine set tensor.grad() to: a view of the chunk slot holding the gradient (grad_view, over
+    // grad_storage, fenced when withdrawn) or a marker without data. grad_consumed: a step used
+    // the gradient and overwrote its half slot (mixed precision without a gradient space).
+    bool grad_defined = false;
+    bool grad_view = false;
+    bool grad_consumed = false;
+    at::Tensor grad_handle;
+    c10::Storage grad_storage;
+    int64_t grad_handle_version = 0;
+    int64_t adam_steps = 0;  // Adam updates applied to it (torch::optim::Adam counts per parameter)
   };
   struct ModuleInfo {
     std::string label;
@@ -342,8 +356,23 @@ class Engine final : public ModuleHookHandler {
   void check_not_gathered(const ModuleInfo& module) const;
   // zero_grad() when the marker's gradient was reset, replaced or zeroed (zero_grad through
   // torch::optim::Optimizer&); not inside a backward, where it waits for the next call.
-  void zero_grad_if_marker_reset();
+  // `door`: called by a door, where markers alone are looked at only before the forward (the
+  // backward's start looks at them again before anything accumulates).
+  void zero_grad_if_marker_reset(bool door = false);
   void arm_zero_grad_marker();
+  // --- gradients as LibTorch code sees them (engine_grad_handles.cpp) ---
+  // At the end of a backward or a step: tensor.grad() of every parameter with a gradient becomes a
+  // view of its slot (one process, fp32/bf16) or a marker that refuses reads but takes zero_().
+  enum class GradientsShown { kAfterBackward, kAfterStep, kWithdrawn };
+  void show_gradients(GradientsShown when);
+  // What LibTorch code did to them since (Module::zero_grad, clipping in place, assignment),
+  // applied to the chunks; views are withdrawn (fenced) and markers put in their place.
+  void take_gradient_edits(bool door);
+  // Before autograd accumulates a new backward's gradients: every handle goes.
+  void clear_gradient_handles();
+  // One parameter's gradient dropped (set_to_none on it alone): its slot zeroed or its half weight
+  // restored from the fp32 master.
+  void drop_gradient(Param& p);
   // A forward between doors whose graph is gone (its loss was dropped): forgotten.
   void forget_dropped_forward();
   // GatheredParameters: checks every id, then makes each a real fp32 tensor with the master
@@ -431,6 +460,9 @@ class Engine final : public ModuleHookHandler {
   bool in_iteration_ = false;
   bool in_backward_ = false;
   bool grads_in_half_slots_ = false;
+  bool handles_shown_ = false;    // some parameter's grad() is an engine handle
+  bool views_shown_ = false;      // ... and some of them are views of chunk slots
+  bool warned_consumed_ = false;  // the backward-after-step-without-zero_grad warning was given
   int open_scopes_ = 0;
   int64_t forward_start_moment_ = 0;  // moments of the iteration before the forward in progress
   bool hooks_in_forward_ = false;     // the forward in progress put pre-backward nodes in a graph

@@ -68,6 +68,10 @@ struct AdamChunk {
   // mixed precision) or master (fp32) and the gradient are given as usual.
   bool states_from_source = false;
 
+  // The Adam step this update is (1-based, as torch::optim::Adam counts it per parameter): its
+  // bias corrections. 0: the optimizer's own count of steps taken, plus one.
+  int64_t step = 0;
+
   bool mixed() const { return half_param_grad.defined(); }
   // Bytes the update touches: master, momentum, variance (+ the gradient slot).
   int64_t state_bytes() const;
