@@ -101,7 +101,7 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 bool same(const CheckpointContents& a, const CheckpointContents& b) {
   if (a.config_json != b.config_json || a.precision != b.precision || a.names != b.names ||
       a.world_size != b.world_size || a.rank != b.rank || a.chunk_elems != b.chunk_elems ||
-      a.adam_step != b.adam_step || a.iteration != b.iteration ||
+      a.adam_step != b.adam_step || a.param_steps != b.param_steps || a.iteration != b.iteration ||
       std::memcmp(&a.scaler.scale, &b.scaler.scale, sizeof(double)) != 0 || a.scaler.step != b.scaler.step ||
       a.scaler.last_overflow_step != b.scaler.last_overflow_step ||
       a.scaler.hysteresis_left != b.scaler.hysteresis_left || a.params.size() != b.params.size()) {

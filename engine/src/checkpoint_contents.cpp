@@ -25,7 +25,8 @@ void write_checkpoint_file(const CheckpointContents& c, const std::string& path)
   archive.write("rank", at::tensor(c.rank));
   archive.write("chunk_elems", at::tensor(c.chunk_elems));
   archive.write("adam_step", at::tensor(c.adam_step));
-  archive.write("param_steps", at::tensor(c.param_steps, at::kLong));
+  // Empty: the contents came from a file that predates per-parameter steps (it stays so).
+  if (!c.param_steps.empty()) archive.write("param_steps", at::tensor(c.param_steps, at::kLong));
   archive.write("iteration", at::tensor(c.iteration));
   archive.write("scaler", at::tensor({c.scaler.scale, static_cast<double>(c.scaler.step),
                                       static_cast<double>(c.scaler.last_overflow_step),
