@@ -121,14 +121,21 @@ IterationReport Engine::run_adam() {
 
   // LibTorch's Adam steps every parameter whose grad() is defined: one that a zero_grad(false) left
   // at zeros and that this iteration's loss did not reach is stepped with a zero gradient (a
-  // gradient space holds those zeros already; a half slot takes them now, the step writes the new
-  // weight over them). Data parallel: not done (docs/design.md).
-  if (!distributed()) {
-    for (Param& p : params_) {
-      if (!p.grad_defined || p.has_grad) continue;
-      if (!grad_space_) store_->view(p.id, ChunkKind::kParam).zero_();
-      p.has_grad = true;
+  // gradient space holds those zeros already, at the owner with data parallel; a half slot takes
+  // them now, the step writes the new weight over them). Data parallel without a gradient space
+  // refuses: the reduced sums hold nothing for such a parameter.
+  for (Param& p : params_) {
+    if (!p.grad_defined || p.has_grad) continue;
+    if (!grad_space_) {
+      TORCH_CHECK(!distributed(), "patrickstar: parameter ", p.name, " has a gradient kept at zero "
+                  "by zero_grad(set_to_none=false) but this loss did not reach it; LibTorch's "
+                  "Adam would update it with a zero gradient, which data parallel in ",
+                  to_string(config_.precision()), " without a gradient space cannot do. Use "
+                  "zero_grad() (set_to_none, LibTorch's default) or gradient_accumulation_steps > "
+                  "1");
+      store_->view(p.id, ChunkKind::kParam).zero_();
     }
+    p.has_grad = true;
   }
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;

@@ -66,6 +66,42 @@ TEST(DataParallelIdioms, ModelZeroGradMatchesPlainLibTorchOnTheGlobalBatch) {
   }
 }
 
+TEST(DataParallelIdioms, GradientsZeroedInPlaceAreSteppedWhereTheLossDoesNotReach) {
+  // fc1 trained for 3 steps, then frozen for 3, with zero_grad(false): LibTorch's Adam goes on
+  // moving fc1 with zero gradients. fp32 (a gradient space) does the same at the owners.
+  Net plain = seeded_net();
+  torch::optim::Adam adam = plain_adam(plain->parameters());
+  Net net = seeded_net();
+  auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
+  for (int s = 0; s < 6; ++s) {
+    for (auto& p : plain->fc1->parameters()) p.requires_grad_(s < 3);
+    for (auto& p : net->fc1->parameters()) p.requires_grad_(s < 3);
+    plain->zero_grad(/*set_to_none=*/false);
+    torch::mse_loss(plain->forward(input_of(s)), target_of(s)).backward();
+    adam.step();
+    net->zero_grad(/*set_to_none=*/false);
+    loss_on_my_rows(net, s).backward();
+    optimizer.step();
+  }
+  const auto expected = plain->named_parameters();
+  for (const auto& [name, value] : model.engine().fp32_state_dict()) {
+    EXPECT_TRUE(torch::allclose(value, expected[name], 1e-4, 1e-5))
+        << name << ": " << (value - expected[name]).abs().max().item<double>();
+  }
+  // bf16 without a gradient space cannot hold such a zero gradient across ranks: refused.
+  if (comm()->world_size() == 1) return;
+  Net half = seeded_net();
+  auto [half_model, half_optimizer] =
+      initialize_engine([&] { return half; }, 0, small_device(config_of("bf16")));
+  loss_on_my_rows(half, 0).backward();
+  half_optimizer.step();
+  for (auto& p : half->fc1->parameters()) p.requires_grad_(false);
+  half->zero_grad(/*set_to_none=*/false);
+  loss_on_my_rows(half, 1).backward();
+  const std::string error = test::error_of([&] { half_optimizer.step(); });
+  EXPECT_NE(error.find("set_to_none"), std::string::npos) << error;
+}
+
 TEST(DataParallelIdioms, ClippingThroughLibTorchIsRefused) {
   if (comm()->world_size() == 1) GTEST_SKIP() << "one process: clipping works (LibTorchIdioms)";
   Net net = seeded_net();

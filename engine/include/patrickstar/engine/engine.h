@@ -187,7 +187,7 @@ class Engine final : public ModuleHookHandler {
   // gradients sit in the half weights' slots (mixed precision without a gradient space) the half
   // weights come back from the fp32 master. `set_to_none` false keeps, as in LibTorch, the
   // gradients defined at zero: the next step updates those parameters even where the loss does
-  // not reach them (one process; see the README's table of LibTorch idioms).
+  // not reach them (see the README's table of LibTorch idioms for data parallel).
   void zero_grad(bool set_to_none = true);
   // A leaf tensor whose .grad() the engine keeps defined. torch::optim::Optimizer::zero_grad (not
   // virtual) resets or zeroes it when EngineOptimizer is used through a torch::optim::Optimizer&;
@@ -267,7 +267,7 @@ class Engine final : public ModuleHookHandler {
     TensorId id = -1;
     bool trainable = true;
     int compute_refs = 0;  // open doors / backward uses holding it
-    bool has_grad = false;  // gradient written since the last step
+    bool has_grad = false;  // gradient written since the last step (or kept at zero: the step)
     // The autograd passes that will bring this parameter a gradient in the next backward: the
     // plain forward is one, each checkpointed call that uses it another (its recompute has a
     // backward of its own). With two or more, a recompute may still read the weight after a
