@@ -39,6 +39,13 @@ constexpr const char* kLaterWhy =
     "backward (or a step) and the next call into the engine (a door, backward, step, zero_grad); "
     "read it there";
 
+// A view handle leaves its slot: the storage it (and any copy the trainer kept) shares is fenced.
+void withdraw_view(c10::Storage& storage, const std::string& name) {
+  storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      unreadable_message(name, kLaterWhy));
+  storage = c10::Storage();
+}
+
 }  // namespace
 
 void Engine::show_gradients(GradientsShown when) {
@@ -140,9 +147,7 @@ void Engine::take_gradient_edits(bool door) {
   // parameter still showing a gradient gets a marker; the chunks may move from here on.
   for (Param& p : params_) {
     if (p.grad_view) {
-      p.grad_storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
-          unreadable_message(p.name, kLaterWhy));
-      p.grad_storage = c10::Storage();
+      withdraw_view(p.grad_storage, p.name);
       p.grad_view = false;
     }
     p.grad_handle.reset();
@@ -189,9 +194,7 @@ void Engine::clear_gradient_handles() {
     consumed |= p.grad_consumed && p.grad_handle.defined();
     p.grad_consumed = false;
     if (p.grad_view) {
-      p.grad_storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
-          unreadable_message(p.name, kLaterWhy));
-      p.grad_storage = c10::Storage();
+      withdraw_view(p.grad_storage, p.name);
       p.grad_view = false;
     }
     if (p.grad_handle.defined()) {
