@@ -86,17 +86,21 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   }
   if (grad_space_) {
     at::Tensor slot = store_->view(id, ChunkKind::kGrad);
+    // The slot is where its chunk is: on the device after a pre-backward, anywhere when the branch
+    // above took it (on CUDA, maybe a host chunk for a device gradient), and add_ does not cross
+    // devices. Same device: no copy.
+    const at::Tensor here = grad.to(slot.device());
     // Zeroed by zero_grad(): the first micro-batch adds to zeros. Data parallel: the average over
     // ranks (the owner's chunk accumulates the reduced sums of earlier micro-batches).
     if (distributed()) {
-      slot.add_(grad, 1.0 / world_);
+      slot.add_(here, 1.0 / world_);
     } else {
-      slot.add_(grad);
+      slot.add_(here);
     }
     store_->set_state(id, ChunkKind::kGrad, TensorState::kHoldAfterBwd);
   } else {
     // The weight's last use is behind us and the fp32 master keeps its value: the half slot
-    // takes the gradient (docs/design.md section 4).
+    // takes the gradient (docs/design.md section 4; copy_, unlike add_, copies across devices).
     store_->view(id, ChunkKind::kParam).copy_(grad);
   }
   param.mutable_grad().reset();

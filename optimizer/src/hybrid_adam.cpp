@@ -1,8 +1,8 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 #include <ATen/ops/add.h>
-#include <ATen/ops/square.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -90,8 +90,8 @@ void* stream_for(const at::Tensor& t) {
 }
 
 // The gradients' statistics over every chunk: the host kernel for chunks in host memory; on a GPU
-// one reduction per chunk, summed on the device and read once (one host synchronization per
-// step, not per chunk).
+// sum_squares_on_device per chunk (bounded temporaries), summed on the device and read once (one
+// host synchronization per step, not per chunk).
 GradStats stats_of(c10::ArrayRef<AdamChunk> chunks) {
   GradStats total;
   at::Tensor device_sum;
@@ -101,7 +101,7 @@ GradStats stats_of(c10::ArrayRef<AdamChunk> chunks) {
       total += grad_stats(grad);
       continue;
     }
-    const at::Tensor sum = at::sum(at::square(grad.to(at::kDouble)));
+    const at::Tensor sum = sum_squares_on_device(grad);
     device_sum = device_sum.defined() ? at::add(device_sum, sum) : sum;
   }
   if (device_sum.defined()) {
@@ -179,6 +179,23 @@ GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,
   }
   result.multiplier = static_cast<float>(1.0 / loss_scale) * result.clip_coef;
   return result;
+}
+
+at::Tensor sum_squares_on_device(const at::Tensor& grad) {
+  TORCH_CHECK(grad.is_contiguous(), "sum_squares_on_device: the gradient is not contiguous");
+  // at::sum(grad, kDouble) would not do: a reduction to another dtype converts the whole input
+  // first (TensorIterator), the same double copy as grad.to(kDouble).
+  const at::Tensor flat = grad.view({-1});
+  const int64_t numel = flat.numel();
+  at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
+  for (int64_t start = 0; start < numel; start += kSumSquaresSliceElems) {
+    const int64_t elems = std::min(kSumSquaresSliceElems, numel - start);
+    // A copy (never the gradient itself, even if it were double), squared in place.
+    at::Tensor squares =
+        flat.narrow(0, start, elems).to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+    total.add_(at::sum(squares.square_()));
+  }
+  return total;
 }
 
 HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)

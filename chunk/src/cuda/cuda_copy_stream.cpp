@@ -110,17 +110,21 @@ struct CudaCopyStream::State {
     if (w.after != nullptr) spare_timing.push_back(w.after);
   }
 
-  // Lock held. Adds the GPU-side waits to waited_seconds (`count`) or drops them; with `block`
-  // first waits for them to complete, else takes only those already complete. Never throws: an
-  // error here is warned about (the copies' own errors surface at their waits).
-  void settle_gpu_waits(bool block, bool count) {
+  // Lock held. Takes the leading GPU-side waits whose events completed off `gpu_waits`, adding
+  // their time to waited_seconds (the first `uncounted_waits` are dropped instead: a reset came
+  // after them). Never blocks: the host does not wait for the GPU to time a wait, which the GPU
+  // may not have reached yet (a later call counts it). Never throws: an error here is warned
+  // about (the copies' own errors surface at their waits).
+  void settle_gpu_waits() {
     while (!gpu_waits.empty()) {
       const GpuWait w = gpu_waits.front();
-      cudaError_t status = block ? cudaEventSynchronize(w.after) : cudaEventQuery(w.after);
+      cudaError_t status = cudaEventQuery(w.after);
       if (status == cudaErrorNotReady) {
         (void)cudaGetLastError();
         return;
       }
+      const bool count = uncounted_waits == 0;
+      if (!count) --uncounted_waits;
       float ms = 0;
       if (status == cudaSuccess) status = cudaEventElapsedTime(&ms, w.before, w.after);
       if (status == cudaSuccess) {
@@ -155,6 +159,7 @@ struct CudaCopyStream::State {
   std::deque<InFlight> in_flight;       // in event order
   std::vector<cudaEvent_t> spare;       // events of completed copies, for reuse
   std::deque<GpuWait> gpu_waits;        // GPU-side waits not yet added to waited_seconds
+  size_t uncounted_waits = 0;           // leading gpu_waits queued before the last reset
   std::vector<cudaEvent_t> spare_timing;  // timing events of settled waits, for reuse
   CopyEvent submitted = 0;
   CopyEvent completed = 0;  // every event <= completed finished
@@ -206,7 +211,9 @@ CopyEvent CudaCopyStream::submit_copy(MemoryTier& device, void* dst, const void*
     const cudaStream_t copy = s.stream.stream();
     try {
       c10::cuda::CUDAGuard guard(s.device());
-      done = State::take_event(s.spare, cudaEventDisableTiming);
+      // Blocking sync: a host wait on it (wait, drain) sleeps instead of spinning a core that
+      // the host Adam and LibTorch's CPU threads need.
+      done = State::take_event(s.spare, cudaEventBlockingSync | cudaEventDisableTiming);
       // The compute that may still write the source (or read the destination's old bytes) was
       // issued on this thread's current stream: the copy stream waits for it on the GPU.
       const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(s.device()).stream();
@@ -261,10 +268,11 @@ void CudaCopyStream::order_compute_after(CopyEvent event) {
       // The timing is a figure, never a reason to fail the ordering: an error there is warned
       // about and that wait goes untimed.
       const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(s.device()).stream();
-      s.settle_gpu_waits(/*block=*/false, /*count=*/true);  // keeps the list short
+      s.settle_gpu_waits();  // keeps the list short
       State::GpuWait w;
       try {
-        w.before = State::take_event(s.spare_timing, cudaEventDefault);  // timing on
+        // Timing on; the host only queries them (no blocking-sync flag needed).
+        w.before = State::take_event(s.spare_timing, cudaEventDefault);
         w.after = State::take_event(s.spare_timing, cudaEventDefault);
         C10_CUDA_CHECK(cudaEventRecord(w.before, compute));
       } catch (const c10::Error& e) {
@@ -313,18 +321,22 @@ CopyEvent CudaCopyStream::last_submitted() const {
   return state_->submitted;
 }
 
+// Neither blocks on the GPU: the engine reads waited_seconds() at every iteration start and step,
+// where waiting for the compute stream to pass its queued copy waits would stall the host (the
+// host Adam, the next batch). A GPU-side wait counts once the GPU has passed it: an iteration's
+// figure may take in a wait of the previous one and leave one still queued to the next.
 double CudaCopyStream::waited_seconds() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   c10::cuda::CUDAGuard guard(state_->device());
-  // The compute issued so far that waits on a copy has to run before its wait can be timed.
-  state_->settle_gpu_waits(/*block=*/true, /*count=*/true);
+  state_->settle_gpu_waits();
   return state_->waited_seconds;
 }
 
 void CudaCopyStream::reset_waited_seconds() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   c10::cuda::CUDAGuard guard(state_->device());
-  state_->settle_gpu_waits(/*block=*/true, /*count=*/false);
+  state_->settle_gpu_waits();
+  state_->uncounted_waits = state_->gpu_waits.size();  // queued before the reset: dropped later
   state_->waited_seconds = 0;
 }
 

@@ -85,7 +85,9 @@ CudaDeviceTier::CudaDeviceTier(int device_index, int64_t capacity_bytes)
                                               static_cast<c10::DeviceIndex>(device_index)),
                  nullptr, nullptr});
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->ready, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->done, cudaEventDisableTiming));
+  // copy() waits on `done` from the host: blocking sync sleeps there instead of spinning a core.
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&copy_stream_->done,
+                                          cudaEventBlockingSync | cudaEventDisableTiming));
   std::lock_guard<std::mutex> lock(live_tiers_mutex());
   live_tiers().push_back(this);
 }
@@ -118,13 +120,15 @@ int64_t CudaDeviceTier::available_memory_bytes(int device_index) {
   size_t total = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
   // Before LibTorch's CUDA side started, its allocator holds nothing (and cannot be asked).
-  int64_t held = 0;
+  int64_t reserved = 0;
+  int64_t allocated = 0;
   if (c10::cuda::CUDACachingAllocator::get()->initialized()) {
     constexpr auto kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-    held = stats.reserved_bytes[kAggregate].current;
+    reserved = stats.reserved_bytes[kAggregate].current;
+    allocated = stats.allocated_bytes[kAggregate].current;
   }
-  return static_cast<int64_t>(free) + held;
+  return cuda_available_bytes(static_cast<int64_t>(free), reserved, allocated);
 }
 
 c10::Device CudaDeviceTier::device() const {

@@ -96,7 +96,8 @@ class CopyEngine {
   virtual CopyEvent last_submitted() const = 0;
   // Seconds compute spent waiting for copies since construction or the last reset (the copy time
   // compute did not hide): callers blocked on the host in wait()/drain(), and where compute waits
-  // on the GPU (CUDA), the time its stream stood at order_compute_after()'s waits.
+  // on the GPU (CUDA), the time its stream stood at order_compute_after()'s waits, each counted
+  // once the GPU has passed it (the call never blocks on the GPU).
   virtual double waited_seconds() const = 0;
   virtual void reset_waited_seconds() = 0;
 

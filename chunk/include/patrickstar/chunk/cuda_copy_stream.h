@@ -3,8 +3,9 @@
 // after the compute that may still write its source) and followed by an event of its own, which is
 // its CopyEvent. Compute waits on the GPU (order_compute_after: the current stream waits on the
 // copy's event); the host blocks only where host code needs the bytes or the memory (wait, drain:
-// cudaEventSynchronize). Only in builds with CUDA (PATRICKSTAR_HAVE_CUDA); compiled in CI, run only
-// where a GPU is present. Usage (the engine does this for a "cuda" device):
+// cudaEventSynchronize on blocking-sync events, so the thread sleeps instead of spinning a core).
+// Only in builds with CUDA (PATRICKSTAR_HAVE_CUDA); compiled in CI, run only where a GPU is
+// present. Usage (the engine does this for a "cuda" device):
 //
 //   patrickstar::CudaDeviceTier device(0, 8LL << 30);
 //   patrickstar::CudaCopyStream copies(0);
@@ -21,7 +22,8 @@
 // copies run on the GPU, so no spans are recorded (set_record_spans is accepted and records none).
 // waited_seconds() counts host waits and the GPU-side ones: order_compute_after() brackets its
 // stream wait with two timing events, and the time between them (the stream standing still until
-// the copy completed) is added once they completed (waited_seconds() waits for that).
+// the copy completed) is added once the GPU has passed them: waited_seconds() never blocks, so a
+// wait still queued on the GPU counts in a later call.
 // Thread-safe.
 #pragma once
 

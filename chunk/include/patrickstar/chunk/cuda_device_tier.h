@@ -13,9 +13,20 @@
 
 #include "patrickstar/chunk/memory_tier.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 
 namespace patrickstar {
+
+// What a CUDA device has for this process: the driver's free bytes plus the free cache of
+// LibTorch's caching allocator, its reserved bytes less those its tensors use (the cached blocks
+// go back when a payload needs them; the used ones do not). The arithmetic of
+// CudaDeviceTier::available_memory_bytes, here so that builds without a GPU test it.
+inline int64_t cuda_available_bytes(int64_t driver_free_bytes, int64_t reserved_bytes,
+                                    int64_t allocated_bytes) {
+  return driver_free_bytes + std::max<int64_t>(0, reserved_bytes - allocated_bytes);
+}
 
 #ifdef PATRICKSTAR_HAVE_CUDA
 
@@ -29,9 +40,9 @@ class CudaDeviceTier final : public MemoryTier {
   // The memory of CUDA device `device_index` (cudaMemGetInfo's total), for checks against a
   // configured capacity.
   static int64_t total_memory_bytes(int device_index);
-  // What CUDA device `device_index` has for this process now: the driver's free memory plus what
-  // LibTorch's caching allocator holds there (its cached blocks go back when a payload needs them).
-  // The engine's capacity when the config says "auto".
+  // What CUDA device `device_index` has for this process now (cuda_available_bytes of the
+  // driver's free memory and LibTorch's allocator statistics there). The engine's capacity when
+  // the config says "auto".
   static int64_t available_memory_bytes(int device_index);
   // Gives the cached payloads of every live CUDA tier back to the device (tiers busy on another
   // thread keep theirs); returns the bytes given back. LibTorch's allocator calls this when short.

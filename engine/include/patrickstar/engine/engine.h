@@ -82,7 +82,8 @@ struct IterationReport {
   int64_t warm_start_h2d_bytes = 0;
   // Asynchronous moves: how long compute waited for chunk copies this iteration (the copy time
   // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed. On CUDA
-  // also the time the compute stream stood waiting on a copy's event on the GPU.
+  // also the time the compute stream stood waiting on a copy's event on the GPU, in the first
+  // report made once the GPU has passed that wait (reports never wait for the GPU).
   double copy_wait_seconds = 0;
   int64_t device_chunk_peak_bytes = 0;  // the device tier's peak during the iteration
   int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
