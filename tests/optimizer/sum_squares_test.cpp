@@ -1,13 +1,16 @@
 // sum_squares_on_device: the gradient norm HybridAdam reads of a chunk on a GPU, run here on CPU
-// tensors: its value (as the host kernel's, in double) and its temporaries (one slice in double,
-// measured by the counting allocator), whatever the chunk's size.
+// tensors (and on a GPU where there is one): its value (as the host kernel's, in double) and its
+// temporaries (one slice in double, measured by the counting allocator), whatever the chunk's size.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #include "patrickstar/memtracer/counting_allocator.h"
+#include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar {
@@ -52,6 +55,25 @@ TEST(SumSquaresOnDevice, TemporariesStayWithinOneSliceInDouble) {
     EXPECT_GT(sum, 0.0);
     EXPECT_LE(extra, bound_bytes) << dtype << ": a gradient of " << grad.nbytes() << " bytes";
   }
+}
+
+// The same on a GPU, where step() calls it: the value as the host's and the temporaries within one
+// slice (the caching allocator's statistics). Skipped, with the reason, without a GPU.
+TEST(SumSquaresOnDevice, OnCudaEqualsTheHostAndStaysWithinOneSlice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here";
+  torch::manual_seed(4);
+  const at::Tensor host = torch::randn({8 * kSumSquaresSliceElems + 99});
+  const at::Tensor grad = host.to(torch::kCUDA);
+  const std::unique_ptr<MemoryProbe> probe = make_cuda_memory_probe(0);
+  torch::cuda::synchronize();
+  const int64_t before = probe->live_bytes();
+  probe->reset_peak();
+  const at::Tensor sum = sum_squares_on_device(grad);
+  torch::cuda::synchronize();
+  EXPECT_LE(probe->peak_bytes() - before, 8 * kSumSquaresSliceElems + (64 << 10));
+  EXPECT_EQ(sum.device(), grad.device());
+  const double expected = grad_stats(host).sum_squares;
+  EXPECT_NEAR(sum.item<double>(), expected, 1e-9 * expected);
 }
 
 }  // namespace
