@@ -73,6 +73,10 @@ ABSL_FLAG(bool, compare_moves, false,
 ABSL_FLAG(std::string, predict, "",
           "also predict the step time on a GPU (h100) from the iteration this run recorded: "
           "memtracer's cost model, its assumptions printed beside the figures");
+ABSL_FLAG(bool, check_flags, false,
+          "check the flags against the model zoo and the config (a model's positions, --predict's "
+          "GPU, the device's form) without building anything, print the run they describe, exit "
+          "(scripts/gpu-check --dry-run checks its GPU command lines so)");
 ABSL_FLAG(int64_t, threads, 0,
           "LibTorch intra-op threads (0: LibTorch's default); e.g. one fewer than the cores "
           "leaves a core to the emulated device's copy thread, as a GPU's copy engine is its own");
@@ -219,8 +223,10 @@ ps::Config build_config() {
   ps::Config merged = ps::Config::from_json(j);
   merged.warnings = base.warnings;  // the document's unknown keys (to_json() drops them)
   // "auto" (the default) made concrete, so every engine of the run gets the same capacity and the
-  // figures name it.
-  merged.device.capacity_bytes = ps::resolved_device_capacity(merged);
+  // figures name it. --check-flags builds nothing and needs no GPU: it leaves "auto" as it is.
+  if (!absl::GetFlag(FLAGS_check_flags)) {
+    merged.device.capacity_bytes = ps::resolved_device_capacity(merged);
+  }
   return merged;
 }
 
@@ -654,6 +660,17 @@ int run() {
               spec.name);
 
   if (!absl::GetFlag(FLAGS_predict).empty()) ps::gpu_cost_model(absl::GetFlag(FLAGS_predict));  // known?
+  if (absl::GetFlag(FLAGS_check_flags)) {
+    std::printf("ps_bench: flags accepted: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, "
+                "device %s%s\n", spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
+                std::string(ps::to_string(config.precision())).c_str(), static_cast<long long>(batch),
+                static_cast<long long>(seq), static_cast<long long>(steps),
+                std::string(ps::to_string(config.device.type)).c_str(),
+                config.device.capacity_bytes == ps::DeviceConfig::kAutoCapacity
+                    ? " (auto capacity)"
+                    : (" " + mib(static_cast<double>(config.device.capacity_bytes))).c_str());
+    return 0;
+  }
   std::shared_ptr<ps::Communicator> comm = ps::communicator_from_env();
   const int world = comm->world_size();
   const int rank = comm->rank();

@@ -313,7 +313,11 @@ void Engine::register_parameters() {
   const int64_t host_capacity = config_.device.host_capacity_bytes > 0
                                     ? config_.device.host_capacity_bytes
                                     : MemoryTier::kUnlimited;
-  host_ = std::make_unique<HostTier>(host_capacity);
+  // Pinned host memory only for the CUDA engine: on the emulated device it would buy nothing, and on
+  // a machine with a GPU it would create a CUDA context for a run that never uses the GPU.
+  host_ = std::make_unique<HostTier>(host_capacity, config_.device.type == DeviceType::kCuda
+                                                        ? HostTier::Pinning::kAuto
+                                                        : HostTier::Pinning::kNever);
   device_ = make_device_tier(config_);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
   if (config_.scheduler.async_moves) {

@@ -135,13 +135,23 @@ TEST(MemoryTier, RejectsForeignAndDoublyReturnedPointers) {
   EXPECT_EQ(device.used_bytes(), 0);
 }
 
-TEST(MemoryTier, HostWithoutGpuIsNotPinned) {
-  // This machine has no GPU: the automatic mode must fall back to plain memory.
+TEST(MemoryTier, HostPinsExactlyWhenAGpuRuns) {
+  // Automatic pinning: pinned where this build has CUDA and a GPU is present, plain memory
+  // elsewhere (this test runs on GPU machines too: scripts/gpu-check). kNever never pins.
+#ifdef PATRICKSTAR_HAVE_CUDA
+  const bool gpu = at::hasCUDA();
+#else
+  const bool gpu = false;
+#endif
   HostTier host;
-  EXPECT_FALSE(host.pinned());
-  void* p = host.allocate(1 << 16);
-  std::memset(p, 1, 1 << 16);
-  host.deallocate(p);
+  EXPECT_EQ(host.pinned(), gpu);
+  HostTier plain(MemoryTier::kUnlimited, HostTier::Pinning::kNever);
+  EXPECT_FALSE(plain.pinned());
+  for (HostTier* tier : {&host, &plain}) {
+    void* p = tier->allocate(1 << 16);
+    std::memset(p, 1, 1 << 16);
+    tier->deallocate(p);
+  }
 }
 
 }  // namespace

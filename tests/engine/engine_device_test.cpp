@@ -12,6 +12,7 @@
 
 #include "error_message.h"
 #include "patrickstar/chunk/cuda_device_tier.h"
+#include "patrickstar/chunk/memory_tier.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -56,6 +57,17 @@ TEST(EmulatedDevice, TensorsHeldBeforeTheFirstForwardAreHostMemory) {
     adam.step();
     EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
   }
+}
+
+TEST(EmulatedDevice, HostChunksAreNeverPinned) {
+  // The emulated device's host tier is plain memory, on a machine with a GPU too (scripts/gpu-check
+  // runs EmulatedDevice.* there): pinning would create a CUDA context for a run that never uses it.
+  torch::nn::Sequential model = small_mlp();
+  Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 2112,
+      "client": {"device": {"capacity_bytes": "256KiB"}}})"));
+  const auto* host = dynamic_cast<const HostTier*>(&engine.host_tier());
+  ASSERT_NE(host, nullptr);
+  EXPECT_FALSE(host->pinned());
 }
 
 // Six layers of one chunk each (4160 elements) under an outer door over the whole module, which
