@@ -27,9 +27,12 @@ foreach(entry IN LISTS entries)
     list(APPEND expected "${CMAKE_MATCH_1}=${CMAKE_MATCH_2}")
   endif()
 endforeach()
-step("configure" ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-     "-DCMAKE_PREFIX_PATH=${prefixes}" "-DTorch_DIR=${Torch_DIR}"
-     -DCMAKE_BUILD_TYPE=Release)
+# In the environment, ":"-separated: a ";" list would be split into several arguments on its way
+# through step()'s ARGN.
+string(JOIN ":" prefix_path ${prefixes})
+step("configure" ${CMAKE_COMMAND} -E env "CMAKE_PREFIX_PATH=${prefix_path}"
+     ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+     "-DTorch_DIR=${Torch_DIR}" -DCMAKE_BUILD_TYPE=Release)
 # Each dependency found where the build found it (not a system copy that happens to exist too).
 file(READ "${WORK_DIR}/build/CMakeCache.txt" cache)
 foreach(pair IN LISTS expected)
