@@ -18,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_report as report  # noqa: E402  (the report's files and their checker)
 import gpu_check_steps as steps_mod  # noqa: E402  (what each step runs)
+from gpu_check_steps import capture  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPS = os.path.join(ROOT, ".gpu-deps")
@@ -41,16 +42,6 @@ def say(text):
 def die(text):
     print("gpu-check: FAILED: " + text, file=sys.stderr, flush=True)
     sys.exit(1)
-
-
-def capture(argv, timeout=60, env=None, cwd=None):
-    """(exit status, output) of a short command; (None, reason) when it cannot run."""
-    try:
-        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, env=env, cwd=cwd, check=False, errors="replace")
-        return done.returncode, done.stdout.strip()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, str(e)
 
 
 def torch_python():

@@ -186,10 +186,11 @@ def facts(ctx):
     return "passed", "%s; %s; torch %s" % (f["gpu"], f["compiler"], f["torch"]), {}, None
 
 
-def capture(argv, timeout=60):
+def capture(argv, timeout=60, cwd=None):
+    """(exit status, output) of a short command; (None, reason) when it cannot run."""
     try:
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, check=False, errors="replace")
+                              timeout=timeout, cwd=cwd, check=False, errors="replace")
         return done.returncode, done.stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, str(e)
