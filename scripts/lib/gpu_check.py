@@ -142,7 +142,7 @@ def prepare(args):
         die("configure with CUDA (log: .gpu-deps/configure.log): " + out[-600:])
     digest = sources_digest()  # what the build starts from (edits during it do not count)
     jobs = str(args.jobs or os.cpu_count() or 2)
-    say("building %s with CUDA in %s (%s jobs; about 25 minutes on 2 cores)"
+    say("building %s with CUDA in %s (%s jobs; about 12 minutes on 2 cores)"
         % (" ".join(steps_mod.TARGETS), build, jobs))
     start = time.time()
     with open(os.path.join(DEPS, "build.log"), "w") as log:
