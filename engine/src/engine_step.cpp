@@ -15,6 +15,12 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
+namespace {
+// Every kind of chunk an index's Adam update reads or writes (those the store has).
+constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kParamFp32,
+                                    ChunkKind::kMomentum, ChunkKind::kVariance};
+}  // namespace
+
 void Engine::decide_adam_placement() {
   const int64_t n = store_->chunks_per_kind();
   // CPU embeddings update on the host: the plan covers the other chunk indices.
@@ -94,14 +100,15 @@ IterationReport Engine::run_adam() {
     return ids;
   };
   const std::vector<int64_t> device_chunks = device_side_chunks(adam_on_device_);
-  // The rest update on the host: their gradients and weights go there (the states live there
-  // already). The trace records the steady state's host chunks, so the schedule and the OPT bound
-  // know these chunks leave the device at the step.
+  // The rest update on the host: their gradients, weights and states go there. The states are
+  // there already unless this index's Adam ran on the device before a retrace (the warm-up that
+  // follows updates everything on the host). The trace records the steady state's host chunks, so
+  // the schedule and the OPT bound know these chunks leave the device at the step.
   auto host_chunks = [&](const std::vector<bool>& device_side) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
       if (device_side[i] || !owns(i)) continue;
-      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+      for (ChunkKind kind : kAdamKinds) {
         if (store_->has_kind(kind)) ids.push_back(id_of(kind, i));
       }
     }
@@ -193,6 +200,25 @@ IterationReport Engine::run_adam() {
       }
       runs.push_back(run);
       plan.on_device.push_back(on_device[i]);
+    }
+  }
+  // What an update reads is in the tier where it runs. On a GPU a chunk left in the other tier
+  // fails the kernel's device check; on the emulated device both tiers are CPU memory and it would
+  // run unnoticed, so the engine checks it itself.
+  for (int64_t i = 0; i < n; ++i) {
+    if (!owns(i)) continue;
+    const Tier want = on_device[i] ? Tier::kDevice : Tier::kHost;
+    const bool states_on_disk = disk_ != nullptr && disk_->on_disk(i);
+    for (ChunkKind kind : kAdamKinds) {
+      if (!store_->has_kind(kind)) continue;
+      const bool state = kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
+                         (mixed_ && kind == ChunkKind::kParamFp32);
+      if (state && states_on_disk) continue;
+      const ChunkId id = id_of(kind, i);
+      const Tier tier = store_->tier(id);
+      TORCH_CHECK(tier == Tier::kNone || tier == want, "patrickstar: internal: chunk ", id, " (",
+                  to_string(kind), " of index ", i, ") is in the ", to_string(tier),
+                  " tier but its Adam runs on the ", to_string(want), " tier");
     }
   }
   if (warmup) {

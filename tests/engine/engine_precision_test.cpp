@@ -54,20 +54,22 @@ double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Te
 class EnginePrecision : public test::OnTestDevice {};
 
 TEST_F(EnginePrecision, AccumulatedBf16GradientsReachAdamInFp32) {
-  // The reference: the same bf16 model in plain LibTorch; each micro-batch's bf16 gradients summed
-  // in fp32, then one fp32 Adam step on the fp32 weights.
+  // The reference: the same bf16 model in plain LibTorch, on the test device (a GPU's bf16 matmul
+  // rounds its gradients otherwise than a CPU's); each micro-batch's bf16 gradients summed in fp32,
+  // then one fp32 Adam step on the fp32 weights.
+  const c10::Device device = test::test_device();
   torch::nn::Sequential plain = mlp();
   std::vector<at::Tensor> initial;
   for (const at::Tensor& p : plain->parameters()) initial.push_back(p.detach().clone());
-  plain->to(at::kBFloat16);
+  plain->to(device, at::kBFloat16);
   std::vector<at::Tensor> sum(initial.size());
   for (int k = 0; k < 2; ++k) {
     for (at::Tensor& p : plain->parameters()) p.mutable_grad().reset();
-    at::Tensor out = plain->forward(micro_input(k).to(at::kBFloat16));
-    (torch::mse_loss(out.to(at::kFloat), micro_target(k)) * 0.5).backward();
+    at::Tensor out = plain->forward(micro_input(k).to(device, at::kBFloat16));
+    (torch::mse_loss(out.to(at::kFloat), micro_target(k).to(device)) * 0.5).backward();
     const auto params = plain->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
-      const at::Tensor g = params[i].grad().to(at::kFloat);
+      const at::Tensor g = params[i].grad().to(at::kCPU, at::kFloat);
       sum[i] = k == 0 ? g : sum[i] + g;
     }
   }

@@ -2,6 +2,7 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
@@ -121,11 +122,24 @@ TEST(CountingAllocator, ThreadSafeCounters) {
   EXPECT_LE(counter.peak_bytes(), 64 + 65 + 66 + 67);  // at most one live allocation per thread
 }
 
+// Without CUDA the probe is refused; with CUDA and a GPU it reads the caching allocator: a tensor
+// allocated there shows in live and peak bytes, and a reset brings the peak back to the live bytes.
 TEST(CountingAllocator, CudaProbeMatchesTheBuild) {
-  if (memtracer_built_with_cuda()) {
-    GTEST_SKIP() << "built with CUDA: the probe needs a GPU to run";
+  if (!memtracer_built_with_cuda()) {
+    EXPECT_THROW(make_cuda_memory_probe(0), c10::Error);
+    return;
   }
-  EXPECT_THROW(make_cuda_memory_probe(0), c10::Error);
+  if (!at::hasCUDA()) GTEST_SKIP() << "built with CUDA but no GPU here";
+  const auto probe = make_cuda_memory_probe(0);
+  const int64_t before = probe->live_bytes();
+  {
+    const at::Tensor t = at::empty({1 << 20}, at::TensorOptions(at::kCUDA).dtype(at::kByte));
+    EXPECT_GE(probe->live_bytes(), before + (1 << 20));
+  }
+  EXPECT_EQ(probe->live_bytes(), before);
+  EXPECT_GE(probe->peak_bytes(), before + (1 << 20));
+  probe->reset_peak();
+  EXPECT_EQ(probe->peak_bytes(), probe->live_bytes());
 }
 
 }  // namespace

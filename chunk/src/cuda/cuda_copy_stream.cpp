@@ -1,4 +1,4 @@
-// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); never run on this machine.
+// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); runs on a GPU only (scripts/gpu-check).
 #include "patrickstar/chunk/cuda_copy_stream.h"
 
 #include "patrickstar/chunk/memory_tier.h"

@@ -1,4 +1,4 @@
-// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); never run on this machine.
+// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); runs on a GPU only (scripts/gpu-check).
 #include "patrickstar/chunk/cuda_device_tier.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>

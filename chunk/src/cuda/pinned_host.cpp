@@ -1,4 +1,4 @@
-// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); never run on this machine.
+// Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); runs on a GPU only (scripts/gpu-check).
 // Pinned host blocks of exactly the size asked for (cudaHostAlloc), where LibTorch's pinned host
 // allocator would round each block up to a power of two and keep it cached after it is freed.
 #include <c10/cuda/CUDAException.h>

@@ -9,20 +9,31 @@ namespace {
 // The aggregate pool of the caching allocator's allocated_bytes statistic.
 constexpr size_t kAggregatePool = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 
+// Until the process's first allocation through the caching allocator it has no statistics to read
+// (reading them throws "Invalid device argument"; found by scripts/gpu-check on an H200): nothing is
+// allocated then, so live and peak are 0.
+bool allocator_ready() {
+  return c10::cuda::CUDACachingAllocator::get()->initialized();
+}
+
 class CudaMemoryProbe final : public MemoryProbe {
  public:
   explicit CudaMemoryProbe(c10::DeviceIndex device) : device_(device) {}
   int64_t live_bytes() const override {
+    if (!allocator_ready()) return 0;
     return c10::cuda::CUDACachingAllocator::getDeviceStats(device_)
         .allocated_bytes[kAggregatePool]
         .current;
   }
   int64_t peak_bytes() const override {
+    if (!allocator_ready()) return 0;
     return c10::cuda::CUDACachingAllocator::getDeviceStats(device_)
         .allocated_bytes[kAggregatePool]
         .peak;
   }
-  void reset_peak() override { c10::cuda::CUDACachingAllocator::resetPeakStats(device_); }
+  void reset_peak() override {
+    if (allocator_ready()) c10::cuda::CUDACachingAllocator::resetPeakStats(device_);
+  }
 
  private:
   c10::DeviceIndex device_;
