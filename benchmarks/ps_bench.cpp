@@ -339,14 +339,13 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
       model.backward(loss);
       optimizer.step();
       TORCH_CHECK(std::isfinite(loss.item<double>()), "the loss is not finite");
+      trial.device_peak_bytes = std::max(trial.device_peak_bytes,  // the history is bounded
+                                         engine.scheduler().history().back().peak_device_bytes);
     }
     trial.ok = true;
     trial.params = engine.registration().params;
     trial.model_data_bytes = engine.registration().model_data_bytes;
     trial.device_state_bytes = engine.registration().device_state_bytes;
-    for (const auto& stats : engine.scheduler().history()) {
-      trial.device_peak_bytes = std::max(trial.device_peak_bytes, stats.peak_device_bytes);
-    }
     trial.host_peak_bytes = engine.host_tier().peak_bytes();
   } catch (const c10::Error& e) {
     trial.error = e.what_without_backtrace();
@@ -700,8 +699,10 @@ int run() {
 
   auto [model, optimizer] = build_engine(spec, config, seed);
   ps::Engine& engine = model.engine();
-  if (!absl::GetFlag(FLAGS_trace).empty() && engine.chunks().copy_queue() != nullptr) {
-    engine.chunks().copy_queue()->set_record_spans(true);  // the copy thread's track in the trace
+  // The chunk timeline grows with every iteration: kept only for the outputs that read it.
+  if (!absl::GetFlag(FLAGS_trace).empty() || !absl::GetFlag(FLAGS_plot).empty() ||
+      !absl::GetFlag(FLAGS_predict).empty()) {
+    engine.set_record_timeline(true);  // moves, moments, the copy thread's spans
   }
   const auto& reg = engine.registration();
   if (lead) std::printf("registered: %lld parameters in %lld chunks of %lld elements per kind, waste %.2f%%, "
@@ -723,7 +724,21 @@ int run() {
   }
 
   std::vector<double> losses, times;
-  std::vector<ps::IterationReport> reports;
+  // What the figures need of the step reports, summed as the steps go (nothing kept per step but
+  // the losses and times: a long run holds no more than a short one). The steady iterations come
+  // after the warm-up and after the first scheduled iteration, which still moves the warm-up's
+  // placement into the schedule's (when there are enough steps).
+  const int64_t first_steady = steps > 2 ? 2 : 1;
+  const ps::ChunkStore& store = engine.chunks();
+  const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
+  ps::IterationReport warmup_report, last_report;
+  double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
+  double adam_s = 0, disk_read = 0, disk_written = 0, disk_wait = 0;
+  double gathers = 0, gather_bytes = 0, reduces = 0, reduce_bytes = 0, all_reduce_bytes = 0;
+  double collective_s = 0, gathered_peak = 0;
+  bool formula_ok = true;  // data parallel: every steady iteration's collective bytes
+  int64_t non_model_peak = 0;  // over every iteration
+  int64_t device_peak = 0;  // over the steady iterations (the scheduler keeps only the last ones)
   const int64_t rows = batch / world;  // this rank's rows of the global batch
   for (int64_t s = 0; s < steps; ++s) {
     auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
@@ -733,13 +748,42 @@ int run() {
     optimizer.zero_grad();
     at::Tensor loss = model->loss(tokens, targets);
     model.backward(loss);
-    reports.push_back(optimizer.step());
+    const ps::IterationReport r = optimizer.step();
+    if (s == 0) warmup_report = r;
+    last_report = r;
+    non_model_peak = std::max(non_model_peak, r.non_model_peak_bytes);
+    if (s >= first_steady) {
+      h2d += static_cast<double>(r.h2d_bytes);
+      d2h += static_cast<double>(r.d2h_bytes);
+      forced += static_cast<double>(r.adam_host_d2h_bytes);
+      copy_wait += r.copy_wait_seconds;
+      adam_s += r.adam_seconds;
+      disk_read += static_cast<double>(r.disk_read_bytes);
+      disk_written += static_cast<double>(r.disk_written_bytes);
+      disk_wait += r.disk_wait_seconds;
+      gathers += static_cast<double>(r.group_gathers);
+      gather_bytes += static_cast<double>(r.gather_bytes);
+      reduces += static_cast<double>(r.group_reduces);
+      reduce_bytes += static_cast<double>(r.reduce_bytes);
+      all_reduce_bytes += static_cast<double>(r.all_reduce_bytes);
+      collective_s += r.collective_seconds;
+      gathered_peak = std::max(gathered_peak, static_cast<double>(r.gathered_peak_bytes));
+      // A group gather all-gathers world_size param chunks, a group reduce sends world_size fp32
+      // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes,
+      // not in fp16) and the squared gradient norm (8 bytes).
+      formula_ok = formula_ok && r.gather_bytes == r.group_gathers * world * param_chunk &&
+                   r.reduce_bytes == r.group_reduces * world * store.chunk_elems() * 4 &&
+                   r.all_reduce_bytes ==
+                       (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
+    }
+    if (const auto& st = engine.scheduler().history().back(); !st.warmup) {
+      device_peak = std::max(device_peak, st.peak_device_bytes);
+    }
     finish_device_work(config);
     const double t = seconds_since(start);
     // The global batch's loss: the mean of the ranks' (equal row counts).
     losses.push_back(sum_over_ranks(*comm, {loss.item<double>()})[0] / world);
     if (s > 0) times.push_back(t);
-    const auto& r = reports.back();
     if (!lead) continue;
     if (world > 1) {
       std::printf("step %lld/%lld  rank 0: gathered %lld groups (%s), reduced %lld (%s), %.3f s in "
@@ -768,23 +812,8 @@ int run() {
     std::fflush(stdout);
   }
 
-  // Traffic over the steady iterations: after the warm-up and after the first scheduled iteration,
-  // which still moves the warm-up's placement into the schedule's (when there are enough steps).
-  double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
-  double adam_s = 0, disk_read = 0, disk_written = 0, disk_wait = 0;
-  int64_t device_peak = 0;
-  const size_t first_steady = reports.size() > 2 ? 2 : 1;
-  for (size_t i = first_steady; i < reports.size(); ++i) {
-    h2d += static_cast<double>(reports[i].h2d_bytes);
-    d2h += static_cast<double>(reports[i].d2h_bytes);
-    forced += static_cast<double>(reports[i].adam_host_d2h_bytes);
-    copy_wait += reports[i].copy_wait_seconds;
-    adam_s += reports[i].adam_seconds;
-    disk_read += static_cast<double>(reports[i].disk_read_bytes);
-    disk_written += static_cast<double>(reports[i].disk_written_bytes);
-    disk_wait += reports[i].disk_wait_seconds;
-  }
-  const double after = static_cast<double>(reports.size() - first_steady);
+  // Traffic per steady iteration.
+  const double after = static_cast<double>(steps - first_steady);
   h2d /= after;
   d2h /= after;
   forced /= after;
@@ -793,9 +822,6 @@ int run() {
   disk_read /= after;
   disk_written /= after;
   disk_wait /= after;
-  for (const auto& stats : engine.scheduler().history()) {
-    if (!stats.warmup) device_peak = std::max(device_peak, stats.peak_device_bytes);
-  }
   // The OPT lower bound of the scheduler's traffic on the same trace and budgets: the forward,
   // backward and device-side Adam accesses, and the chunks the host-side Adam needs on the host.
   std::map<int64_t, ps::ChunkInfo> chunks = engine.scheduler().chunks();
@@ -841,7 +867,6 @@ int run() {
   out["h2d_bytes_per_iter"] = h2d;
   // The warm-up's loads: its own (forward, backward and step under the warm-up budget) and the warm
   // start that places chunks for the first scheduled iteration; its own against a steady iteration.
-  const ps::IterationReport& warmup_report = reports.front();
   const double warmup_own =
       static_cast<double>(warmup_report.h2d_bytes - warmup_report.warm_start_h2d_bytes);
   out["warmup_h2d_bytes"] = warmup_report.h2d_bytes;
@@ -865,47 +890,31 @@ int run() {
   out["samples_per_s"] = static_cast<double>(batch) / step_time;
   out["tflops_ps"] = tflops_ps;
   out["tflops_megatron"] = tflops_megatron;
-  out["adam_chunks_device"] = reports.back().adam.chunks_device;
-  out["adam_chunks_host"] = reports.back().adam.chunks_host;
+  out["adam_chunks_device"] = last_report.adam.chunks_device;
+  out["adam_chunks_host"] = last_report.adam.chunks_host;
   out["policy"] = ps::eviction_policy_name(config.scheduler.policy);
   out["world_size"] = world;
   if (world > 1) {
-    // Every rank's figures per steady iteration, and the formula its collective bytes must equal:
-    // a group gather all-gathers world_size param chunks, a group reduce sends world_size fp32
-    // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes, not
-    // in fp16) and the squared gradient norm (8 bytes).
+    // Every rank's figures per steady iteration, and whether its collective bytes equalled the
+    // formula (above) at every one.
     enum { kModelData, kGathers, kGatherBytes, kReduces, kReduceBytes, kAllReduceBytes, kSeconds,
            kStepTime, kFormulaOk, kTrafficToBound, kGatheredPeak, kFields };
     std::vector<double> mine(static_cast<size_t>(world * kFields), 0.0);
     double* f = mine.data() + rank * kFields;
-    for (size_t i = first_steady; i < reports.size(); ++i) {
-      f[kGathers] += static_cast<double>(reports[i].group_gathers);
-      f[kGatherBytes] += static_cast<double>(reports[i].gather_bytes);
-      f[kReduces] += static_cast<double>(reports[i].group_reduces);
-      f[kReduceBytes] += static_cast<double>(reports[i].reduce_bytes);
-      f[kAllReduceBytes] += static_cast<double>(reports[i].all_reduce_bytes);
-      f[kSeconds] += reports[i].collective_seconds;
-    }
+    f[kGathers] = gathers;
+    f[kGatherBytes] = gather_bytes;
+    f[kReduces] = reduces;
+    f[kReduceBytes] = reduce_bytes;
+    f[kAllReduceBytes] = all_reduce_bytes;
+    f[kSeconds] = collective_s;
     for (int k : {kGathers, kGatherBytes, kReduces, kReduceBytes, kAllReduceBytes, kSeconds}) {
       f[k] /= after;
-    }
-    const ps::ChunkStore& store = engine.chunks();
-    const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
-    bool formula_ok = true;
-    for (size_t i = first_steady; i < reports.size(); ++i) {
-      const ps::IterationReport& r = reports[i];
-      formula_ok = formula_ok && r.gather_bytes == r.group_gathers * world * param_chunk &&
-                   r.reduce_bytes == r.group_reduces * world * store.chunk_elems() * 4 &&
-                   r.all_reduce_bytes ==
-                       (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
     }
     f[kModelData] = static_cast<double>(reg.model_data_bytes);
     f[kStepTime] = step_time;
     f[kFormulaOk] = formula_ok ? 1.0 : 0.0;
     f[kTrafficToBound] = (h2d + d2h) / std::max(1.0, bound_bytes);
-    for (size_t i = first_steady; i < reports.size(); ++i) {
-      f[kGatheredPeak] = std::max(f[kGatheredPeak], static_cast<double>(reports[i].gathered_peak_bytes));
-    }
+    f[kGatheredPeak] = gathered_peak;
     const std::vector<double> all = sum_over_ranks(*comm, mine);
     nlohmann::json per_rank = nlohmann::json::array();
     bool all_ok = true;
@@ -953,10 +962,6 @@ int run() {
   // The process against what the engine accounts for. On the emulated device the device tier and
   // the non-model bytes (LibTorch's CPU allocations) are host memory too; on a GPU they are not.
   {
-    int64_t non_model_peak = 0;
-    for (const ps::IterationReport& r : reports) {
-      non_model_peak = std::max(non_model_peak, r.non_model_peak_bytes);
-    }
     const bool emulated = config.device.type == ps::DeviceType::kEmulated;
     const int64_t hwm = proc_status_bytes("VmHWM");
     // The tiers' reserved peaks: their blocks in use plus the blocks they keep for reuse.

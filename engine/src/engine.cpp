@@ -54,7 +54,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
   grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
   // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
   CountingCpuAllocator& counter = CountingCpuAllocator::install();
-  counter.reset_peak();
   if (config_.device.type == DeviceType::kCuda) {
     // On a GPU it is the caching allocator's: chunk payloads do not come from it (the CUDA tier
     // allocates them itself), so everything it counts is non-model memory.
@@ -313,11 +312,9 @@ void Engine::register_parameters() {
   const int64_t host_capacity = config_.device.host_capacity_bytes > 0
                                     ? config_.device.host_capacity_bytes
                                     : MemoryTier::kUnlimited;
-  // Pinned host memory only for the CUDA engine: on the emulated device it would buy nothing, and on
-  // a machine with a GPU it would create a CUDA context for a run that never uses the GPU.
-  host_ = std::make_unique<HostTier>(host_capacity, config_.device.type == DeviceType::kCuda
-                                                        ? HostTier::Pinning::kAuto
-                                                        : HostTier::Pinning::kNever);
+  using Pin = HostTier::Pinning;  // pinned for CUDA only: an emulated run must not start CUDA
+  const bool on_cuda = config_.device.type == DeviceType::kCuda;
+  host_ = std::make_unique<HostTier>(host_capacity, on_cuda ? Pin::kAuto : Pin::kNever);
   device_ = make_device_tier(config_);
   store_ = std::make_unique<ChunkStore>(std::move(layout), kinds, *host_, *device_);
   if (config_.scheduler.async_moves) {
@@ -403,14 +400,14 @@ void Engine::register_parameters() {
   int64_t model_bytes_at_start = 0;
   for (const auto& item : unique) model_bytes_at_start += item.second.nbytes();
   const int64_t live_at_start = counter.live_bytes();
-  counter.reset_peak();
+  ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
   int64_t& init_peak = registration_.host_peak_bytes_during_init;
   auto sample = [&] {
     // What the process holds beyond what it held before registration began, plus the model's
     // own fp32 weights (there at the start).
-    init_peak = std::max(init_peak, counter.peak_bytes() - live_at_start + model_bytes_at_start +
+    init_peak = std::max(init_peak, window.peak_bytes() - live_at_start + model_bytes_at_start +
                                         host_->used_bytes());
-    counter.reset_peak();
+    window.reset();
   };
   sample();
   params_.resize(unique.size());

@@ -408,6 +408,7 @@ IterationReport Engine::step() {
   report.non_model_peak_bytes =
       std::max(report.non_model_peak_bytes, recorder_->current_trace().tail_non_model_bytes);
   history_.push_back(report);
+  if (history_.size() > kHistoryKept) history_.erase(history_.begin());
 
   ++iteration_;
   in_iteration_ = false;
@@ -416,6 +417,12 @@ IterationReport Engine::step() {
   phase_ = Phase::kIdle;
   show_gradients(GradientsShown::kAfterStep);
   return report;
+}
+
+void Engine::set_record_timeline(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
+  scheduler_->set_record_timeline(on);
+  if (copy_queue_ != nullptr) copy_queue_->set_record_spans(on);
 }
 
 }  // namespace patrickstar

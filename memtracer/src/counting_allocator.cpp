@@ -62,12 +62,57 @@ CountingCpuAllocator* CountingCpuAllocator::installed() {
   return g_installed.load();
 }
 
+void CountingCpuAllocator::raise(std::atomic<int64_t>& peak, int64_t live) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (live > seen && !peak.compare_exchange_weak(seen, live, std::memory_order_relaxed)) {
+  }
+}
+
 void CountingCpuAllocator::add(int64_t bytes) {
   allocations_.fetch_add(1, std::memory_order_relaxed);
   const int64_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-  int64_t peak = peak_bytes_.load(std::memory_order_relaxed);
-  while (live > peak && !peak_bytes_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+  raise(peak_bytes_, live);
+  // Closed slots are raised too (harmless: a slot starts again at the live bytes when reopened).
+  const int used = slots_used_.load(std::memory_order_acquire);
+  for (int i = 0; i < used; ++i) raise(slot(i).peak, live);
+}
+
+CountingCpuAllocator::PeakSlot& CountingCpuAllocator::slot(int window) {
+  TORCH_CHECK(window >= 0 && window < kMaxPeakWindows, "CountingCpuAllocator: no peak window ",
+              window);
+  return slots_[static_cast<size_t>(window)];
+}
+const CountingCpuAllocator::PeakSlot& CountingCpuAllocator::slot(int window) const {
+  TORCH_CHECK(window >= 0 && window < kMaxPeakWindows, "CountingCpuAllocator: no peak window ",
+              window);
+  return slots_[static_cast<size_t>(window)];
+}
+
+int CountingCpuAllocator::open_peak_window() {
+  for (int i = 0; i < kMaxPeakWindows; ++i) {
+    bool closed = false;
+    if (!slot(i).open.compare_exchange_strong(closed, true, std::memory_order_acq_rel)) continue;
+    int used = slots_used_.load(std::memory_order_relaxed);
+    while (used < i + 1 &&
+           !slots_used_.compare_exchange_weak(used, i + 1, std::memory_order_acq_rel)) {
+    }
+    slot(i).peak.store(live_bytes(), std::memory_order_relaxed);
+    return i;
   }
+  TORCH_CHECK(false, "CountingCpuAllocator: ", kMaxPeakWindows,
+              " peak windows are open (one per engine); close some first");
+}
+
+void CountingCpuAllocator::close_peak_window(int window) {
+  slot(window).open.store(false, std::memory_order_release);
+}
+
+int64_t CountingCpuAllocator::window_peak_bytes(int window) const {
+  return slot(window).peak.load(std::memory_order_relaxed);
+}
+
+void CountingCpuAllocator::reset_window_peak(int window) {
+  slot(window).peak.store(live_bytes(), std::memory_order_relaxed);
 }
 
 void CountingCpuAllocator::sub(int64_t bytes) {

@@ -12,14 +12,14 @@ int64_t CpuMemoryProbe::live_bytes() const {
   return std::max<int64_t>(0, counter_.live_bytes() - floor_bytes_);
 }
 int64_t CpuMemoryProbe::peak_bytes() const {
-  return std::max<int64_t>(0, counter_.peak_bytes() - floor_bytes_);
+  return std::max<int64_t>(0, window_.peak_bytes() - floor_bytes_);
 }
 void CpuMemoryProbe::set_floor_bytes(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "CpuMemoryProbe::set_floor_bytes: ", bytes, " is negative");
   floor_bytes_ = bytes;
 }
 void CpuMemoryProbe::reset_peak() {
-  counter_.reset_peak();
+  window_.reset();
 }
 
 #ifndef PATRICKSTAR_MEMTRACER_CUDA

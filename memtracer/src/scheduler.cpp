@@ -241,6 +241,7 @@ void Scheduler::end_iteration() {
   TORCH_CHECK(in_iteration_, "Scheduler::end_iteration without begin_iteration");
   in_iteration_ = false;
   history_.push_back(stats_);
+  if (history_.size() > kHistoryKept) history_.erase(history_.begin());
 }
 
 void Scheduler::abort_iteration() {

@@ -62,6 +62,8 @@ SimulationResult simulate(const Trace& trace, const std::map<int64_t, ChunkInfo>
   FakeMover mover(chunks, options.bandwidth_bytes_per_us);
   Scheduler scheduler(options.scheduler, chunks);
   scheduler.set_clock([&mover] { return mover.now_us(); });
+  scheduler.set_record_timeline(true);  // the moves and moments are the simulation's output
+  SimulationResult result;
 
   for (int64_t iteration = 0; iteration <= options.iterations; ++iteration) {
     scheduler.begin_iteration();
@@ -77,10 +79,9 @@ SimulationResult simulate(const Trace& trace, const std::map<int64_t, ChunkInfo>
       scheduler.set_trace(trace, &mover);
     }
     scheduler.end_iteration();
+    result.iterations.push_back(scheduler.history().back());  // every one (the history is bounded)
   }
 
-  SimulationResult result;
-  result.iterations = scheduler.history();
   result.steady = result.iterations.back();
   // Iteration 1 carries the move from the warm-up's placement; the mean starts after it when it
   // can.

@@ -36,6 +36,7 @@ struct EngineRun {
 EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
   Gpt model = make_model(1, checkpointed);
   Engine engine(model.ptr(), config);
+  engine.set_record_timeline(true);  // read below
   EngineRun run;
   for (int s = 0; s < steps; ++s) {
     double loss = 0;

@@ -123,7 +123,7 @@ TEST(AsyncMoves, TheTimelineShowsEachIssuedMoveAsOneCopyOnTheSameClock) {
   Engine engine(model.ptr(), tight_config());
   CopyEngine* queue = engine.chunks().copy_queue();
   ASSERT_NE(queue, nullptr);
-  queue->set_record_spans(true);
+  engine.set_record_timeline(true);  // the moves and the copy thread's spans
   for (int s = 0; s < 5; ++s) {
     const IterationReport report = train_step(engine, model, s);
     if (s < 2) continue;

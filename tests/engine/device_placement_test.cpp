@@ -56,6 +56,7 @@ TEST_P(HostPlusDevice, StatesTheHostCannotHoldLiveOnTheDeviceAndTrainingMatchesL
   const std::vector<double> plain = train_plain(kSteps);
   Gpt model = make_model(1);
   Engine engine(model.ptr(), config);
+  engine.set_record_timeline(true);  // the moves are read below
   const ChunkStore& store = engine.chunks();
   const RegistrationReport& r = engine.registration();
   EXPECT_EQ(r.model_data_bytes, needed);

@@ -48,6 +48,7 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
     engine = owned.get();
   }
   auto* gpt = dynamic_cast<models::GptImpl*>(&engine->module());
+  engine->set_record_timeline(true);  // callers read the moves and moments
   EngineRun run;
   const int micro = config.gradient_accumulation_steps;
   for (int s = first_step; s < first_step + steps; ++s) {

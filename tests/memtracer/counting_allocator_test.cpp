@@ -1,4 +1,5 @@
 // CountingCpuAllocator: counts what it allocates, frees only what it counted, thread-safe counters.
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -44,6 +45,68 @@ TEST(CountingAllocator, ProbeReadsTheCounter) {
   }
   EXPECT_EQ(probe.live_bytes(), before);
   EXPECT_GE(probe.peak_bytes() - before, 3 * kMiB);
+}
+
+// Each window is the highest live bytes over its own interval: another window's reset and the
+// counter's reset_peak() do not cut it short (two engines in one process, issue 36).
+TEST(CountingAllocator, PeakWindowsAreIndependent) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  ScopedPeakWindow a(counter);
+  { c10::DataPtr t = counter.allocate(1000); }
+  ScopedPeakWindow b(counter);
+  EXPECT_EQ(a.peak_bytes(), 1000);
+  EXPECT_EQ(b.peak_bytes(), 0);
+  { c10::DataPtr t = counter.allocate(200); }
+  b.reset();
+  counter.reset_peak();
+  EXPECT_EQ(a.peak_bytes(), 1000);
+  EXPECT_EQ(b.peak_bytes(), 0);
+  EXPECT_EQ(counter.peak_bytes(), 0);
+  a.reset();
+  { c10::DataPtr t = counter.allocate(50); }
+  EXPECT_EQ(a.peak_bytes(), 50);
+  EXPECT_EQ(b.peak_bytes(), 50);
+  // Two probes over one counter: one's reset leaves the other's peak.
+  CpuMemoryProbe p(counter);
+  CpuMemoryProbe q(counter);
+  { c10::DataPtr t = counter.allocate(700); }
+  q.reset_peak();
+  EXPECT_EQ(p.peak_bytes(), 700);
+  EXPECT_EQ(q.peak_bytes(), 0);
+}
+
+TEST(CountingAllocator, PeakWindowsAreReusedAndBounded) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  for (int i = 0; i < 3 * CountingCpuAllocator::kMaxPeakWindows; ++i) {
+    ScopedPeakWindow w(counter);  // closed at once: the slot is reused
+  }
+  std::vector<std::unique_ptr<ScopedPeakWindow>> open;
+  for (int i = 0; i < CountingCpuAllocator::kMaxPeakWindows; ++i) {
+    open.push_back(std::make_unique<ScopedPeakWindow>(counter));
+  }
+  EXPECT_THROW(counter.open_peak_window(), c10::Error);
+  open.pop_back();
+  { c10::DataPtr t = counter.allocate(300); }
+  ScopedPeakWindow reopened(counter);  // starts at the live bytes, not at the slot's old peak
+  EXPECT_EQ(reopened.peak_bytes(), 0);
+  EXPECT_EQ(open.front()->peak_bytes(), 300);
+}
+
+TEST(CountingAllocator, PeakWindowsOnManyThreads) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&counter, t] {
+      ScopedPeakWindow w(counter);
+      for (int i = 0; i < 2000; ++i) {
+        w.reset();
+        c10::DataPtr p = counter.allocate(static_cast<size_t>(64 + t));
+        EXPECT_GE(w.peak_bytes(), 64 + t);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(counter.live_bytes(), 0);
 }
 
 TEST(CountingAllocator, RawInterfaceCountsAndFrees) {

@@ -620,6 +620,7 @@ TEST(Scheduler, DeviceOnlyChunksNeverLeaveAndShrinkTheBudget) {
     options.warmup_ratio = 0.1;  // a 30-byte share: the floor must make room for chunk 3 as well
     options.policy = policy;
     Scheduler scheduler(options, chunks);
+    scheduler.set_record_timeline(true);  // the moves are read below
     SetMover mover;
     mover.resident.insert(3);
     const Trace trace = make_trace({{0}, {1}, {2}});

@@ -1,5 +1,6 @@
 // Moment clock and warm-up trace: measured non-model bytes per moment, control-flow checks, and the
 // same trace from one iteration of a real (small) model to the next.
+#include <c10/core/CPUAllocator.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -35,6 +36,33 @@ class ScriptedProbe final : public MemoryProbe {
 };
 
 using test::error_of;
+
+// Two recorders over one counter (two engines in one process): each moment's bytes are the peak
+// over its own interval, whatever the other recorder's ticks (issue 36: before, each tick reset the
+// counter's one peak and cut the other's window short).
+TEST(TraceRecorder, TwoRecordersOverOneCounterKeepTheirOwnPeakWindows) {
+  CountingCpuAllocator counter(c10::GetDefaultCPUAllocator());
+  CpuMemoryProbe probe_a(counter);
+  CpuMemoryProbe probe_b(counter);
+  TraceRecorder a(&probe_a);
+  TraceRecorder b(&probe_b);
+  a.begin_iteration();
+  b.begin_iteration();
+  a.tick(MomentKind::kPreForward, "a0");
+  { c10::DataPtr t = counter.allocate(4000); }  // A's activations, freed
+  b.tick(MomentKind::kPreForward, "b0");        // B's moment inside A's window
+  { c10::DataPtr t = counter.allocate(300); }
+  counter.reset_peak();  // the counter's own window: none of theirs
+  a.tick(MomentKind::kPreForward, "a1");
+  b.tick(MomentKind::kPreForward, "b1");
+  a.end_iteration();
+  b.end_iteration();
+  ASSERT_TRUE(a.has_warmup_trace());
+  ASSERT_TRUE(b.has_warmup_trace());
+  EXPECT_EQ(a.warmup_trace().moments[1].non_model_bytes, 4000);
+  EXPECT_EQ(b.warmup_trace().moments[0].non_model_bytes, 4000);
+  EXPECT_EQ(b.warmup_trace().moments[1].non_model_bytes, 300);
+}
 
 TEST(TraceRecorder, NonModelBytesArePeaksBetweenMoments) {
   ScriptedProbe probe;

@@ -202,9 +202,13 @@ auto initialize_engine(Factory&& factory, int local_rank, const Config& config) 
   // Count the model's construction: the initialization peak includes the factory's allocations.
   CountingCpuAllocator& counter = CountingCpuAllocator::install();
   const int64_t live_before = counter.live_bytes();
-  counter.reset_peak();
-  auto module = detail::module_shared_ptr(factory());
-  const int64_t construction_peak = counter.peak_bytes() - live_before;
+  int64_t construction_peak = 0;
+  auto module = [&] {
+    ScopedPeakWindow window(counter);  // its own: another engine may be training meanwhile
+    auto built = detail::module_shared_ptr(factory());
+    construction_peak = window.peak_bytes() - live_before;
+    return built;
+  }();
   using ModuleType = typename decltype(module)::element_type;
   auto engine = std::make_shared<Engine>(module, config, std::move(comm));
   engine->note_model_construction_peak(construction_peak);

@@ -33,7 +33,7 @@
 //
 // Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
-// tracer and optimizer. Two engines may live side by side.
+// tracer and optimizer. Two engines may live side by side, each measuring its own peaks.
 #pragma once
 
 #include <cstdint>
@@ -215,7 +215,13 @@ class Engine final : public ModuleHookHandler {
   const RegistrationReport& registration() const { return registration_; }
   // initialize_engine measures the factory's peak host allocation and folds it in here.
   void note_model_construction_peak(int64_t bytes);
+  // The last kHistoryKept iterations' reports, oldest first (nothing grows with the run).
+  static constexpr size_t kHistoryKept = 64;
   const std::vector<IterationReport>& history() const { return history_; }
+  // Keeps the chunk timeline from now on (scheduler().moves() and moment_records(), the copy
+  // thread's spans), or stops. Off by default: it grows with every iteration (ps_bench turns it on
+  // for --trace, --plot and --predict).
+  void set_record_timeline(bool on);
   // Where the bytes were at the moment of highest device use (its tier's blocks plus the live
   // non-model bytes) and at the moment of highest host-tier use, over every iteration so far;
   // taken once each moment's chunks are in place (a move within a moment can pass it briefly:

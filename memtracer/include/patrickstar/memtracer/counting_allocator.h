@@ -5,6 +5,7 @@
 // it must outlive every tensor.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 
@@ -13,10 +14,15 @@
 namespace patrickstar {
 
 // Usage:
-//   auto& counter = CountingCpuAllocator::install();  // once per process; later calls return the
-//   same counter.reset_peak();
+//   auto& counter = CountingCpuAllocator::install();  // once per process; later calls return it
+//   const int window = counter.open_peak_window();    // a peak window of this measurement's own
 //   ... run a module's forward ...
-//   int64_t activations_bytes = counter.peak_bytes();
+//   int64_t activations_bytes = counter.window_peak_bytes(window) - live_before;
+//   counter.close_peak_window(window);
+//
+// Each engine's probe (CpuMemoryProbe) holds its own window, so two engines in one process (a GAN's)
+// never cut each other's peaks short; the counter's own peak_bytes()/reset_peak() is one more
+// window, for single users.
 //
 // Memory freed that this allocator did not allocate (tensors created before install) goes through
 // its own deleter and never touches the counters, so live_bytes() only counts what it counted.
@@ -46,7 +52,25 @@ class CountingCpuAllocator final : public c10::Allocator {
   // Number of allocations served (for tests and statistics).
   int64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }
 
+  // Peak windows: the highest live_bytes() since the window opened or its last reset, untouched by
+  // reset_peak() and by other windows. Every allocation raises each window ever opened (at most
+  // the largest number open at once: an atomic max each). Thread-safe; a window is read and reset
+  // by its owner. open_peak_window() throws c10::Error when kMaxPeakWindows are open.
+  static constexpr int kMaxPeakWindows = 64;
+  int open_peak_window();
+  void close_peak_window(int window);
+  int64_t window_peak_bytes(int window) const;
+  void reset_window_peak(int window);
+
  private:
+  struct PeakSlot {
+    std::atomic<bool> open{false};
+    std::atomic<int64_t> peak{0};
+  };
+  static void raise(std::atomic<int64_t>& peak, int64_t live);
+  PeakSlot& slot(int window);
+  const PeakSlot& slot(int window) const;
+
   void add(int64_t bytes);
   void sub(int64_t bytes);
   static void delete_with_header(void* data);
@@ -57,6 +81,25 @@ class CountingCpuAllocator final : public c10::Allocator {
   std::atomic<int64_t> live_bytes_{0};
   std::atomic<int64_t> peak_bytes_{0};
   std::atomic<int64_t> allocations_{0};
+  std::array<PeakSlot, kMaxPeakWindows> slots_{};
+  std::atomic<int> slots_used_{0};  // one past the highest slot ever opened
+};
+
+// A peak window of the counter's for as long as this object lives (closed on every path out).
+class ScopedPeakWindow {
+ public:
+  explicit ScopedPeakWindow(CountingCpuAllocator& counter)
+      : counter_(counter), window_(counter.open_peak_window()) {}
+  ~ScopedPeakWindow() { counter_.close_peak_window(window_); }
+  ScopedPeakWindow(const ScopedPeakWindow&) = delete;
+  ScopedPeakWindow& operator=(const ScopedPeakWindow&) = delete;
+  // Highest live bytes since the window opened or the last reset().
+  int64_t peak_bytes() const { return counter_.window_peak_bytes(window_); }
+  void reset() { counter_.reset_window_peak(window_); }
+
+ private:
+  CountingCpuAllocator& counter_;
+  int window_;
 };
 
 }  // namespace patrickstar

@@ -9,9 +9,9 @@
 
 #include <c10/core/Device.h>
 
-namespace patrickstar {
+#include "patrickstar/memtracer/counting_allocator.h"
 
-class CountingCpuAllocator;
+namespace patrickstar {
 
 class MemoryProbe {
  public:
@@ -26,10 +26,12 @@ class MemoryProbe {
 
 // Emulated device: counts what the CountingCpuAllocator served (not owned; must outlive the probe),
 // less a floor: bytes that are host memory, not device memory (what the trainer held before the
-// engine's first forward: its dataset, its own state). Readings never go below 0.
+// engine's first forward: its dataset, its own state). Readings never go below 0. Each probe has a
+// peak window of its own (two engines in one process never reset each other's peaks). On CUDA the
+// probe reads the caching allocator's peak, which everything on that device shares.
 class CpuMemoryProbe final : public MemoryProbe {
  public:
-  explicit CpuMemoryProbe(CountingCpuAllocator& counter) : counter_(counter) {}
+  explicit CpuMemoryProbe(CountingCpuAllocator& counter) : counter_(counter), window_(counter) {}
   int64_t live_bytes() const override;
   int64_t peak_bytes() const override;
   void reset_peak() override;
@@ -39,6 +41,7 @@ class CpuMemoryProbe final : public MemoryProbe {
 
  private:
   CountingCpuAllocator& counter_;
+  ScopedPeakWindow window_;
   int64_t floor_bytes_ = 0;
 };
 

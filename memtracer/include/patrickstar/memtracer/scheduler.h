@@ -205,11 +205,14 @@ class Scheduler {
   // Chunk bytes allowed on the device at moment m (the warm-up budget before set_trace).
   int64_t budget_bytes(int64_t m) const;
 
-  // Finished iterations' statistics, and the one in progress.
+  // The last kHistoryKept finished iterations' statistics (oldest first; nothing grows with the
+  // run), and the one in progress.
+  static constexpr size_t kHistoryKept = 64;
   const std::vector<IterationStats>& history() const { return history_; }
   const IterationStats& current_stats() const { return stats_; }
 
-  // Timeline of every move and moment (kept while record_timeline is on, the default).
+  // Timeline of every move and moment, kept while record_timeline is on: off by default, since it
+  // grows with every iteration (the engine turns it on with Engine::set_record_timeline).
   const std::vector<MoveEvent>& moves() const { return moves_; }
   const std::vector<MomentRecord>& moment_records() const { return moment_records_; }
   void set_record_timeline(bool on) { record_timeline_ = on; }
@@ -258,7 +261,7 @@ class Scheduler {
   IterationStats stats_;
   std::vector<IterationStats> history_;
 
-  bool record_timeline_ = true;
+  bool record_timeline_ = false;
   std::vector<MoveEvent> moves_;
   std::vector<MomentRecord> moment_records_;
   std::function<int64_t()> now_us_;
