@@ -139,7 +139,7 @@ void Engine::give_back_model(bool may_gather) {
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
   torch::NoGradGuard no_grad;
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   // Data parallel: every rank destroys its engine, and the masters come from their owners. Not
   // while an exception unwinds (the other ranks are elsewhere): then, and when the gather fails,
   // the parameters keep their fences (reading one throws) and nothing points at the engine.
@@ -423,7 +423,7 @@ void Engine::register_parameters() {
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
         p.tensor.set_data(
-            host_copy(state_view(id, mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam)));
+            host_copy(state_view(id, master_kind())));
       } catch (...) {
         all = false;
       }

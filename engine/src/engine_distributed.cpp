@@ -243,7 +243,7 @@ bool Engine::all_ranks_agree(bool local) const {
 }
 
 at::Tensor Engine::master_chunk_everywhere(int64_t index) const {
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   at::Tensor buffer =
       owns(index)
           ? store_->chunk_view(store_->chunk_id(master, index))

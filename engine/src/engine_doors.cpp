@@ -208,8 +208,7 @@ void Engine::abandon_forward() {
     if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    p.segments = 0;
-    p.last_segment = -1;
+    p.forget_segments();
   }
   open_moment_ = -1;
   recorder_->rewind_to(forward_start_moment_);

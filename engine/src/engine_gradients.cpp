@@ -217,8 +217,7 @@ void Engine::finish_backward() {
     if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    p.segments = 0;
-    p.last_segment = -1;
+    p.forget_segments();
     p.grads_this_backward = 0;
   }
   // Data parallel: the groups whose gradients were not all final (parameters unused by this loss)
@@ -302,8 +301,7 @@ void Engine::drop_iteration() {
       store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.compute_refs = 0;
-    p.segments = 0;
-    p.last_segment = -1;
+    p.forget_segments();
     point_at_nothing(p);
   }
   discard_gradients();

@@ -88,7 +88,7 @@ inline at::Tensor host_copy(const at::Tensor& t) {
 }
 
 // The device tier `config` asks for: the emulated device (CPU memory with a hard capacity) or,
-// in builds with CUDA, a GPU's (compute_device.cpp: the engine's only CUDA-specific code).
+// in builds with CUDA, a GPU's (compute_device.cpp).
 std::unique_ptr<MemoryTier> make_device_tier(const Config& config);
 // The copy engine of asynchronous moves on that device: the copy thread (CopyQueue, with the
 // config's test delays) on the emulated device, a CUDA copy stream (CudaCopyStream) on a GPU.

@@ -19,7 +19,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   if (!distributed()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
     for (TensorId id : tensors_in_chunk_order(store_->layout())) {
@@ -106,7 +106,7 @@ void Engine::save_checkpoint(const std::string& path) const {
   for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   for (TensorId id : tensors_in_chunk_order(store_->layout())) {
     const Param& p = params_[static_cast<size_t>(id)];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
@@ -194,7 +194,7 @@ void Engine::load_checkpoint(const std::string& path_given) {
   TORCH_CHECK(error.empty(), error);
   release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   for (TensorId id : tensors_in_chunk_order(store_->layout())) {
     const Param& p = params_[static_cast<size_t>(id)];
     if (!owns(store_->layout().placement(p.id).chunk_index)) continue;

@@ -43,7 +43,7 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   }
   // 2. Copies of the master weights (the only step that allocates), then the parameters.
   torch::NoGradGuard no_grad;
-  const ChunkKind master = mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam;
+  const ChunkKind master = master_kind();
   std::vector<at::Tensor> values;
   values.reserve(ids.size());
   if (!distributed()) {

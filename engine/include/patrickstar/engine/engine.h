@@ -31,7 +31,10 @@
 // The emulated device is charged for what iterations allocate: what the process held before the
 // engine's first forward (a dataset, the trainer's state) is host memory.
 //
-// Thread-safety: none; one training thread drives the engine (as with a LibTorch optimizer).
+// Thread-safety: one training thread drives the engine (as with a LibTorch optimizer); the entry
+// points autograd and the doors call (forward doors, backward hooks, gradients, a backward's start
+// and end) are serialized by a recursive mutex, since on CUDA autograd runs a backward's CPU and GPU
+// work on different threads. Nothing else may be called from two threads at once.
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
 // tracer and optimizer. Two engines may live side by side, each measuring its own peaks.
 #pragma once
@@ -237,7 +240,8 @@ class Engine final : public ModuleHookHandler {
   const TraceRecorder& tracer() const { return *recorder_; }
   MemoryTier& device_tier() const { return *device_; }
   MemoryTier& host_tier() const { return *host_; }
-  // Adam for chunk index i runs on the device (fixed after the warm-up from the margin it measured).
+  // Adam for chunk index i runs on the device: decided at the end of each warm-up (the first
+  // iteration's, and again after a retrace) from the margin it measured.
   const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
   // Chunk index i belongs to CPU embeddings (use_cpu_embedding): it never moves to the device.
   bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
@@ -282,6 +286,10 @@ class Engine final : public ModuleHookHandler {
     // space). last_segment: the pass of the latest use (0 plain, else the checkpoint's serial).
     int segments = 0;
     int64_t last_segment = -1;
+    void forget_segments() {  // a forward forgotten, a backward ended or abandoned
+      segments = 0;
+      last_segment = -1;
+    }
     at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
     // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
     // (the schedule is not followed outside training; the copy goes when the door closes).
@@ -434,6 +442,8 @@ class Engine final : public ModuleHookHandler {
   std::shared_ptr<torch::nn::Module> model_;
   Config config_;
   bool mixed_ = false;
+  // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
+  ChunkKind master_kind() const { return mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam; }
   bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
   std::vector<Param> params_;
   std::unordered_map<const c10::TensorImpl*, TensorId> param_of_impl_;

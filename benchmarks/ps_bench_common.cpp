@@ -1,0 +1,244 @@
+// ps_bench's shared pieces: see ps_bench_common.h.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+#include <torch/torch.h>
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "patrickstar/chunk/cuda_device_tier.h"
+#include "patrickstar/memtracer/export.h"
+#include "patrickstar/memtracer/simulator.h"
+#include "dashed_flags.h"
+#include "gpu_prediction.h"
+#include "patrickstar/memtracer/cost_model.h"
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+#include "ps_bench_common.h"
+#include "ps_bench_flags.h"
+
+namespace ps_bench {
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0 : sum / static_cast<double>(v.size());
+}
+
+// The largest |a[i] - b[i]| / |b[i]| over the steps both ran.
+double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
+  }
+  return worst;
+}
+
+std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
+
+// A line of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
+int64_t proc_status_bytes(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::atoll(line.c_str() + key.size() + 1) * 1024;
+  }
+  return -1;
+}
+
+// The process's resident bytes when main began: LibTorch's and the other libraries' own share.
+int64_t g_rss_at_start = -1;
+
+// Where the bytes were at a peak (Engine::device_peak_breakdown / host_peak_breakdown), printed
+// as a table and returned for the JSON.
+nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
+                               int64_t device_capacity) {
+  nlohmann::json j = {{"iteration", b.iteration}, {"moment", b.moment}};
+  std::printf("memory at the %s (iteration %lld, moment \"%s\"):\n", title,
+              static_cast<long long>(b.iteration), b.moment.c_str());
+  std::printf("  %-46s %14s %14s\n", "", "device", "host");
+  for (int k = 0; k < ps::kChunkKindCount; ++k) {
+    const int64_t d = b.device_chunk_bytes[static_cast<size_t>(k)];
+    const int64_t h = b.host_chunk_bytes[static_cast<size_t>(k)];
+    if (d == 0 && h == 0) continue;
+    const std::string kind(ps::to_string(static_cast<ps::ChunkKind>(k)));
+    std::printf("  %-46s %14s %14s\n", (kind + " chunks").c_str(), mib(static_cast<double>(d)).c_str(),
+                mib(static_cast<double>(h)).c_str());
+    j["chunks"][kind] = {{"device_bytes", d}, {"host_bytes", h}};
+  }
+  const int64_t device_other = b.device_used_bytes - b.device_chunk_total();
+  const int64_t host_other = b.host_used_bytes - b.host_chunk_total();
+  std::printf("  %-46s %14s %14s\n", "other tier blocks (copies in flight, gathers)",
+              mib(static_cast<double>(device_other)).c_str(),
+              mib(static_cast<double>(host_other)).c_str());
+  std::printf("  %-46s %14s %14s\n", "cached tier blocks (kept for reuse)",
+              mib(static_cast<double>(b.device_cached_bytes)).c_str(),
+              mib(static_cast<double>(b.host_cached_bytes)).c_str());
+  std::printf("  %-46s %14s\n", "non-model (the tracer's probe)",
+              mib(static_cast<double>(b.device_non_model_bytes)).c_str());
+  std::printf("  %-46s %14s %14s  (device capacity %s)\n", "total",
+              mib(static_cast<double>(b.device_total() + b.device_cached_bytes)).c_str(),
+              mib(static_cast<double>(b.host_used_bytes + b.host_cached_bytes)).c_str(),
+              mib(static_cast<double>(device_capacity)).c_str());
+  j["device_other_block_bytes"] = device_other;
+  j["host_other_block_bytes"] = host_other;
+  j["device_cached_block_bytes"] = b.device_cached_bytes;
+  j["host_cached_block_bytes"] = b.host_cached_bytes;
+  j["device_non_model_bytes"] = b.device_non_model_bytes;
+  j["device_total_bytes"] = b.device_total();
+  j["host_used_bytes"] = b.host_used_bytes;
+  return j;
+}
+
+ps::Config build_config() {
+  ps::Config base;
+  if (!absl::GetFlag(FLAGS_config).empty()) base = ps::Config::from_file(absl::GetFlag(FLAGS_config));
+  nlohmann::json j = base.to_json();
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (!dtype.empty()) {
+    TORCH_CHECK(dtype == "fp32" || dtype == "bf16" || dtype == "fp16",
+                "--dtype: expected fp32, bf16 or fp16, got \"", dtype, "\"");
+    j["fp16"]["enabled"] = dtype == "fp16";
+    j["bf16"]["enabled"] = dtype == "bf16";
+  }
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (!device.empty()) {
+    if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
+      // cuda:<bytes> caps the device memory patrickstar plans with below the GPU's own.
+      j["client"]["device"]["type"] = "cuda";
+      if (device != "cuda") {
+        j["client"]["device"]["capacity_bytes"] = ps::parse_byte_size(device.substr(5), "--device");
+      }
+    } else {
+      TORCH_CHECK(device.rfind("emulated:", 0) == 0,
+                  "--device: expected emulated:<bytes> (e.g. emulated:64MiB), cuda or "
+                  "cuda:<bytes>, got \"", device, "\"");
+      j["client"]["device"]["type"] = "emulated";
+      j["client"]["device"]["capacity_bytes"] = ps::parse_byte_size(device.substr(9), "--device");
+    }
+  }
+  if (!absl::GetFlag(FLAGS_host_memory).empty()) {
+    j["client"]["device"]["host_capacity_bytes"] =
+        ps::parse_byte_size(absl::GetFlag(FLAGS_host_memory), "--host-memory");
+  }
+  if (!absl::GetFlag(FLAGS_offload_nvme).empty()) {
+    j["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"},
+                                                   {"nvme_path", absl::GetFlag(FLAGS_offload_nvme)}};
+  }
+  if (!absl::GetFlag(FLAGS_moves).empty()) {
+    const std::string moves = absl::GetFlag(FLAGS_moves);
+    TORCH_CHECK(moves == "async" || moves == "sync", "--moves: expected async or sync, got '", moves, "'");
+    j["client"]["scheduler"]["async_moves"] = moves == "async";
+  }
+  if (!absl::GetFlag(FLAGS_policy).empty()) {
+    j["client"]["scheduler"]["policy"] = absl::GetFlag(FLAGS_policy);
+    j["client"]["mem_tracer"]["with_static_partition"] = absl::GetFlag(FLAGS_policy) == "static";
+  }
+  const std::string chunk = absl::GetFlag(FLAGS_chunk_size);
+  if (!chunk.empty()) {
+    if (chunk == "auto") {
+      j["default_chunk_size"] = "auto";
+    } else {
+      j["default_chunk_size"] = ps::parse_byte_size(chunk, "--chunk-size");
+    }
+  }
+  ps::Config merged = ps::Config::from_json(j);
+  merged.warnings = base.warnings;  // the document's unknown keys (to_json() drops them)
+  // "auto" (the default) made concrete, so every engine of the run gets the same capacity and the
+  // figures name it. --check-flags builds nothing and needs no GPU: it leaves "auto" as it is.
+  if (!absl::GetFlag(FLAGS_check_flags)) {
+    merged.device.capacity_bytes = ps::resolved_device_capacity(merged);
+  }
+  return merged;
+}
+
+// Step s's batch, where the trainer puts it: on the GPU with --device cuda (inputs are the
+// trainer's to move, as in LibTorch; a CPU embedding's door takes its token ids back to the host).
+c10::Device batch_device(const ps::Config& config) {
+  return config.device.type == ps::DeviceType::kCuda ? c10::Device(c10::kCUDA, 0)
+                                                     : c10::Device(c10::kCPU);
+}
+// A step's time includes its GPU work: kernels are asynchronous on CUDA.
+void finish_device_work(const ps::Config& config) {
+  if (config.device.type == ps::DeviceType::kCuda) torch::cuda::synchronize();
+}
+ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Config& config,
+                                int64_t batch, int64_t seq, uint64_t seed) {
+  ps::models::TokenBatch data = ps::models::random_tokens(spec, batch, seq, seed);
+  const c10::Device device = batch_device(config);
+  if (!device.is_cpu()) {
+    data.tokens = data.tokens.to(device);
+    data.targets = data.targets.to(device);
+  }
+  return data;
+}
+
+
+BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
+                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print) {
+  torch::manual_seed(seed);
+  ps::models::Gpt model(spec);
+  model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
+  const auto& o = config.optimizer;
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)
+                                                     .betas({o.beta1, o.beta2})
+                                                     .eps(o.eps)
+                                                     .weight_decay(o.weight_decay));
+  BaselineResult r;
+  std::vector<double> times;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+    const auto start = Clock::now();
+    adamw.zero_grad();
+    at::Tensor loss = model->loss(data.tokens, data.targets);
+    loss.backward();
+    adamw.step();
+    finish_device_work(config);
+    const double t = seconds_since(start);
+    r.losses.push_back(loss.item<double>());
+    if (s > 0) times.push_back(t);
+    if (print) {
+      std::printf("  baseline step %lld/%lld  loss %.5f  %.3f s\n", static_cast<long long>(s + 1),
+                  static_cast<long long>(steps), r.losses.back(), t);
+    }
+  }
+  r.step_time_s = median(times);
+  return r;
+}
+
+// The process's index on its machine under mpirun (0 without a launcher).
+int local_rank() {
+  const char* text = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  return text == nullptr ? 0 : std::atoi(text);
+}
+
+
+// Sums `values` over ranks (each rank fills its own slots, the others are zero).
+std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values) {
+  at::Tensor t = torch::tensor(values, at::kDouble);
+  comm.all_reduce(t, ps::ReduceOp::kSum);
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+}
+
+}  // namespace ps_bench

@@ -1,0 +1,66 @@
+// ps_bench's shared pieces (benchmarks/ps_bench*.cpp): timing and statistics, the process's memory
+// figures, the config from the flags, batches on the configured device, the plain LibTorch baseline,
+// the engine built from a seed, and sums over data-parallel ranks.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+namespace ps = patrickstar;
+
+namespace ps_bench {
+
+using Clock = std::chrono::steady_clock;
+
+// The process's resident bytes when main() began (the figures' accounting starts from it).
+extern int64_t g_rss_at_start;
+
+struct BaselineResult {
+  std::vector<double> losses;
+  double step_time_s = 0;
+};
+
+double seconds_since(Clock::time_point start);
+double median(std::vector<double> v);
+double mean(const std::vector<double>& v);
+double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b);
+std::string mib(double bytes);  // "12.34 MiB"
+// A line of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
+int64_t proc_status_bytes(const std::string& key);
+nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
+                               int64_t device_capacity);
+ps::Config build_config();
+c10::Device batch_device(const ps::Config& config);
+void finish_device_work(const ps::Config& config);
+ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Config& config,
+                                int64_t batch, int64_t seq, uint64_t seed);
+BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
+                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print);
+int local_rank();
+std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values);
+
+// The model built from `seed` (the baseline builds the same weights) and registered per `config`.
+inline auto build_engine(const ps::models::GptSpec& spec, const ps::Config& config, uint64_t seed) {
+  return ps::initialize_engine(
+      [&] {
+        torch::manual_seed(seed);
+        return ps::models::Gpt(spec);
+      },
+      local_rank(), config);
+}
+
+// --find-max-model (ps_bench_search.cpp) and --compare-moves (ps_bench_compare.cpp).
+int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& base, int64_t batch,
+                   int64_t seq, uint64_t seed);
+int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
+                  int64_t seq, int64_t steps, uint64_t seed);
+
+}  // namespace ps_bench
