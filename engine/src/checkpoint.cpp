@@ -61,8 +61,9 @@ class CheckpointBackward final : public torch::autograd::Node {
     } recomputing;
     at::Tensor output;
     {
-      // Autograd runs backward with grad mode off; the recompute must build a graph, and it goes
-      // through the doors of the handler (engine) that saw the forward.
+      // Autograd runs backward with grad mode off; the recompute must build a graph. Its doors
+      // reach the engines that registered their modules; the handler active at the forward is
+      // made active again for modules no engine registered.
       at::AutoGradMode grad_mode(true);
       ActiveHandlerGuard active(handler_);
       output = fn_(input);

@@ -1,12 +1,14 @@
-// DiskStates: the engine's disk tier. The optimizer states of the chunk indices whose Adam runs on
-// the host (fp32 master in mixed precision, momentum, variance: 12 of the 14 bytes per parameter)
-// live in files (ChunkFiles), and come into host payloads of the store only while something uses
-// them: the host Adam (one index at a time, the next one read ahead and the last one written
-// behind on I/O threads), checkpoints, fp32_state_dict, GatheredParameters and teardown (one index
-// at a time through view()).
+// DiskStates: the engine's disk tier. The optimizer states (fp32 master in mixed precision,
+// momentum, variance) of every chunk index go to files (ChunkFiles) at registration; an index
+// stays there until a placement puts its Adam on the device, and comes into host payloads of the
+// store only while something uses it: the host Adam (one index at a time, the next one read ahead
+// and the last one written behind on I/O threads), checkpoints, fp32_state_dict,
+// GatheredParameters and teardown (one index at a time through view()).
 //
 // An index's state chunks are either on disk (released in the store; `staged` when payloads hold
-// them for a while) or in memory for good (brought home: its Adam runs on the device).
+// them for a while) or in memory for good: brought home when a placement put its Adam on the
+// device (a later placement may run it on the host again; the states stay in memory), or kept
+// there after a write behind failed.
 // The engine's thread drives it; only the file I/O runs on other threads. Private to engine/.
 #pragma once
 
@@ -56,7 +58,7 @@ class DiskStates {
   void bring_home(int64_t index);
 
   // Host payloads with the index's states, read from its files (waiting for a read ahead, or for
-  // a write behind of the same index); `write` marks them to be written back by unstage().
+  // a write behind of the same index); unstage(index, write_back) writes them back or frees them.
   void stage(int64_t index);
   // Starts reading the index's states into new host payloads on an I/O thread. Does nothing when
   // staged already or when the host tier has no room for them (stage() reads it when it comes).

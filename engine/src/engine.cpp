@@ -329,7 +329,7 @@ void Engine::register_parameters() {
   for (ChunkId id = 0; id < store_->chunk_count(); ++id) {
     if (owns(store_->index_of(id))) owned_bytes += store_->chunk_bytes(id);
   }
-  // The disk tier: the optimizer states (every index's, until the first step brings the device
+  // The disk tier: the optimizer states (every index's, until a step's placement brings the device
   // Adam's home) live in files; the host holds at most three indices' states at once (the one
   // Adam updates, the next one read ahead, the last one written behind).
   std::vector<ChunkKind> disk_kinds;

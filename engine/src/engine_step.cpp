@@ -61,8 +61,9 @@ void Engine::decide_adam_placement() {
   for (int64_t i = 0; i < n; ++i) {
     if (adam_device_only_[i]) adam_on_device_[i] = true;
   }
-  // The disk tier keeps the host Adam's states; those of the device Adam come home (host first,
-  // then the scheduler takes them to the device at the step).
+  // The disk tier keeps the states of the indices still on disk; those of the device Adam come home
+  // for good (host first, then the scheduler takes them to the device at the step). An index home
+  // from an earlier placement stays in memory even where this one runs its Adam on the host.
   if (disk_ != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       if (adam_on_device_[i]) disk_->bring_home(i);

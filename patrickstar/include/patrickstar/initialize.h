@@ -10,9 +10,10 @@
 //     optimizer.step();
 //   }
 //
-// `model->` reaches the user's module (typed) with the engine active for the whole expression, so
-// the doors inside the forward (patrickstar::call, ModuleScope) report to this engine. Both handles
-// share the engine (the model handle copies cheaply; the optimizer, a torch::optim::Optimizer, moves).
+// `model->` reaches the user's module (typed), with the engine active for the whole expression;
+// the doors inside the forward (patrickstar::call, ModuleScope) find this engine from the modules
+// it registered, active or not. Both handles share the engine (the model handle copies cheaply;
+// the optimizer, a torch::optim::Optimizer, moves).
 // Not thread-safe.
 #pragma once
 
@@ -103,8 +104,10 @@ class EngineModel {
 //   - param_groups()[0] holds the model's parameters with options mirroring the config (lr, betas,
 //     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. Only lr is
 //     read back from the groups; the other options come from the config, and added param groups
-//     are refused at step(). Gradients live in the chunks, so parameters' .grad() stay undefined:
-//     clip with the config's "gradient_clipping", not torch::nn::utils::clip_grad_norm_.
+//     are refused at step(). Gradients live in the chunks; after a backward, parameters' .grad()
+//     are the engine's handles: views of the gradient slots in one process in fp32/bf16 (reads and
+//     torch::nn::utils::clip_grad_norm_ act on them), else fences that refuse reads. The config's
+//     "gradient_clipping" clips the global norm everywhere.
 //   - torch::save(optimizer) is refused: the optimizer state lives in the chunks
 //     (Engine::save_checkpoint).
 // Move-only (as every torch::optim::Optimizer); it shares the engine with the model handle.
@@ -113,8 +116,8 @@ class EngineOptimizer : public torch::optim::Optimizer {
   explicit EngineOptimizer(std::shared_ptr<Engine> engine)
       : torch::optim::Optimizer(groups_of(*engine), defaults_of(*engine)), engine_(std::move(engine)) {}
 
-  // The engine's zero_grad (set_to_none is accepted for LibTorch's signature; gradients live in
-  // the chunks either way).
+  // The engine's zero_grad: set_to_none false keeps, as in LibTorch, the gradients defined at zero
+  // (the next step updates those parameters even where the loss does not reach them).
   void zero_grad(bool set_to_none = true) const { engine_->zero_grad(set_to_none); }
   // The engine's step; returns its report.
   IterationReport step() {

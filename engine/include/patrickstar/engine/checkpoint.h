@@ -25,8 +25,9 @@ using CheckpointFunction = std::function<at::Tensor(const at::Tensor&)>;
 // receive their gradients as usual (accumulated into .grad, or into chunks under an engine).
 // Otherwise (evaluation, or an input that needs no gradient) it is simply fn(input).
 // The autograd graph owns a copy of `fn` until backward has run (or the graph is freed): what fn
-// refers to (modules, tensors) must live that long, and the module hook handler active now (the
-// engine) must still be alive then. Modifying `input` in place before backward is an error then.
+// refers to (modules, tensors) must live that long, and so must the engines whose doors fn opened
+// and the module hook handler active now. Modifying `input` in place before backward is an error
+// then.
 at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input);
 
 // True on this thread while checkpoint() runs the forward whose activations it drops. Grad mode is

@@ -55,7 +55,8 @@ struct Fp16Config {
 struct MemTracerConfig {
   double warmup_gpu_chunk_mem_ratio = 0.1;  // chunk budget during the warm-up iteration
   double overall_gpu_mem_ratio = 0.8;       // the share of the device the runtime may plan with
-  double overall_cpu_mem_ratio = 0.8;       // likewise for the host, when a host capacity is set
+  double overall_cpu_mem_ratio = 0.8;       // accepted for compatibility: no effect (the host tier
+                                            // uses host_capacity_bytes as it is)
   double margin_use_ratio = 0.8;            // share of the post-backward margin hybrid Adam may use
   bool use_async_mem_monitor = false;       // accepted for compatibility: peaks are measured exactly
                                             // by the counting allocator, so no sampling thread exists

@@ -4,7 +4,7 @@
 // Most users reach it through patrickstar::initialize_engine (patrickstar/patrickstar.h). Directly:
 //
 //   patrickstar::Engine engine(model.ptr(), config);     // registers every parameter into chunks
-//   { auto active = engine.activate(); loss = model->loss(x, y); }   // forward: doors are live
+//   loss = model->loss(x, y);                            // forward: the doors find the engine
 //   engine.backward(loss);                               // scaled for fp16; gradients into chunks
 //   engine.step();                                       // hybrid Adam; returns the report
 //   engine.zero_grad();
@@ -36,7 +36,9 @@
 // and end) are serialized by a recursive mutex, since on CUDA autograd runs a backward's CPU and GPU
 // work on different threads. Nothing else may be called from two threads at once.
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
-// tracer and optimizer. Two engines may live side by side, each measuring its own peaks.
+// tracer and optimizer. Two engines may live side by side; on the emulated device each measures
+// its own peaks (a peak window of its own), on CUDA they share the caching allocator's peak, which
+// each one resets.
 #pragma once
 
 #include <cstdint>
@@ -171,8 +173,9 @@ class Engine final : public ModuleHookHandler {
   const std::shared_ptr<torch::nn::Module>& module_ptr() const { return model_; }
   const Config& config() const { return config_; }
 
-  // Makes this engine the one the doors (patrickstar::call, ModuleScope) report to, on this thread,
-  // while the returned guard lives. Forward passes run inside it.
+  // Makes this engine the active handler on this thread while the returned guard lives. The doors
+  // do not need it: they find the engine from the modules it registered (module_hooks.h), and an
+  // engine takes no unregistered module's door, so forwards run the same with or without it.
   ActiveHandlerGuard activate() { return ActiveHandlerGuard(this); }
 
   // Backward of `loss` (a scalar; multiplied by the loss scale in fp16). Throws c10::Error when no
@@ -208,8 +211,10 @@ class Engine final : public ModuleHookHandler {
   // Saves fp32_state_dict() as a plain LibTorch archive (torch::load(module, path) reads it into a
   // module of the same structure without this library).
   void save_weights(const std::string& path) const;
-  // Saves weights, optimizer state, loss scaler, step and the effective config; load_checkpoint
-  // restores them into an engine over the same model structure (checked: names and shapes).
+  // Saves weights, optimizer state, loss scaler, Adam steps, the iteration and the config in use;
+  // load_checkpoint restores the weights, optimizer state, loss scaler and Adam steps into an
+  // engine over the same model structure (checked: names, shapes and precision; the engine keeps
+  // its own config and iteration count).
   // Both saves are atomic (atomic_file.h): a save that fails (a full disk, a missing folder) or is
   // killed leaves the file at `path` as it was, and a failure throws c10::Error saying why.
   void save_checkpoint(const std::string& path) const;
@@ -240,8 +245,9 @@ class Engine final : public ModuleHookHandler {
   const TraceRecorder& tracer() const { return *recorder_; }
   MemoryTier& device_tier() const { return *device_; }
   MemoryTier& host_tier() const { return *host_; }
-  // Adam for chunk index i runs on the device: decided at the end of each warm-up (the first
-  // iteration's, and again after a retrace) from the margin it measured.
+  // Adam for chunk index i runs on the device: decided at the first step() after the trace was
+  // dropped (the first iteration's, and the one after each retrace) from the margin its moments
+  // measured; a warm-up repeated because its trace did not fit keeps the placement it had.
   const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
   // Chunk index i belongs to CPU embeddings (use_cpu_embedding): it never moves to the device.
   bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
@@ -377,7 +383,8 @@ class Engine final : public ModuleHookHandler {
   void arm_zero_grad_marker();
   // --- gradients as LibTorch code sees them (engine_grad_handles.cpp) ---
   // At the end of a backward or a step: tensor.grad() of every parameter with a gradient becomes a
-  // view of its slot (one process, fp32/bf16) or a marker that refuses reads but takes zero_().
+  // view of its slot (one process, fp32/bf16), a marker that refuses reads but takes zero_(), or,
+  // right after a backward with data parallel or fp16, a fence that refuses every access.
   enum class GradientsShown { kAfterBackward, kAfterStep, kWithdrawn };
   void show_gradients(GradientsShown when);
   // What LibTorch code did to them since (Module::zero_grad, clipping in place, assignment),
@@ -401,7 +408,8 @@ class Engine final : public ModuleHookHandler {
   bool distributed() const { return world_ > 1; }
   int64_t comm_group_of(TensorId id) const;
   // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
-  // and, with `with_grad_chunks`, zeroed gradient chunks for the remote ones.
+  // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones
+  // (other remote gradient chunks start as zeros when the Mover first puts them on the device).
   void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
   void gather_group(int64_t group);
   // Outside a backward: drops the remote chunks of the groups of `ids` whose every tensor was used
