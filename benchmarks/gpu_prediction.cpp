@@ -2,12 +2,13 @@
 
 #include <cstdio>
 #include <map>
+#include "patrickstar/engine/engine_inspect.h"
 #include <set>
 
 namespace patrickstar::bench {
 
 std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& model, int64_t tokens) {
-  const Trace& trace = engine.scheduler().trace();
+  const Trace& trace = inspect(engine).scheduler().trace();
   TORCH_CHECK(trace.size() > 0, "--predict: the engine has no trace yet (train a step first)");
   std::map<std::string, double> own_params;  // by the label the engine gives the module's moments
   std::set<std::string> embeddings;
@@ -34,7 +35,7 @@ std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& mo
     if (m.kind == MomentKind::kPreBackward) last_backward[m.label] = i;
   }
   for (const auto& [label, i] : last_backward) lookups.insert(i);
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   const double t = static_cast<double>(tokens);
   std::vector<MomentCost> costs;
   costs.reserve(static_cast<size_t>(trace.size()));
@@ -67,7 +68,7 @@ std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& mo
 nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& model, int64_t tokens,
                                     const std::string& gpu, double measured_step_seconds) {
   const GpuCostModel cost_model = gpu_cost_model(gpu);
-  const Scheduler& scheduler = engine.scheduler();
+  const Scheduler& scheduler = inspect(engine).scheduler();
   TORCH_CHECK(!scheduler.history().empty(), "--predict: no iteration was scheduled");
   const int64_t last = scheduler.history().back().iteration;
   std::vector<MoveEvent> moves;

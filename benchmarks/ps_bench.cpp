@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
@@ -185,7 +186,7 @@ int run() {
   // after the warm-up and after the first scheduled iteration, which still moves the warm-up's
   // placement into the schedule's (when there are enough steps).
   const int64_t first_steady = steps > 2 ? 2 : 1;
-  const ps::ChunkStore& store = engine.chunks();
+  const ps::ChunkStore& store = inspect(engine).chunks();
   const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
   ps::IterationReport warmup_report, last_report;
   double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
@@ -232,7 +233,7 @@ int run() {
                    r.all_reduce_bytes ==
                        (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
     }
-    if (const auto& st = engine.scheduler().history().back(); !st.warmup) {
+    if (const auto& st = inspect(engine).scheduler().history().back(); !st.warmup) {
       device_peak = std::max(device_peak, st.peak_device_bytes);
     }
     finish_device_work(config);
@@ -280,9 +281,9 @@ int run() {
   disk_wait /= after;
   // The OPT lower bound of the scheduler's traffic on the same trace and budgets: the forward,
   // backward and device-side Adam accesses, and the chunks the host-side Adam needs on the host.
-  std::map<int64_t, ps::ChunkInfo> chunks = engine.scheduler().chunks();
-  const ps::TrafficBound bound = ps::opt_traffic_bound(engine.tracer().warmup_trace(), chunks,
-                                                       engine.scheduler().options());
+  std::map<int64_t, ps::ChunkInfo> chunks = inspect(engine).scheduler().chunks();
+  const ps::TrafficBound bound = ps::opt_traffic_bound(inspect(engine).tracer().warmup_trace(), chunks,
+                                                       inspect(engine).scheduler().options());
   const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes) /
                              static_cast<double>(std::max<int64_t>(1, bound.period_iterations));
   const double step_time = median(times);
@@ -317,7 +318,7 @@ int run() {
   out["model_data_bytes_per_param"] = reg.model_data_bytes_per_param;
   out["device_capacity_bytes"] = config.device.capacity_bytes;
   out["device_peak_bytes"] = device_peak;
-  out["host_peak_bytes"] = engine.host_tier().peak_bytes();
+  out["host_peak_bytes"] = inspect(engine).host_tier().peak_bytes();
   out["init_host_peak_bytes"] = reg.host_peak_bytes_during_init;
   out["init_goal_bytes"] = reg.init_goal_bytes;  // model data + the largest module's fp32 weights
   out["h2d_bytes_per_iter"] = h2d;
@@ -421,8 +422,8 @@ int run() {
     const bool emulated = config.device.type == ps::DeviceType::kEmulated;
     const int64_t hwm = proc_status_bytes("VmHWM");
     // The tiers' reserved peaks: their blocks in use plus the blocks they keep for reuse.
-    const int64_t host_reserved = engine.host_tier().peak_reserved_bytes();
-    const int64_t device_reserved = engine.device_tier().peak_reserved_bytes();
+    const int64_t host_reserved = inspect(engine).host_tier().peak_reserved_bytes();
+    const int64_t device_reserved = inspect(engine).device_tier().peak_reserved_bytes();
     const int64_t accounted =
         g_rss_at_start + host_reserved + (emulated ? device_reserved + non_model_peak : 0);
     const double accounted_to_hwm =
@@ -464,19 +465,19 @@ int run() {
   }
   if (!absl::GetFlag(FLAGS_trace).empty()) {
     std::vector<ps::CopySpan> copies;
-    if (ps::CopyEngine* queue = engine.chunks().copy_queue(); queue != nullptr) {
+    if (ps::CopyEngine* queue = inspect(engine).chunks().copy_queue(); queue != nullptr) {
       queue->drain();  // the last step's prefetches complete, so every issued move has its copy
       copies = queue->spans();
     }
     ps::write_text_file(absl::GetFlag(FLAGS_trace),
-                        ps::chrome_trace_json(engine.scheduler().moves(),
-                                              engine.scheduler().moment_records(),
+                        ps::chrome_trace_json(inspect(engine).scheduler().moves(),
+                                              inspect(engine).scheduler().moment_records(),
                                               config.device.capacity_bytes, copies));
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_trace).c_str());
   }
   if (!absl::GetFlag(FLAGS_plot).empty()) {
     ps::write_text_file(absl::GetFlag(FLAGS_plot),
-                        ps::memory_timeline_svg(engine.scheduler().moment_records(),
+                        ps::memory_timeline_svg(inspect(engine).scheduler().moment_records(),
                                                 config.device.capacity_bytes));
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_plot).c_str());
   }

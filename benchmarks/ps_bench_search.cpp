@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/memtracer/export.h"
 #include "patrickstar/memtracer/simulator.h"
@@ -57,13 +58,13 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
       optimizer.step();
       TORCH_CHECK(std::isfinite(loss.item<double>()), "the loss is not finite");
       trial.device_peak_bytes = std::max(trial.device_peak_bytes,  // the history is bounded
-                                         engine.scheduler().history().back().peak_device_bytes);
+                                         inspect(engine).scheduler().history().back().peak_device_bytes);
     }
     trial.ok = true;
     trial.params = engine.registration().params;
     trial.model_data_bytes = engine.registration().model_data_bytes;
     trial.device_state_bytes = engine.registration().device_state_bytes;
-    trial.host_peak_bytes = engine.host_tier().peak_bytes();
+    trial.host_peak_bytes = inspect(engine).host_tier().peak_bytes();
   } catch (const c10::Error& e) {
     trial.error = e.what_without_backtrace();
     trial.error = trial.error.substr(0, trial.error.find('\n'));

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include "patrickstar/engine/config.h"
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"

@@ -1,6 +1,6 @@
 // Host plus device at registration: when the host budget cannot hold the model data, optimizer
 // state chunks go to the device for good (docs/design.md, "Host plus device").
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <string>
 
@@ -11,7 +11,7 @@
 namespace patrickstar {
 
 // states_on_device_ and adam_device_only_ come sized, all false (register_parameters).
-std::string Engine::place_states_on_device(int64_t shortfall) {
+std::string EngineCore::place_states_on_device(int64_t shortfall) {
   const int64_t n = store_->chunks_per_kind();
   // Where the states could not go, say why (the caller adds it to the host budget's error).
   if (config_.offload_optimizer.nvme) {
@@ -75,7 +75,7 @@ std::string Engine::place_states_on_device(int64_t shortfall) {
     adam_device_only_.assign(adam_device_only_.size(), false);
     return why;
   }
-  registration_.device_state_bytes = placed;
+  metrics_.registration().device_state_bytes = placed;
   return "";
 }
 

@@ -1,4 +1,4 @@
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <algorithm>
 #include <map>
@@ -23,7 +23,7 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
+EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
                std::shared_ptr<Communicator> comm)
     : model_(std::move(model)), config_(std::move(config)), comm_(std::move(comm)) {
   TORCH_CHECK(model_ != nullptr, "patrickstar::Engine: the model is null");
@@ -105,7 +105,7 @@ std::string outside_door_message(const std::string& param, const std::string& ow
 }
 }  // namespace
 
-void Engine::report_config_warnings() const {
+void EngineCore::report_config_warnings() const {
   // Once per engine, through LibTorch's warning handler (a trainer may install its own).
   if (config_.warnings.empty()) return;
   std::string all;
@@ -115,13 +115,13 @@ void Engine::report_config_warnings() const {
              all);
 }
 
-void Engine::note_model_construction_peak(int64_t bytes) {
-  registration_.model_construction_peak_bytes = bytes;
-  registration_.host_peak_bytes_during_init =
-      std::max(registration_.host_peak_bytes_during_init, bytes);
+void EngineCore::note_model_construction_peak(int64_t bytes) {
+  metrics_.registration().model_construction_peak_bytes = bytes;
+  metrics_.registration().host_peak_bytes_during_init =
+      std::max(metrics_.registration().host_peak_bytes_during_init, bytes);
 }
 
-Engine::~Engine() {
+EngineCore::~EngineCore() {
   for (const auto& [module, name] : module_names_) unregister_module_handler(*module, this);
   if (!gathered_scopes_.empty()) {
     TORCH_WARN("patrickstar: the engine is destroyed while ", gathered_scopes_.size(),
@@ -132,7 +132,7 @@ Engine::~Engine() {
   give_back_model(/*may_gather=*/std::uncaught_exceptions() == 0);
 }
 
-void Engine::give_back_model(bool may_gather) {
+void EngineCore::give_back_model(bool may_gather) {
   if (store_ == nullptr) return;
   for (Param& p : params_) p.grad_consumed = false;
   clear_gradient_handles();  // no grad() may keep pointing into a chunk
@@ -236,7 +236,7 @@ void Engine::give_back_model(bool may_gather) {
   }
 }
 
-void Engine::register_parameters() {
+void EngineCore::register_parameters() {
   // 1. Collect and check, touching nothing.
   std::vector<std::pair<std::string, at::Tensor>> unique;
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
@@ -270,8 +270,8 @@ void Engine::register_parameters() {
       owner_of.emplace(t.unsafeGetTensorImpl(),
                        absl::StrCat("module '", module_names_[module], "', ", module->name()));
     }
-    registration_.largest_module_param_bytes =
-        std::max(registration_.largest_module_param_bytes, 4 * own);
+    metrics_.registration().largest_module_param_bytes =
+        std::max(metrics_.registration().largest_module_param_bytes, 4 * own);
   }
   Layout layout(world_);
   for (const auto& [name, t] : unique) {
@@ -363,7 +363,7 @@ void Engine::register_parameters() {
       host_->used_bytes() + host_need > host_->capacity_bytes()) {
     no_device_placement =
         place_states_on_device(host_->used_bytes() + host_need - host_->capacity_bytes());
-    host_need -= registration_.device_state_bytes;
+    host_need -= metrics_.registration().device_state_bytes;
   }
   // It must fit the host before anything moves: a model is either untouched or fully registered.
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
@@ -401,7 +401,7 @@ void Engine::register_parameters() {
   for (const auto& item : unique) model_bytes_at_start += item.second.nbytes();
   const int64_t live_at_start = counter.live_bytes();
   ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
-  int64_t& init_peak = registration_.host_peak_bytes_during_init;
+  int64_t& init_peak = metrics_.registration().host_peak_bytes_during_init;
   auto sample = [&] {
     // What the process holds beyond what it held before registration began, plus the model's
     // own fp32 weights (there at the start).
@@ -577,7 +577,7 @@ void Engine::register_parameters() {
   }
 
   // 5. Figures.
-  RegistrationReport& r = registration_;
+  RegistrationReport& r = metrics_.registration();
   r.tensors = static_cast<int64_t>(params_.size());
   r.params = placed->total_numel();
   for (const Param& p : params_) {

@@ -1,6 +1,6 @@
 // The engine's side of the disk tier: optimizer-state views wherever the states live, and the
 // source that streams the host Adam's states from their files.
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include "disk_states.h"
 #include "engine_internal.h"
@@ -8,12 +8,12 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-at::Tensor Engine::state_view(TensorId id, ChunkKind kind, bool write) const {
+at::Tensor EngineCore::state_view(TensorId id, ChunkKind kind, bool write) const {
   if (disk_ == nullptr) return store_->view(id, kind);
   return disk_->view(id, kind, write);
 }
 
-void Engine::finish_state_views() const {
+void EngineCore::finish_state_views() const {
   if (disk_ != nullptr) disk_->finish_views();
 }
 

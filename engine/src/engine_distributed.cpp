@@ -16,7 +16,7 @@
 //   autograd pass that uses it) and none is in use: every chunk of the group is summed in fp32 into
 //   its owner, then the remote chunks are dropped. The end of the backward reduces the groups left
 //   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -32,11 +32,11 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 
-int64_t Engine::comm_group_of(TensorId id) const {
+int64_t EngineCore::comm_group_of(TensorId id) const {
   return store_->layout().comm_group(store_->layout().placement(id).chunk_index);
 }
 
-void Engine::broadcast_initial_state(
+void EngineCore::broadcast_initial_state(
     const std::vector<std::pair<std::string, at::Tensor>>& params) {
   torch::NoGradGuard no_grad;
   ScopeTimer timer(collective_seconds_);
@@ -55,7 +55,7 @@ void Engine::broadcast_initial_state(
   }
 }
 
-void Engine::gather_group(int64_t group) {
+void EngineCore::gather_group(int64_t group) {
   // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
   // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
   // the other ranks' chunks, freed with the last of them (release_group).
@@ -88,7 +88,7 @@ void Engine::gather_group(int64_t group) {
   }
   if (!on_host) {
     gathered_probe_->add(bytes);
-    gathered_peak_bytes_ = std::max(gathered_peak_bytes_, gathered_probe_->gathered_bytes());
+    metrics_.note_gathered_bytes(gathered_probe_->gathered_bytes());
   }
   group_gathered_[static_cast<size_t>(group)] = 1;
   group_touched_[static_cast<size_t>(group)] = 0;
@@ -98,7 +98,7 @@ void Engine::gather_group(int64_t group) {
   ++group_gathers_;
 }
 
-void Engine::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks) {
+void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks) {
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
@@ -119,7 +119,7 @@ void Engine::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_ch
   }
 }
 
-void Engine::release_group(int64_t group) {
+void EngineCore::release_group(int64_t group) {
   if (group_gathered_[static_cast<size_t>(group)] && !host_only_[static_cast<size_t>(group * world_)]) {
     gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, group * world_)));
   }
@@ -143,8 +143,8 @@ bool any_in_compute(const ChunkStore& store, bool grad_space, int64_t first, int
 }
 }  // namespace
 
-void Engine::release_used_groups(const std::vector<TensorId>& ids) {
-  if (!distributed() || in_backward_) return;
+void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
+  if (!distributed() || tracker_.in_backward()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
     const auto k = static_cast<size_t>(g);
@@ -154,7 +154,7 @@ void Engine::release_used_groups(const std::vector<TensorId>& ids) {
   }
 }
 
-void Engine::reduce_ready_groups(const std::vector<TensorId>& ids) {
+void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
@@ -173,7 +173,7 @@ void Engine::reduce_ready_groups(const std::vector<TensorId>& ids) {
   }
 }
 
-void Engine::reduce_group(int64_t group) {
+void EngineCore::reduce_group(int64_t group) {
   torch::NoGradGuard no_grad;
   {
     ScopeTimer timer(collective_seconds_);
@@ -212,14 +212,14 @@ void Engine::reduce_group(int64_t group) {
   release_group(group);
 }
 
-void Engine::reduce_remaining_groups() {
+void EngineCore::reduce_remaining_groups() {
   if (!distributed()) return;
   for (int64_t g = 0; g < static_cast<int64_t>(group_has_grads_.size()); ++g) {
     if (group_has_grads_[static_cast<size_t>(g)]) reduce_group(g);
   }
 }
 
-void Engine::release_remote(bool discard) {
+void EngineCore::release_remote(bool discard) {
   if (!distributed()) return;
   for (int64_t g = 0; g < static_cast<int64_t>(group_gathered_.size()); ++g) {
     const auto k = static_cast<size_t>(g);
@@ -234,7 +234,7 @@ void Engine::release_remote(bool discard) {
   }
 }
 
-bool Engine::all_ranks_agree(bool local) const {
+bool EngineCore::all_ranks_agree(bool local) const {
   if (!distributed()) return local;
   ScopeTimer timer(collective_seconds_);
   at::Tensor disagree = at::full({1}, local ? 0.0f : 1.0f, at::kFloat);
@@ -242,7 +242,7 @@ bool Engine::all_ranks_agree(bool local) const {
   return disagree.item<float>() == 0.0f;
 }
 
-at::Tensor Engine::master_chunk_everywhere(int64_t index) const {
+at::Tensor EngineCore::master_chunk_everywhere(int64_t index) const {
   const ChunkKind master = master_kind();
   at::Tensor buffer =
       owns(index)

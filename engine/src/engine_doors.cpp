@@ -1,4 +1,4 @@
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <algorithm>
 
@@ -27,7 +27,7 @@ bool computes_on_host(const std::vector<TensorId>& params, const ChunkStore& sto
 }
 }  // namespace
 
-Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
+EngineCore::ModuleInfo& EngineCore::module_info(torch::nn::Module& module) {
   auto it = modules_.find(&module);
   if (it != modules_.end()) return *it->second;
   auto info = std::make_unique<ModuleInfo>();
@@ -48,7 +48,7 @@ Engine::ModuleInfo& Engine::module_info(torch::nn::Module& module) {
   return *modules_.emplace(&module, std::move(info)).first->second;
 }
 
-void Engine::point_at_chunk(const Param& p) {
+void EngineCore::point_at_chunk(const Param& p) {
   // The invariant of asynchronous moves: compute reads a chunk whose last copy has completed.
   // view() waits for that copy; this checks it did.
   const ChunkId c = store_->chunk_of(p.id, ChunkKind::kParam);
@@ -69,14 +69,14 @@ void Engine::point_at_chunk(const Param& p) {
 // A released parameter holds its fence: an operator reading it (a module called outside a door)
 // throws an error naming it instead of reading freed memory. Its live storage points at nothing,
 // so a view autograd saved cannot read a slot that moved on.
-void Engine::point_at_nothing(const Param& p) {
+void EngineCore::point_at_nothing(const Param& p) {
   if (p.gathered) return;  // a GatheredParameters scope holds it; its end gives it the fence
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.fence);
   repoint(p.live, nullptr);
   p.eval_copy.reset();
 }
 
-void Engine::check_not_gathered(const ModuleInfo& module) const {
+void EngineCore::check_not_gathered(const ModuleInfo& module) const {
   if (gathered_ == 0) return;
   for (TensorId id : module.params) {
     TORCH_CHECK(!params_[id].gathered, "patrickstar: the door of module ", module.label,
@@ -85,10 +85,10 @@ void Engine::check_not_gathered(const ModuleInfo& module) const {
   }
 }
 
-void Engine::zero_grad_if_marker_reset(bool door) {
+void EngineCore::zero_grad_if_marker_reset(bool door) {
   // Inside a backward (a checkpoint's recompute opens doors there) the request waits for the
   // engine's next call after it.
-  if (in_backward_ || in_checkpoint_recompute()) return;
+  if (tracker_.in_backward() || in_checkpoint_recompute()) return;
   // Module::zero_grad() and other edits of the parameters' grad() (engine_grad_handles.cpp).
   take_gradient_edits(door);
   // The optimizer's marker: reset (set_to_none, the default), replaced, or zeroed in place
@@ -101,23 +101,23 @@ void Engine::zero_grad_if_marker_reset(bool door) {
   zero_grad(/*set_to_none=*/!grad.defined());
 }
 
-void Engine::arm_zero_grad_marker() {
+void EngineCore::arm_zero_grad_marker() {
   zero_grad_marker_grad_.zero_();
   zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
   zero_grad_marker_version_ = zero_grad_marker_grad_._version();
 }
 
-void Engine::forget_dropped_forward() {
+void EngineCore::forget_dropped_forward() {
   // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
   // alive and none has run): that forward's loss was dropped unused.
-  if (phase_ == Phase::kForward && open_scopes_ == 0 && !in_backward_ && hooks_in_forward_ &&
+  if (tracker_.phase() == Phase::kForward && open_scopes_ == 0 && tracker_.hooks_in_forward() &&
       hooks_.pending_nodes() == 0) {
     abandon_forward();
   }
 }
 
-void Engine::begin_iteration_if_needed() {
-  if (in_iteration_) return;
+void EngineCore::begin_iteration_if_needed() {
+  if (tracker_.in_iteration()) return;
   if (!probe_floor_set_ && cpu_probe_ != nullptr) {
     // What the process holds before the first forward (the trainer's dataset, its own state) is
     // host memory: the emulated device is charged for what iterations allocate.
@@ -125,22 +125,16 @@ void Engine::begin_iteration_if_needed() {
     probe_floor_set_ = true;
   }
   sync_trainable();
-  in_iteration_ = true;
   retraced_this_iteration_ = false;
   open_moment_ = -1;
-  counters_at_iteration_start_ = store_->move_counters();
-  comm_at_iteration_start_ = comm_->counters();
-  group_gathers_at_iteration_start_ = group_gathers_;
-  group_reduces_at_iteration_start_ = group_reduces_;
-  gathered_peak_bytes_ = gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0;
-  copy_wait_at_iteration_start_ = copy_queue_ != nullptr ? copy_queue_->waited_seconds() : 0;
-  collective_seconds_at_iteration_start_ = collective_seconds_;
+  metrics_.begin_iteration(running_totals(),
+                           gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
   device_->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
 }
 
-std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
+std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind kind,
                                      bool with_grad_chunks) {
   ensure_gathered(module.params, with_grad_chunks);  // data parallel: other ranks' chunks
   std::vector<int64_t> chunk_ids;
@@ -186,7 +180,7 @@ std::vector<TensorId> Engine::access(const ModuleInfo& module, MomentKind kind,
   return module.params;
 }
 
-void Engine::follow_trace(MomentKind kind, const std::string& label) {
+void EngineCore::follow_trace(MomentKind kind, const std::string& label) {
   std::string why;
   if (recorder_->matches_next(kind, label, &why)) return;
   // DeepSpeed's ZeRO-3 does the same with its trace: invalidate it and record again. This
@@ -201,7 +195,7 @@ void Engine::follow_trace(MomentKind kind, const std::string& label) {
              "re-recorded from here (retrace ", retraces_, ")");
 }
 
-void Engine::abandon_forward() {
+void EngineCore::abandon_forward() {
   // Nothing of this forward reaches backward: its moments are forgotten (the next forward starts
   // where it started) and its parameters wait for nothing.
   for (Param& p : params_) {
@@ -211,19 +205,18 @@ void Engine::abandon_forward() {
     p.forget_segments();
   }
   open_moment_ = -1;
-  recorder_->rewind_to(forward_start_moment_);
-  hooks_in_forward_ = false;
-  phase_ = backwards_since_step_ > 0 ? Phase::kBackwardDone : Phase::kIdle;
+  recorder_->rewind_to(tracker_.forward_start_moment());
+  tracker_.on(PhaseEvent::kForwardAbandoned);
   release_remote(/*discard=*/false);
 }
 
-void Engine::close_moment() {
+void EngineCore::close_moment() {
   // The previous moment's compute is over: the scheduler may prefetch for the next ones now.
   if (open_moment_ >= 0) scheduler_->after_moment(open_moment_, *mover_);
   open_moment_ = -1;
 }
 
-std::string Engine::describe_pinned() const {
+std::string EngineCore::describe_pinned() const {
   std::string out;
   for (ChunkId c = 0; c < store_->chunk_count(); ++c) {
     if (store_->tier(c) != Tier::kDevice || store_->is_movable(c)) continue;
@@ -238,7 +231,7 @@ std::string Engine::describe_pinned() const {
   return out.empty() ? "none" : out;
 }
 
-int64_t Engine::pre_forward(torch::nn::Module& module) {
+int64_t EngineCore::pre_forward(torch::nn::Module& module) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   ModuleInfo& info = module_info(module);
   check_not_gathered(info);
@@ -268,7 +261,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
     return static_cast<int64_t>(scopes_.size()) - 1;
   }
   if (!in_checkpoint_recompute()) recover_from_a_dead_backward("a forward");
-  if (phase_ == Phase::kBackwardDone) {
+  if (tracker_.phase() == Phase::kBackwardDone) {
     TORCH_CHECK(!half_slots_hold_gradients(),
                 "patrickstar: forward after backward without step(): in ",
                 to_string(config_.precision()), " the gradients sit where the half weights were "
@@ -277,11 +270,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
   }
   forget_dropped_forward();
   begin_iteration_if_needed();
-  if (phase_ != Phase::kForward) {
-    forward_start_moment_ = recorder_->current_trace().size();
-    hooks_in_forward_ = false;
-  }
-  phase_ = Phase::kForward;
+  tracker_.on(PhaseEvent::kForwardBegins, recorder_->current_trace().size());
   scopes_.push_back(OpenScope{&info, {}, kind});
   ++open_scopes_;
   const int64_t token = static_cast<int64_t>(scopes_.size()) - 1;
@@ -290,10 +279,10 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
     scopes_[token].acquired = access(info, MomentKind::kPreForward, false);
   } catch (...) {
     scopes_.pop_back();
-    if (--open_scopes_ == 0 && !in_backward_) abandon_forward();
+    if (--open_scopes_ == 0 && !tracker_.in_backward()) abandon_forward();
     throw;
   }
-  if (!in_backward_) {  // a recompute in backward is not a pass of its own
+  if (!tracker_.in_backward()) {  // a recompute in backward is not a pass of its own
     const int64_t segment = kind == ForwardKind::kCheckpointed ? checkpointed_forward_serial() : 0;
     for (TensorId id : info.params) {
       Param& p = params_[id];
@@ -305,7 +294,7 @@ int64_t Engine::pre_forward(torch::nn::Module& module) {
   return token;
 }
 
-void Engine::release(TensorId id, TensorState to) {
+void EngineCore::release(TensorId id, TensorState to) {
   Param& p = params_[id];
   TORCH_CHECK(p.compute_refs > 0, "patrickstar: internal: release of ", p.name, " not in use");
   if (--p.compute_refs > 0) return;
@@ -313,7 +302,7 @@ void Engine::release(TensorId id, TensorState to) {
   point_at_nothing(p);
 }
 
-std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
+std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);
@@ -348,23 +337,23 @@ std::vector<at::Tensor> Engine::post_forward(int64_t token, std::vector<at::Tens
   if (--open_scopes_ == 0) scopes_.clear();  // tokens are not used again
   if (!training || outputs.empty() || module->params.empty()) return outputs;
   std::vector<at::Tensor> hooked = with_pre_backward(outputs, hooks_, module->hook_id);
-  if (!in_backward_) hooks_in_forward_ = true;
+  tracker_.note_hooks_in_forward();
   return hooked;
 }
 
-void Engine::forward_failed(int64_t token) {
+void EngineCore::forward_failed(int64_t token) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   const bool evaluation = token >= 0 && token < static_cast<int64_t>(scopes_.size()) &&
                           scopes_[static_cast<size_t>(token)].kind == ForwardKind::kEvaluation;
   post_forward(token, {});
   // The outermost door of a training forward that threw: the next forward starts where this one
   // started. (A failed evaluation leaves a training forward in progress alone.)
-  if (!evaluation && open_scopes_ == 0 && !in_backward_ && phase_ == Phase::kForward) {
+  if (!evaluation && open_scopes_ == 0 && tracker_.phase() == Phase::kForward) {
     abandon_forward();
   }
 }
 
-std::vector<at::Tensor> Engine::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
+std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
               "patrickstar: internal: unknown door token ", token);

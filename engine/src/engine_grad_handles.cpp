@@ -48,7 +48,7 @@ void withdraw_view(c10::Storage& storage, const std::string& name) {
 
 }  // namespace
 
-void Engine::show_gradients(GradientsShown when) {
+void EngineCore::show_gradients(GradientsShown when) {
   const bool views_possible = !distributed() && config_.precision() != Precision::kFp16;
   const at::ScalarType half = param_dtype(config_.precision());
   for (Param& p : params_) {
@@ -90,12 +90,12 @@ void Engine::show_gradients(GradientsShown when) {
   }
 }
 
-void Engine::take_gradient_edits(bool door) {
+void EngineCore::take_gradient_edits(bool door) {
   if (!handles_shown_) return;
   // A door within a forward, or of an evaluation, where only markers are shown (a door withdrew
   // the views and evaluation moves nothing), does not look: what is done to them is looked at
   // when the backward or the step starts, before anything accumulates.
-  if (door && !views_shown_ && (phase_ == Phase::kForward || !at::GradMode::is_enabled())) return;
+  if (door && !views_shown_ && (tracker_.phase() == Phase::kForward || !at::GradMode::is_enabled())) return;
   torch::NoGradGuard no_grad;
   // First what was done, checked before anything changes: a refused edit leaves the engine and
   // every handle as they were, so the same call refuses again until the trainer does otherwise.
@@ -175,7 +175,7 @@ void Engine::take_gradient_edits(bool door) {
   show_gradients(GradientsShown::kWithdrawn);
 }
 
-void Engine::drop_gradient(Param& p) {
+void EngineCore::drop_gradient(Param& p) {
   if (grad_space_) {
     if (!distributed() || owns(store_->layout().placement(p.id).chunk_index)) {
       store_->view(p.id, ChunkKind::kGrad).zero_();
@@ -188,7 +188,7 @@ void Engine::drop_gradient(Param& p) {
   p.pending_grad.reset();
 }
 
-void Engine::clear_gradient_handles() {
+void EngineCore::clear_gradient_handles() {
   bool consumed = false;
   for (Param& p : params_) {
     consumed |= p.grad_consumed && p.grad_handle.defined();

@@ -1,4 +1,4 @@
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
@@ -8,25 +8,27 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-void Engine::backward_started() {
+void EngineCore::backward_started() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
-  if (in_backward_) return;
+  if (tracker_.in_backward()) return;
   zero_grad_if_marker_reset();
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
-  in_backward_ = true;
+  // A backward over a graph older than the last step (retain_graph): an iteration of its own.
+  begin_iteration_if_needed();
+  tracker_.on(PhaseEvent::kBackwardBegins);
   // Plain loss.backward(): the end of this pass finishes the engine's backward.
   queue_end_of_backward([this] { finish_backward(); });
 }
 
-void Engine::recover_from_a_dead_backward(const char* where) {
-  if (!in_backward_) return;
+void EngineCore::recover_from_a_dead_backward(const char* where) {
+  if (!tracker_.in_backward()) return;
   drop_iteration();
   TORCH_WARN("patrickstar: ", where, " came while a backward was unfinished: the backward threw "
              "inside autograd, so its iteration was discarded (gradients dropped, weights and "
              "optimizer state unchanged)");
 }
 
-void Engine::pre_backward(ModuleInfo& module) {
+void EngineCore::pre_backward(ModuleInfo& module) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   if (module.params.empty()) return;
   backward_started();
@@ -34,13 +36,13 @@ void Engine::pre_backward(ModuleInfo& module) {
   access(module, MomentKind::kPreBackward, /*with_grad_chunks=*/true);
 }
 
-void Engine::post_backward(ModuleInfo& module) {
+void EngineCore::post_backward(ModuleInfo& module) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   post_backward_release(module);
   reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
 }
 
-void Engine::post_backward_release(ModuleInfo& module) {
+void EngineCore::post_backward_release(ModuleInfo& module) {
   // The module's backward is over. Parameters whose gradient is still to come (a tied weight used
   // again earlier in the model) wait without memory; their gradient lands in the slot later.
   for (TensorId id : module.params) {
@@ -56,7 +58,7 @@ void Engine::post_backward_release(ModuleInfo& module) {
   }
 }
 
-void Engine::on_gradient(TensorId id, const at::Tensor& param) {
+void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   Param& p = params_[id];
   at::Tensor grad = param.grad();
@@ -117,7 +119,7 @@ void Engine::on_gradient(TensorId id, const at::Tensor& param) {
   }
 }
 
-void Engine::flush_pending_gradients() {
+void EngineCore::flush_pending_gradients() {
   torch::NoGradGuard no_grad;
   for (Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
@@ -140,11 +142,12 @@ void Engine::flush_pending_gradients() {
   }
 }
 
-void Engine::backward(const at::Tensor& loss) {
+void EngineCore::backward(const at::Tensor& loss) {
   recover_from_a_dead_backward("backward()");
   zero_grad_if_marker_reset();
-  TORCH_CHECK(phase_ == Phase::kForward, "patrickstar: backward() without a forward since the last ",
-              phase_ == Phase::kIdle ? "step" : "backward");
+  TORCH_CHECK(tracker_.phase() == Phase::kForward,
+              "patrickstar: backward() without a forward since the last ",
+              tracker_.phase() == Phase::kBackwardDone ? "backward" : "step");
   TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(),
               "patrickstar: backward() takes the scalar loss of a training forward (one element "
               "that requires grad)");
@@ -165,7 +168,7 @@ void Engine::backward(const at::Tensor& loss) {
   }
   const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
-  in_backward_ = true;
+  tracker_.on(PhaseEvent::kBackwardBegins);
   const char* what = "patrickstar: the backward failed; the iteration was discarded (its gradients "
                      "are dropped, weights and optimizer state are unchanged) and the next forward "
                      "starts a new one";
@@ -186,7 +189,7 @@ void Engine::backward(const at::Tensor& loss) {
   finish_backward();
 }
 
-void Engine::sync_trainable() {
+void EngineCore::sync_trainable() {
   for (Param& p : params_) {
     const bool wants = p.tensor.requires_grad();
     if (wants == p.trainable) continue;
@@ -201,7 +204,7 @@ void Engine::sync_trainable() {
   }
 }
 
-void Engine::finish_backward() {
+void EngineCore::finish_backward() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   flush_pending_gradients();
   // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
@@ -224,15 +227,12 @@ void Engine::finish_backward() {
   // are reduced now, and nothing gathered stays.
   reduce_remaining_groups();
   release_remote(/*discard=*/false);
-  in_backward_ = false;
-  hooks_in_forward_ = false;
-  ++backwards_since_step_;
-  phase_ = Phase::kBackwardDone;
+  tracker_.on(PhaseEvent::kBackwardEnds);
   show_gradients(GradientsShown::kAfterBackward);
 }
 
 
-void Engine::discard_gradients() {
+void EngineCore::discard_gradients() {
   torch::NoGradGuard no_grad;
   const bool restore = mixed_ && !grad_space_;
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
@@ -286,11 +286,11 @@ void Engine::discard_gradients() {
       store_->chunk_view(store_->chunk_id(ChunkKind::kGrad, i)).zero_();
     }
   }
-  backwards_since_step_ = 0;
+  tracker_.on(PhaseEvent::kGradientsDiscarded);
   grads_in_half_slots_ = false;
 }
 
-void Engine::drop_iteration() {
+void EngineCore::drop_iteration() {
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (Param& p : params_) {
     const TensorState state = store_->state(p.id, ChunkKind::kParam);
@@ -308,18 +308,14 @@ void Engine::drop_iteration() {
   open_moment_ = -1;
   open_scopes_ = 0;
   scopes_.clear();
-  if (in_iteration_) {
+  if (tracker_.in_iteration()) {
     recorder_->abort_iteration();
     scheduler_->abort_iteration();
-    in_iteration_ = false;
   }
-  in_backward_ = false;
-  hooks_in_forward_ = false;
-  forward_start_moment_ = 0;
-  phase_ = Phase::kIdle;
+  tracker_.on(PhaseEvent::kIterationDropped);
 }
 
-void Engine::zero_grad(bool set_to_none) {
+void EngineCore::zero_grad(bool set_to_none) {
   // set_to_none false: LibTorch keeps the gradients defined (zeros), and its step updates those
   // parameters even where the next loss does not reach them.
   std::vector<char> kept;
@@ -328,15 +324,15 @@ void Engine::zero_grad(bool set_to_none) {
   }
   recover_from_a_dead_backward("zero_grad()");
   arm_zero_grad_marker();
-  discard_gradients();
+  const bool after_backward = tracker_.phase() == Phase::kBackwardDone;
+  discard_gradients();  // the phase goes back to kStarted
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
   // backward). After a backward, nothing of the iteration so far reaches a step: its moments are
   // forgotten too, so a loop that discards a backward (a GAN's discriminator after the generator's
   // step) keeps the trace it had.
-  if (phase_ == Phase::kBackwardDone) {
-    if (in_iteration_) recorder_->rewind_to(0);
+  if (after_backward) {
+    recorder_->rewind_to(0);
     open_moment_ = -1;
-    phase_ = Phase::kIdle;
   }
   if (!set_to_none) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].grad_defined = kept[i] != 0;

@@ -18,7 +18,7 @@
 
 #include "patrickstar/chunk/chunk_store.h"
 #include "patrickstar/engine/config.h"
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 #include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/scheduler.h"
 
@@ -164,7 +164,7 @@ inline at::ScalarType param_dtype(Precision precision) {
 // is left alone when the scheduler would send it to the host. Other ranks' param chunks are not the
 // scheduler's at all (the doors gather them onto the device). With one process every chunk has a
 // payload and a move of one without is the chunk store's error.
-class Engine::Mover final : public ChunkMover {
+class EngineCore::Mover final : public ChunkMover {
  public:
   Mover(ChunkStore& store, bool lazy_grads) : store_(store), lazy_grads_(lazy_grads) {}
   bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }

@@ -1,4 +1,4 @@
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <map>
 #include <unordered_map>
@@ -8,6 +8,7 @@
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint_file.h"
 #include "disk_states.h"
@@ -17,7 +18,7 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const {
+std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   const ChunkKind master = master_kind();
   if (!distributed()) {
@@ -70,7 +71,7 @@ void write_module(const torch::nn::Module& module, const std::string& prefix,
 }
 }  // namespace
 
-void Engine::save_weights(const std::string& path) const {
+void EngineCore::save_weights(const std::string& path) const {
   std::map<std::string, at::Tensor> values;
   for (auto& [name, t] : fp32_state_dict()) values.emplace(name, t);
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
@@ -92,8 +93,8 @@ std::string shard_path(const std::string& path, int rank, int world) {
 }
 }  // namespace
 
-void Engine::save_checkpoint(const std::string& path) const {
-  TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: save_checkpoint() in the middle of an "
+void EngineCore::save_checkpoint(const std::string& path) const {
+  TORCH_CHECK(tracker_.between_iterations(), "patrickstar: save_checkpoint() in the middle of an "
               "iteration; call it after step()");
   CheckpointContents c;
   c.config_json = config_.to_json().dump();
@@ -131,10 +132,10 @@ void Engine::save_checkpoint(const std::string& path) const {
   TORCH_CHECK(error.empty(), "patrickstar: save_checkpoint(\"", path, "\") failed: ", error);
 }
 
-void Engine::load_checkpoint(const std::string& path_given) {
+void EngineCore::load_checkpoint(const std::string& path_given) {
   const std::string path = shard_path(path_given, rank_, world_);
   zero_grad_if_marker_reset();
-  TORCH_CHECK(phase_ == Phase::kIdle, "patrickstar: load_checkpoint() in the middle of an "
+  TORCH_CHECK(tracker_.between_iterations(), "patrickstar: load_checkpoint() in the middle of an "
               "iteration; call it before a forward or after step()");
   TORCH_CHECK(gathered_ == 0, "patrickstar: load_checkpoint() while a GatheredParameters scope "
               "holds ", gathered_, " parameter", gathered_ == 1 ? "" : "s", "; end the scope first");

@@ -1,4 +1,4 @@
-#include "patrickstar/engine/engine.h"
+#include "engine_core.h"
 
 #include <algorithm>
 #include <chrono>
@@ -21,7 +21,7 @@ constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad, ChunkKi
                                     ChunkKind::kMomentum, ChunkKind::kVariance};
 }  // namespace
 
-void Engine::decide_adam_placement() {
+void EngineCore::decide_adam_placement() {
   const int64_t n = store_->chunks_per_kind();
   // CPU embeddings update on the host: the plan covers the other chunk indices.
   std::vector<int64_t> candidates;
@@ -51,7 +51,7 @@ void Engine::decide_adam_placement() {
   // (States placed on the device at registration stay there: their bytes are not spare.)
   const int64_t margin = static_cast<int64_t>(
       static_cast<double>(usable_device_bytes(config_) - peak_non_model - resident_model_bytes -
-                          registration_.device_state_bytes) *
+                          metrics_.registration().device_state_bytes) *
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
@@ -72,7 +72,7 @@ void Engine::decide_adam_placement() {
   placement_decided_ = true;
 }
 
-IterationReport Engine::run_adam() {
+IterationReport EngineCore::run_adam() {
   torch::NoGradGuard no_grad;
   const int64_t n = store_->chunks_per_kind();
   auto id_of = [&](ChunkKind kind, int64_t i) { return store_->chunk_id(kind, i); };
@@ -263,33 +263,33 @@ IterationReport Engine::run_adam() {
   return report;
 }
 
-void Engine::set_lr(double lr) {
+void EngineCore::set_lr(double lr) {
   TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: set_lr(", lr,
               "): the learning rate must be finite and not negative");
   adam_->set_lr(lr);
 }
 
-double Engine::lr() const { return adam_->options().lr(); }
+double EngineCore::lr() const { return adam_->options().lr(); }
 
-IterationReport Engine::step() {
+IterationReport EngineCore::step() {
   recover_from_a_dead_backward("step()");
   zero_grad_if_marker_reset();
   TORCH_CHECK(gathered_for_write_ == 0, "patrickstar: step() while a read-write GatheredParameters "
               "scope holds ", gathered_for_write_, " parameter", gathered_for_write_ == 1 ? "" : "s",
               ": its end would write its values over the step's update; end the scope first");
-  TORCH_CHECK(backwards_since_step_ > 0,
+  TORCH_CHECK(tracker_.backwards_since_step() > 0,
               "patrickstar: step() without a backward since the last step or zero_grad()",
-              phase_ == Phase::kForward ? " (call backward(loss) first)" : "");
+              tracker_.phase() == Phase::kForward ? " (call backward(loss) first)" : "");
   // With gradient_accumulation_steps 1, several backward passes add up before a step, as in
   // LibTorch; above 1, the step comes after exactly that many.
   TORCH_CHECK(config_.gradient_accumulation_steps == 1 ||
-                  backwards_since_step_ == config_.gradient_accumulation_steps,
-              "patrickstar: step() after ", backwards_since_step_, " backward pass",
-              backwards_since_step_ == 1 ? "" : "es", " but gradient_accumulation_steps is ",
+                  tracker_.backwards_since_step() == config_.gradient_accumulation_steps,
+              "patrickstar: step() after ", tracker_.backwards_since_step(), " backward pass",
+              tracker_.backwards_since_step() == 1 ? "" : "es", " but gradient_accumulation_steps is ",
               config_.gradient_accumulation_steps);
   // A forward in progress whose backward never came (a validation forward left in grad mode) is
   // not part of the step.
-  if (phase_ == Phase::kForward && open_scopes_ == 0) abandon_forward();
+  if (tracker_.phase() == Phase::kForward && open_scopes_ == 0) abandon_forward();
   // Data parallel: copies of other ranks' chunks (an evaluation forward's group that was not fully
   // used) would be stale after the step: they go, and the next door gathers the new weights.
   release_remote(/*discard=*/false);
@@ -384,43 +384,26 @@ IterationReport Engine::step() {
   report.warm_start_h2d_bytes = stats.warm_start_h2d_bytes;
   scheduler_->end_iteration();
 
-  const MoveCounters now = store_->move_counters();
   report.iteration = iteration_;
   report.warmup = warmup;
   report.retraced = retraced_this_iteration_;
   report.retraces = retraces_;
-  report.h2d_bytes = now.h2d_bytes - counters_at_iteration_start_.h2d_bytes;
-  report.d2h_bytes = now.d2h_bytes - counters_at_iteration_start_.d2h_bytes;
   report.device_chunk_peak_bytes = device_->peak_bytes();
-  if (copy_queue_ != nullptr) {
-    report.copy_wait_seconds = copy_queue_->waited_seconds() - copy_wait_at_iteration_start_;
-  }
-  const CollectiveCounters& comm = comm_->counters();
-  report.group_gathers = group_gathers_ - group_gathers_at_iteration_start_;
-  report.group_reduces = group_reduces_ - group_reduces_at_iteration_start_;
-  report.gather_bytes = comm.all_gather_bytes - comm_at_iteration_start_.all_gather_bytes;
-  report.gathered_peak_bytes = gathered_peak_bytes_;
-  report.reduce_bytes = comm.reduce_bytes - comm_at_iteration_start_.reduce_bytes;
-  report.all_reduce_bytes = comm.all_reduce_bytes - comm_at_iteration_start_.all_reduce_bytes;
-  report.collective_seconds = collective_seconds_ - collective_seconds_at_iteration_start_;
+  metrics_.fill_traffic(report, running_totals());
   for (const Moment& m : recorder_->current_trace().moments) {
     report.non_model_peak_bytes = std::max(report.non_model_peak_bytes, m.non_model_bytes);
   }
   report.non_model_peak_bytes =
       std::max(report.non_model_peak_bytes, recorder_->current_trace().tail_non_model_bytes);
-  history_.push_back(report);
-  if (history_.size() > kHistoryKept) history_.erase(history_.begin());
+  metrics_.keep(report);
 
   ++iteration_;
-  in_iteration_ = false;
-  backwards_since_step_ = 0;
-  hooks_in_forward_ = false;
-  phase_ = Phase::kIdle;
+  tracker_.on(PhaseEvent::kStepDone);
   show_gradients(GradientsShown::kAfterStep);
   return report;
 }
 
-void Engine::set_record_timeline(bool on) {
+void EngineCore::set_record_timeline(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   scheduler_->set_record_timeline(on);
   if (copy_queue_ != nullptr) copy_queue_->set_record_spans(on);

@@ -14,22 +14,22 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-TensorId Engine::id_of(const at::Tensor& t) const {
+TensorId EngineCore::id_of(const at::Tensor& t) const {
   if (!t.defined()) return -1;
   auto it = param_of_impl_.find(t.unsafeGetTensorImpl());
   return it == param_of_impl_.end() ? -1 : it->second;
 }
 
-void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
+void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check, changing nothing.
   if (write_back) {
     recover_from_a_dead_backward("GatheredParameters");
     forget_dropped_forward();
-    TORCH_CHECK(phase_ == Phase::kIdle && !in_backward_ && open_scopes_ == 0,
+    TORCH_CHECK(tracker_.between_iterations() && open_scopes_ == 0,
                 "patrickstar: a read-write GatheredParameters scope opens between a step (or "
                 "zero_grad()) and the next forward, and ",
-                phase_ == Phase::kBackwardDone ? "gradients wait for step()"
+                tracker_.phase() == Phase::kBackwardDone ? "gradients wait for step()"
                                                : "a forward is in progress",
                 "; use GatheredParameters::Mode::kReadOnly to read values now");
   }
@@ -81,7 +81,7 @@ void Engine::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   }
 }
 
-void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
+void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
   torch::NoGradGuard no_grad;
   std::string changed;
   if (write_back) {
@@ -145,7 +145,7 @@ void Engine::gather_end(const std::vector<TensorId>& ids, bool write_back) {
 }
 
 GatheredParameters::GatheredParameters(torch::nn::Module& module, Mode mode) : mode_(mode) {
-  engine_ = dynamic_cast<Engine*>(handler_for(module));
+  engine_ = dynamic_cast<EngineCore*>(handler_for(module));
   TORCH_CHECK(engine_ != nullptr, "patrickstar: GatheredParameters: module ", module.name(),
               " belongs to no engine (its parameters are ordinary tensors already)");
   // The module's buffers that the engine cast to the compute dtype are fp32 in the scope too, so
@@ -160,7 +160,7 @@ GatheredParameters::GatheredParameters(torch::nn::Module& module, Mode mode) : m
 
 GatheredParameters::GatheredParameters(Engine& engine, const std::vector<at::Tensor>& params,
                                        Mode mode)
-    : engine_(&engine), mode_(mode) {
+    : engine_(engine.core_.get()), mode_(mode) {
   begin(params);
 }
 

@@ -3,9 +3,6 @@
 #include <numeric>
 #include <utility>
 
-#include "engine_internal.h"
-#include "patrickstar/engine/engine.h"
-
 namespace patrickstar {
 
 int64_t MemoryBreakdown::device_chunk_total() const {
@@ -32,21 +29,6 @@ MemoryBreakdown take_memory_breakdown(const ChunkStore& store, int64_t non_model
   b.device_cached_bytes = store.device_tier().reserved_bytes() - b.device_used_bytes;
   b.host_cached_bytes = store.host_tier().reserved_bytes() - b.host_used_bytes;
   return b;
-}
-
-void Engine::note_memory(const std::string& moment) {
-  // Data parallel: the probe adds the gathered groups' bytes, which are device tier blocks here
-  // already (device_used_bytes); count them once.
-  const int64_t non_model =
-      probe_->live_bytes() - (gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
-  const int64_t device = device_->used_bytes() + non_model;
-  const int64_t host = host_->used_bytes();
-  if (device_peak_breakdown_.iteration < 0 || device > device_peak_breakdown_.device_total()) {
-    device_peak_breakdown_ = take_memory_breakdown(*store_, non_model, iteration_, moment);
-  }
-  if (host_peak_breakdown_.iteration < 0 || host > host_peak_breakdown_.host_used_bytes) {
-    host_peak_breakdown_ = take_memory_breakdown(*store_, non_model, iteration_, moment);
-  }
 }
 
 }  // namespace patrickstar

@@ -21,6 +21,7 @@
 
 #include "engine/gpt_training.h"
 #include "engine/small_net.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/comm/communicator.h"
 #include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
@@ -78,7 +79,7 @@ EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
   auto rows_of = [&](const at::Tensor& global) { return sharded ? my_rows(global) : global; };
   EngineRun run;
   run.registration = engine->registration();
-  const ChunkStore& store = engine->chunks();
+  const ChunkStore& store = inspect(*engine).chunks();
   run.chunks_per_kind = store.chunks_per_kind();
   run.chunk_elems = store.chunk_elems();
   run.param_chunk_bytes = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
@@ -183,17 +184,17 @@ TEST(DataParallel, GatheredGroupsSitOnTheDeviceInsideTheSchedulersBudget) {
   int64_t peak_device = 0;
   int64_t other_ranks_param_chunks_scheduled = 0;
   const EngineRun run = train_gpt(config, kIterations, /*sharded=*/true, [&](Engine& engine) {
-    bound = opt_traffic_bound(engine.tracer().warmup_trace(), engine.scheduler().chunks(),
-                              engine.scheduler().options());
-    const ChunkStore& store = engine.chunks();
-    for (const auto& entry : engine.scheduler().chunks()) {
+    bound = opt_traffic_bound(inspect(engine).tracer().warmup_trace(), inspect(engine).scheduler().chunks(),
+                              inspect(engine).scheduler().options());
+    const ChunkStore& store = inspect(engine).chunks();
+    for (const auto& entry : inspect(engine).scheduler().chunks()) {
       const int64_t index = store.index_of(entry.first);
       if (store.kind_of(entry.first) == ChunkKind::kParam && index % ranks() != me() &&
-          !engine.host_only(index)) {
+          !inspect(engine).host_only(index)) {
         ++other_ranks_param_chunks_scheduled;
       }
     }
-    for (const IterationStats& stats : engine.scheduler().history()) {
+    for (const IterationStats& stats : inspect(engine).scheduler().history()) {
       if (!stats.warmup) peak_device = std::max(peak_device, stats.peak_device_bytes);
     }
   });
@@ -275,14 +276,14 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
     Engine single(one.ptr(), config);  // one process, whatever the launcher started
     models::Gpt many = make_model(1);
     Engine sharded(many.ptr(), config, comm());
-    const int64_t chunks_one = single.chunks().chunks_per_kind();
-    const int64_t chunks_many = sharded.chunks().chunks_per_kind();
+    const int64_t chunks_one = inspect(single).chunks().chunks_per_kind();
+    const int64_t chunks_many = inspect(sharded).chunks().chunks_per_kind();
     EXPECT_EQ(chunks_many % ranks(), 0);
     EXPECT_GE(chunks_many, chunks_one);
     EXPECT_LT(chunks_many, chunks_one + 2 * ranks());  // at most N - 1 per tensor group (1 here)
     int64_t per_index = 0;  // every kind's chunk of a full index
     int64_t cut = 0;        // what one process saves on its last index
-    const ChunkStore& store = single.chunks();
+    const ChunkStore& store = inspect(single).chunks();
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);
       if (!store.has_kind(kind)) continue;
@@ -330,7 +331,7 @@ TEST(DataParallel, CollectiveBytesPerIterationEqualTheFormula) {
     torch::manual_seed(5);
     Net model;
     auto engine = std::make_shared<Engine>(model.ptr(), small_device(extra), comm());
-    const ChunkStore& store = engine->chunks();
+    const ChunkStore& store = inspect(*engine).chunks();
     const int64_t groups = store.chunks_per_kind() / ranks();
     const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
     for (int s = 0; s < 3; ++s) {

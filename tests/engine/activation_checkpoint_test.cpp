@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -43,12 +44,12 @@ EngineRun train_engine(bool checkpointed, const Config& config, int steps) {
     run.reports.push_back(train_step(engine, model, s, &loss));
     run.losses.push_back(loss);
   }
-  for (const MomentRecord& m : engine.scheduler().moment_records()) {
+  for (const MomentRecord& m : inspect(engine).scheduler().moment_records()) {
     if (m.non_model_bytes < 0) continue;
     ++run.moments_checked;
     if (m.chunk_bytes + m.non_model_bytes > config.device.capacity_bytes) ++run.moments_over;
   }
-  run.moments_per_iteration = engine.tracer().warmup_trace().size();
+  run.moments_per_iteration = inspect(engine).tracer().warmup_trace().size();
   return run;
 }
 
@@ -176,8 +177,8 @@ TEST_F(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
   }
   engine.backward(loss);
   engine.step();
-  const MoveCounters before = engine.chunks().move_counters();
-  const int64_t moments = engine.tracer().current_trace().size();
+  const MoveCounters before = inspect(engine).chunks().move_counters();
+  const int64_t moments = inspect(engine).tracer().current_trace().size();
   {
     torch::NoGradGuard no_grad;
     auto active = engine.activate();
@@ -185,8 +186,8 @@ TEST_F(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
   }
   EXPECT_FALSE(loss.requires_grad());
   EXPECT_TRUE(std::isfinite(loss.item<double>()));
-  EXPECT_EQ(engine.chunks().move_counters().h2d_bytes, before.h2d_bytes) << "no chunk moved";
-  EXPECT_EQ(engine.tracer().current_trace().size(), moments) << "no moment recorded";
+  EXPECT_EQ(inspect(engine).chunks().move_counters().h2d_bytes, before.h2d_bytes) << "no chunk moved";
+  EXPECT_EQ(inspect(engine).tracer().current_trace().size(), moments) << "no moment recorded";
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/chunk/allocation_faults.h"
 #include "patrickstar/patrickstar.h"
 
@@ -31,7 +32,7 @@ using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 // Weights and optimizer state (every chunk but the gradient space) and the loss scale.
 std::vector<at::Tensor> state_of(const Engine& engine) {
   std::vector<at::Tensor> out;
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   for (ChunkId id = 0; id < store.chunk_count(); ++id) {
     if (store.kind_of(id) != ChunkKind::kGrad) out.push_back(store.chunk_view(id).clone());
   }
@@ -49,7 +50,7 @@ bool same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
 
 int64_t tensors_in_compute(const Engine& engine) {
   int64_t n = 0;
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   for (ChunkId id = 0; id < store.chunk_count(); ++id) {
     n += store.chunk_state(id)[TensorState::kCompute];
   }

@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -28,7 +30,7 @@ MovesRun train(const Config& config, int steps) {
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), config);
   MovesRun run;
-  run.queued = engine.chunks().copy_queue() != nullptr;
+  run.queued = inspect(engine).chunks().copy_queue() != nullptr;
   const int micro = config.gradient_accumulation_steps;
   for (int s = 0; s < steps; ++s) {
     auto batch = batch_of_step(s);
@@ -121,28 +123,28 @@ TEST(AsyncMoves, RandomCopyDelaysChangeNothingBitForBit) {
 TEST(AsyncMoves, TheTimelineShowsEachIssuedMoveAsOneCopyOnTheSameClock) {
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), tight_config());
-  CopyEngine* queue = engine.chunks().copy_queue();
+  CopyEngine* queue = inspect(engine).chunks().copy_queue();
   ASSERT_NE(queue, nullptr);
   engine.set_record_timeline(true);  // the moves and the copy thread's spans
   for (int s = 0; s < 5; ++s) {
     const IterationReport report = train_step(engine, model, s);
     if (s < 2) continue;
     EXPECT_GT(report.h2d_bytes, 0) << "the device is tight: chunks move every iteration";
-    const Trace& trace = engine.scheduler().trace();
+    const Trace& trace = inspect(engine).scheduler().trace();
     ASSERT_GT(trace.size(), 0);
     for (int64_t id : trace.moments[0].chunk_ids) {
-      EXPECT_EQ(engine.chunks().tier(id), Tier::kDevice)
-          << "step " << s << ": " << engine.chunks().describe(id) << " (first moment) not prefetched";
+      EXPECT_EQ(inspect(engine).chunks().tier(id), Tier::kDevice)
+          << "step " << s << ": " << inspect(engine).chunks().describe(id) << " (first moment) not prefetched";
     }
     const int64_t step_moment = trace.size() - 1;
     ASSERT_EQ(trace.moments[step_moment].kind, MomentKind::kStep);
     const std::vector<int64_t>& home = trace.moments[step_moment].host_chunk_ids;
     int64_t sent_home = 0;
-    for (const MoveEvent& move : engine.scheduler().moves()) {
-      if (move.iteration != engine.scheduler().history().back().iteration || move.to_device) continue;
+    for (const MoveEvent& move : inspect(engine).scheduler().moves()) {
+      if (move.iteration != inspect(engine).scheduler().history().back().iteration || move.to_device) continue;
       if (std::find(home.begin(), home.end(), move.chunk_id) == home.end()) continue;
       ++sent_home;
-      EXPECT_LT(move.moment, step_moment) << "step " << s << ": " << engine.chunks().describe(move.chunk_id)
+      EXPECT_LT(move.moment, step_moment) << "step " << s << ": " << inspect(engine).chunks().describe(move.chunk_id)
                                           << " left the device at the step itself";
     }
     EXPECT_GT(sent_home, 0) << "the host Adam's chunks leave the device every iteration";
@@ -158,8 +160,8 @@ TEST(AsyncMoves, TheTimelineShowsEachIssuedMoveAsOneCopyOnTheSameClock) {
       copies.push_back(span);
     }
   }
-  const std::vector<MoveEvent>& moves = engine.scheduler().moves();
-  const MoveCounters counters = engine.chunks().move_counters();
+  const std::vector<MoveEvent>& moves = inspect(engine).scheduler().moves();
+  const MoveCounters counters = inspect(engine).chunks().move_counters();
   EXPECT_EQ(static_cast<int64_t>(copies.size()), counters.h2d_moves + counters.d2h_moves);
   ASSERT_EQ(copies.size(), moves.size());
   for (size_t i = 0; i < moves.size(); ++i) {
@@ -184,7 +186,7 @@ TEST(AsyncMoves, ConfigTurnsThemOff) {
   const Config off = tight_config(with_moves("{}", R"({"async_moves": false})"));
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), off);
-  EXPECT_EQ(engine.chunks().copy_queue(), nullptr);
+  EXPECT_EQ(inspect(engine).chunks().copy_queue(), nullptr);
   EXPECT_EQ(Config::from_json(off.to_json()).scheduler.async_moves, false);
 }
 

@@ -12,6 +12,7 @@
 
 #include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -23,7 +24,7 @@ using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
 std::vector<at::Tensor> state_of(const Engine& engine) {
   std::vector<at::Tensor> out;
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   for (ChunkId id = 0; id < store.chunk_count(); ++id) {
     if (store.kind_of(id) != ChunkKind::kGrad) out.push_back(store.chunk_view(id).clone());
   }

@@ -17,6 +17,7 @@
 
 #include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -38,7 +39,7 @@ void write_bytes(const std::string& path, const std::string& bytes) {
 // Weights and optimizer state (every chunk but the gradient space), the loss scale and the step.
 std::vector<at::Tensor> state_of(const Engine& engine) {
   std::vector<at::Tensor> out;
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   for (ChunkId id = 0; id < store.chunk_count(); ++id) {
     if (store.kind_of(id) != ChunkKind::kGrad) out.push_back(store.chunk_view(id).clone());
   }

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include "patrickstar/engine/config.h"
 

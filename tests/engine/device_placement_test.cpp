@@ -11,6 +11,7 @@
 
 #include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 
@@ -57,7 +58,7 @@ TEST_P(HostPlusDevice, StatesTheHostCannotHoldLiveOnTheDeviceAndTrainingMatchesL
   Gpt model = make_model(1);
   Engine engine(model.ptr(), config);
   engine.set_record_timeline(true);  // the moves are read below
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   const RegistrationReport& r = engine.registration();
   EXPECT_EQ(r.model_data_bytes, needed);
   EXPECT_GE(r.device_state_bytes, kShortBy);
@@ -68,7 +69,7 @@ TEST_P(HostPlusDevice, StatesTheHostCannotHoldLiveOnTheDeviceAndTrainingMatchesL
   std::set<int64_t> placed;
   int64_t placed_bytes = 0;
   for (ChunkId id = 0; id < store.chunk_count(); ++id) {
-    if (!engine.scheduler().chunks().at(id).device_only) continue;
+    if (!inspect(engine).scheduler().chunks().at(id).device_only) continue;
     placed.insert(id);
     placed_bytes += store.chunk_bytes(id);
     const ChunkKind kind = store.kind_of(id);
@@ -100,16 +101,16 @@ TEST_P(HostPlusDevice, StatesTheHostCannotHoldLiveOnTheDeviceAndTrainingMatchesL
     EXPECT_GT(reports[i].evictions, 0) << "iteration " << i;
   }
   // The placed states never moved; their Adam ran on the device; the host stayed in its budget.
-  for (const MoveEvent& move : engine.scheduler().moves()) {
+  for (const MoveEvent& move : inspect(engine).scheduler().moves()) {
     EXPECT_EQ(placed.count(move.chunk_id), 0u) << "chunk " << move.chunk_id << " moved";
   }
   for (int64_t id : placed) {
     EXPECT_EQ(store.tier(id), Tier::kDevice) << "chunk " << id << " after training";
-    EXPECT_TRUE(engine.adam_on_device()[static_cast<size_t>(store.index_of(id))]);
+    EXPECT_TRUE(inspect(engine).adam_on_device()[static_cast<size_t>(store.index_of(id))]);
   }
   EXPECT_GT(reports.front().adam.chunks_device, 0) << "the warm-up updates them on the device too";
-  EXPECT_LE(engine.host_tier().peak_bytes(), config.device.host_capacity_bytes);
-  EXPECT_GT(engine.host_tier().peak_bytes(), config.device.host_capacity_bytes - 2 * 160000)
+  EXPECT_LE(inspect(engine).host_tier().peak_bytes(), config.device.host_capacity_bytes);
+  EXPECT_GT(inspect(engine).host_tier().peak_bytes(), config.device.host_capacity_bytes - 2 * 160000)
       << "the host budget was the limit, so the host tier ran near it";
 }
 

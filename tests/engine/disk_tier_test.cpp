@@ -10,9 +10,11 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 #include "temp_folder.h"
 
@@ -93,7 +95,7 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
     // Master (mixed precision), momentum and variance of every chunk index: 12 or 8 bytes per
     // element of each index's capacity (the last index is cut to what it holds).
     int64_t capacity_elems = 0;
-    for (const Chunk& c : disk_engine->chunks().chunks(ChunkKind::kMomentum)) {
+    for (const Chunk& c : inspect(*disk_engine).chunks().chunks(ChunkKind::kMomentum)) {
       capacity_elems += c.capacity_elems;
     }
     EXPECT_LT(capacity_elems, r.chunk_elems * r.chunks_per_kind);
@@ -101,8 +103,8 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
     EXPECT_EQ(r.model_data_bytes, memory_engine->registration().model_data_bytes);
     EXPECT_EQ(static_cast<int64_t>(folder.files().size()), (mixed ? 3 : 2) * r.chunks_per_kind);
     // The host holds only the rest of the model data (the states' payloads are freed).
-    EXPECT_EQ(disk_engine->host_tier().used_bytes(),
-              memory_engine->host_tier().used_bytes() - r.disk_bytes);
+    EXPECT_EQ(inspect(*disk_engine).host_tier().used_bytes(),
+              inspect(*memory_engine).host_tier().used_bytes() - r.disk_bytes);
 
     bool skipped = false;
     for (int step = 0; step < 4; ++step) {
@@ -274,7 +276,7 @@ TEST(DiskTier, AFailedWriteKeepsThatChunksStatesInMemoryAndTrainingMatches) {
   const std::string blocker = folder.path() + "/" + victim + ".tmp";
   ASSERT_EQ(::mkdir(blocker.c_str(), 0700), 0);
   const RegistrationReport& r = disk_engine.registration();
-  const ChunkStore& store = disk_engine.chunks();
+  const ChunkStore& store = inspect(disk_engine).chunks();
   int64_t index_bytes = 0;  // index 1's states on disk (the last index is smaller: it is cut)
   for (ChunkKind kind : {ChunkKind::kParamFp32, ChunkKind::kMomentum, ChunkKind::kVariance}) {
     index_bytes += store.chunk_bytes(store.chunk_id(kind, 1));

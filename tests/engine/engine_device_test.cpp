@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "error_message.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/chunk/memory_tier.h"
 #include "patrickstar/patrickstar.h"
@@ -65,7 +67,7 @@ TEST(EmulatedDevice, HostChunksAreNeverPinned) {
   torch::nn::Sequential model = small_mlp();
   Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 2112,
       "client": {"device": {"capacity_bytes": "256KiB"}}})"));
-  const auto* host = dynamic_cast<const HostTier*>(&engine.host_tier());
+  const auto* host = dynamic_cast<const HostTier*>(&inspect(engine).host_tier());
   ASSERT_NE(host, nullptr);
   EXPECT_FALSE(host->pinned());
 }
@@ -180,7 +182,7 @@ TEST(EngineWarnings, AChunkSizeThatWastesMoreThanHalfIsReported) {
     Engine engine(model.ptr(), Config::from_string(R"({"default_chunk_size": 1048576})"));
     EXPECT_EQ(warnings.count("default_chunk_size"), 0) << ::testing::PrintToString(warnings.messages);
     EXPECT_NEAR(engine.registration().chunk_waste_fraction, 440.0 / 3072.0, 1e-12);
-    EXPECT_EQ(engine.chunks().chunk(0).capacity_elems, 3072);
+    EXPECT_EQ(inspect(engine).chunks().chunk(0).capacity_elems, 3072);
   }
   {
     // Without the key the engine chooses the size: little waste, no warning.
@@ -232,7 +234,7 @@ TEST(DeviceCapacity, AutoIsResolvedWhenTheEngineIsBuilt) {
   torch::nn::Sequential model = small_mlp();
   Engine engine(model.ptr(), Config::from_string("{}"));
   EXPECT_EQ(engine.config().device.capacity_bytes, int64_t{4} << 30);
-  EXPECT_EQ(engine.device_tier().capacity_bytes(), int64_t{4} << 30);
+  EXPECT_EQ(inspect(engine).device_tier().capacity_bytes(), int64_t{4} << 30);
 
   Config cuda;
   cuda.device.type = DeviceType::kCuda;

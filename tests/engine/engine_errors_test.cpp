@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 #include "error_message.h"
 #include "patrickstar/models/gpt.h"

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/memtracer/counting_allocator.h"
 #include "patrickstar/patrickstar.h"
 #include "small_net.h"
@@ -40,8 +41,8 @@ TEST(EngineFootprint, WhatTheEngineHoldsAfterIteration100DoesNotGrow) {
     int64_t tensor_bytes, heap_bytes;
   };
   auto held = [&] {
-    return Held{engine.history().size(), engine.scheduler().history().size(),
-                engine.scheduler().moves().size(), engine.scheduler().moment_records().size(),
+    return Held{engine.history().size(), inspect(engine).scheduler().history().size(),
+                inspect(engine).scheduler().moves().size(), inspect(engine).scheduler().moment_records().size(),
                 counter.live_bytes(), heap_bytes()};
   };
   Held at_100{}, at_2000{};
@@ -70,8 +71,8 @@ TEST(EngineFootprint, WhatTheEngineHoldsAfterIteration100DoesNotGrow) {
 // Each moment's non-model bytes of one iteration, and the tail's.
 std::vector<int64_t> readings_of(const Engine& engine) {
   std::vector<int64_t> out;
-  for (const Moment& m : engine.tracer().current_trace().moments) out.push_back(m.non_model_bytes);
-  out.push_back(engine.tracer().current_trace().tail_non_model_bytes);
+  for (const Moment& m : inspect(engine).tracer().current_trace().moments) out.push_back(m.non_model_bytes);
+  out.push_back(inspect(engine).tracer().current_trace().tail_non_model_bytes);
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"

@@ -10,9 +10,11 @@
 
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -108,7 +110,7 @@ struct Trainer {
   // to the host: a chunk may be on either tier, and on another one when compared.
   std::vector<at::Tensor> state() const {
     std::vector<at::Tensor> out;
-    const ChunkStore& store = engine->chunks();
+    const ChunkStore& store = inspect(*engine).chunks();
     for (ChunkId id = 0; id < store.chunk_count(); ++id) {
       if (store.kind_of(id) != ChunkKind::kGrad) {
         out.push_back(store.chunk_view(id).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
@@ -119,7 +121,7 @@ struct Trainer {
   }
   int64_t tensors_in_compute() const {
     int64_t n = 0;
-    const ChunkStore& store = engine->chunks();
+    const ChunkStore& store = inspect(*engine).chunks();
     for (ChunkId id = 0; id < store.chunk_count(); ++id) {
       n += store.chunk_state(id)[TensorState::kCompute];
     }

@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/memtracer/simulator.h"
 #include "gpt_training.h"
 #include "patrickstar/models/gpt.h"
@@ -67,7 +68,7 @@ EngineRun train_engine(const Config& config, int steps, int first_step = 0,
       loss_sum += loss.item<double>();
     }
     run.reports.push_back(engine->step());
-    for (const MomentRecord& m : engine->scheduler().moment_records()) {
+    for (const MomentRecord& m : inspect(*engine).scheduler().moment_records()) {
       if (m.iteration != s - first_step || m.non_model_bytes < 0) continue;
       ++run.moments_checked;
       if (m.chunk_bytes + m.non_model_bytes > config.device.capacity_bytes) ++run.moments_over;
@@ -156,9 +157,9 @@ TEST_F(EngineTraining, TrafficWithinTwoPercentOfTheOptBound) {
       traffic += static_cast<double>(run.reports[i].h2d_bytes + run.reports[i].d2h_bytes);
     }
     traffic /= static_cast<double>(run.reports.size() - 2);
-    const TrafficBound bound = opt_traffic_bound(engine.tracer().warmup_trace(),
-                                                 engine.scheduler().chunks(),
-                                                 engine.scheduler().options());
+    const TrafficBound bound = opt_traffic_bound(inspect(engine).tracer().warmup_trace(),
+                                                 inspect(engine).scheduler().chunks(),
+                                                 inspect(engine).scheduler().options());
     const double bound_bytes = static_cast<double>(bound.h2d_bytes + bound.d2h_bytes) /
                                static_cast<double>(bound.period_iterations);
     std::printf("%s: traffic %.0f bytes per iteration, OPT bound %.0f (%s), ratio %.4f, host-Adam "
@@ -209,12 +210,12 @@ TEST_F(EngineTraining, WarmupLoadsWithinTwiceASteadyIteration) {
     EXPECT_LE(warmup.warm_start_h2d_bytes, warmup.h2d_bytes);
     const double own = static_cast<double>(warmup.h2d_bytes - warmup.warm_start_h2d_bytes);
     std::set<int64_t> accessed;
-    for (const Moment& moment : engine.tracer().warmup_trace().moments) {
+    for (const Moment& moment : inspect(engine).tracer().warmup_trace().moments) {
       accessed.insert(moment.chunk_ids.begin(), moment.chunk_ids.end());
     }
     double cold = 0;  // every accessed chunk loaded once
     for (int64_t id : accessed) {
-      cold += static_cast<double>(engine.scheduler().chunks().at(id).bytes);
+      cold += static_cast<double>(inspect(engine).scheduler().chunks().at(id).bytes);
     }
     std::printf("%s: warm-up loads %.0f bytes (its own %.0f, warm start %lld), steady %.0f per "
                 "iteration, accessed chunks %.0f: own / steady %.2fx, own / max(steady, accessed) "
@@ -236,10 +237,10 @@ TEST_F(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
   const Config config = tight_config(R"({"use_cpu_embedding": true})");
   Gpt model = make_model(1);
   Engine engine(model.ptr(), config);
-  const ChunkStore& store = engine.chunks();
+  const ChunkStore& store = inspect(engine).chunks();
   int64_t host_only = 0;
   for (int64_t i = 0; i < store.chunks_per_kind(); ++i) {
-    if (!engine.host_only(i)) continue;
+    if (!inspect(engine).host_only(i)) continue;
     ++host_only;
     for (TensorId t : store.layout().tensors_in_chunk(i)) {
       const std::string& name = store.layout().name(t);
@@ -250,17 +251,17 @@ TEST_F(EngineTraining, CpuEmbeddingMatchesPlainLibTorchAndStaysOnTheHost) {
   const EngineRun run = train_engine(config, kSteps, 0, &engine);
   EXPECT_LE(max_relative_difference(run.losses, plain), 1e-5);
   expect_evictions_after_warmup(run);
-  for (const Moment& m : engine.tracer().warmup_trace().moments) {
+  for (const Moment& m : inspect(engine).tracer().warmup_trace().moments) {
     for (int64_t c : m.chunk_ids) {
-      EXPECT_FALSE(engine.host_only(store.index_of(c))) << "moment " << m.label << " loads " << c;
+      EXPECT_FALSE(inspect(engine).host_only(store.index_of(c))) << "moment " << m.label << " loads " << c;
     }
   }
-  for (const MoveEvent& move : engine.scheduler().moves()) {
-    EXPECT_FALSE(engine.host_only(store.index_of(move.chunk_id))) << "chunk " << move.chunk_id;
+  for (const MoveEvent& move : inspect(engine).scheduler().moves()) {
+    EXPECT_FALSE(inspect(engine).host_only(store.index_of(move.chunk_id))) << "chunk " << move.chunk_id;
   }
   for (int64_t i = 0; i < store.chunks_per_kind(); ++i) {
-    if (engine.host_only(i)) {
-      EXPECT_FALSE(engine.adam_on_device()[i]);
+    if (inspect(engine).host_only(i)) {
+      EXPECT_FALSE(inspect(engine).adam_on_device()[i]);
     }
   }
   EXPECT_GE(run.reports.back().adam.chunks_host, 1);

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
 #include "test_device.h"
@@ -92,7 +94,7 @@ inline int64_t non_model_peak_bytes(const std::string& extra = "{}") {
   models::Gpt model = make_model(1);
   Engine engine(model.ptr(), config);
   train_step(engine, model, 0);
-  const Trace& trace = engine.tracer().warmup_trace();
+  const Trace& trace = inspect(engine).tracer().warmup_trace();
   int64_t peak = trace.tail_non_model_bytes;
   for (const Moment& moment : trace.moments) peak = std::max(peak, moment.non_model_bytes);
   return peak;

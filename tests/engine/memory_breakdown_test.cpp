@@ -8,6 +8,7 @@
 #include <string>
 
 #include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
@@ -29,7 +30,7 @@ void expect_accounts_for_everything(const Engine& engine, const MemoryBreakdown&
   SCOPED_TRACE(which);
   ASSERT_GE(b.iteration, 0);
   EXPECT_FALSE(b.moment.empty());
-  const auto expected = payload_bytes_by_kind(engine.chunks());
+  const auto expected = payload_bytes_by_kind(inspect(engine).chunks());
   for (int k = 0; k < kChunkKindCount; ++k) {
     const auto i = static_cast<size_t>(k);
     EXPECT_EQ(b.device_chunk_bytes[i] + b.host_chunk_bytes[i], expected[i]) << "kind " << k;
@@ -40,13 +41,13 @@ void expect_accounts_for_everything(const Engine& engine, const MemoryBreakdown&
   EXPECT_LE(b.host_chunk_total(), b.host_used_bytes);
   // Tier blocks stay within each tier's hard capacity (the tiers' peak_bytes() restart every
   // iteration, so they are no bound on an earlier iteration's figures).
-  EXPECT_LE(b.device_used_bytes, engine.device_tier().capacity_bytes());
-  EXPECT_LE(b.host_used_bytes, engine.host_tier().capacity_bytes());
+  EXPECT_LE(b.device_used_bytes, inspect(engine).device_tier().capacity_bytes());
+  EXPECT_LE(b.host_used_bytes, inspect(engine).host_tier().capacity_bytes());
   // Cached blocks are what the tier holds beyond its used bytes, within its reserved peak.
   EXPECT_GE(b.device_cached_bytes, 0);
   EXPECT_GE(b.host_cached_bytes, 0);
-  EXPECT_LE(b.device_used_bytes + b.device_cached_bytes, engine.device_tier().peak_reserved_bytes());
-  EXPECT_LE(b.host_used_bytes + b.host_cached_bytes, engine.host_tier().peak_reserved_bytes());
+  EXPECT_LE(b.device_used_bytes + b.device_cached_bytes, inspect(engine).device_tier().peak_reserved_bytes());
+  EXPECT_LE(b.host_used_bytes + b.host_cached_bytes, inspect(engine).host_tier().peak_reserved_bytes());
   // The scheduler's budget: the payloads on the device next to the live non-model bytes fit the
   // capacity. (The sources of evictions still being copied are blocks beyond it until their
   // copies complete: "other" in the breakdown, docs/design.md.)

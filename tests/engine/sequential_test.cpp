@@ -6,7 +6,9 @@
 #include <cmath>
 #include <set>
 #include <string>
+#include <nlohmann/json.hpp>
 
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/patrickstar.h"
 #include "test_device.h"
 
@@ -70,7 +72,7 @@ TEST_F(SequentialDoors, SequentialModelTrainsLikePlainLibTorch) {
   EXPECT_LT(plain.back(), plain.front());
   // Each Linear had its own moments (ReLU owns no parameter), forward and backward.
   std::multiset<std::string> labels;
-  for (const Moment& m : model.engine().tracer().warmup_trace().moments) labels.insert(m.label);
+  for (const Moment& m : inspect(model.engine()).tracer().warmup_trace().moments) labels.insert(m.label);
   EXPECT_EQ(labels.count("0"), 2u);
   EXPECT_EQ(labels.count("2"), 2u);
   EXPECT_EQ(labels.count("1"), 0u);
@@ -96,7 +98,7 @@ TEST_F(SequentialDoors, MemberSequentialThroughCall) {
   model.backward(loss);
   optimizer.step();
   std::set<std::string> labels;
-  for (const Moment& m : model.engine().tracer().warmup_trace().moments) labels.insert(m.label);
+  for (const Moment& m : inspect(model.engine()).tracer().warmup_trace().moments) labels.insert(m.label);
   EXPECT_TRUE(labels.count("stack.0") && labels.count("stack.2")) << labels.size();
   // Without an engine it is the plain Sequential.
   auto plain = std::make_shared<WithStack>();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "patrickstar/patrickstar.h"
 #include "test_device.h"

@@ -59,7 +59,7 @@ class EngineModel {
   // Keeps the engine active on this thread while the expression `model->...` runs.
   class Access {
    public:
-    Access(Engine& engine, ModuleType* module) : guard_(&engine), module_(module) {}
+    Access(Engine& engine, ModuleType* module) : guard_(engine.activate()), module_(module) {}
     auto operator->() const {
       if constexpr (kSequential) {
         doors_.emplace(module_);

@@ -40,7 +40,7 @@
 #include <torch/nn/module.h>
 
 #include "patrickstar/chunk/types.h"
-#include "patrickstar/engine/engine.h"
+#include "patrickstar/engine/engine.h"  // Engine, EngineCore (declared)
 
 namespace patrickstar {
 
@@ -66,10 +66,10 @@ class GatheredParameters {
   void end();
 
  private:
-  friend class Engine;  // tells open scopes when it is destroyed
+  friend class EngineCore;  // tells open scopes when it is destroyed
   void begin(const std::vector<at::Tensor>& params);
 
-  Engine* engine_;  // nullptr once the engine is gone
+  EngineCore* engine_;  // nullptr once the engine is gone
   Mode mode_;
   std::vector<TensorId> ids_;
   std::vector<int64_t> versions_;  // the parameters' versions at the start (in-place writes)

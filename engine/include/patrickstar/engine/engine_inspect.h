@@ -1,0 +1,46 @@
+// What tests and benchmarks look at inside an Engine: its chunk store, scheduler, tracer, tiers,
+// the Adam placement and the communicator. Training code does not need it (engine.h is the API);
+// everything here is read-only except the tiers, whose peaks a benchmark may reset.
+//
+//   const patrickstar::ChunkStore& store = patrickstar::inspect(engine).chunks();
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/chunk/memory_tier.h"
+#include "patrickstar/comm/communicator.h"
+#include "patrickstar/engine/engine.h"
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/trace.h"
+
+namespace patrickstar {
+
+class EngineInspector {
+ public:
+  explicit EngineInspector(const Engine& engine) : core_(*engine.core_) {}
+
+  const ChunkStore& chunks() const;
+  const Scheduler& scheduler() const;
+  const TraceRecorder& tracer() const;
+  MemoryTier& device_tier() const;
+  MemoryTier& host_tier() const;
+  // Adam for chunk index i runs on the device: decided at the first step() after the trace was
+  // dropped (the first iteration's, and the one after each retrace) from the margin its moments
+  // measured; a warm-up repeated because its trace did not fit keeps the placement it had.
+  const std::vector<bool>& adam_on_device() const;
+  // Chunk index i belongs to CPU embeddings (use_cpu_embedding): it never moves to the device.
+  bool host_only(int64_t chunk_index) const;
+  // Data parallel: whether this rank owns chunk index i (keeps its optimizer state; always true
+  // with one process), and the communicator the engine uses.
+  bool owns(int64_t chunk_index) const;
+  const Communicator& communicator() const;
+
+ private:
+  const EngineCore& core_;
+};
+
+inline EngineInspector inspect(const Engine& engine) { return EngineInspector(engine); }
+
+}  // namespace patrickstar

@@ -1,0 +1,90 @@
+// What the engine reports: one IterationReport per optimizer step, one RegistrationReport for the
+// model data. Exact byte counts; times are wall-clock seconds.
+#pragma once
+
+#include <cstdint>
+
+#include "patrickstar/optimizer/placement.h"
+
+namespace patrickstar {
+
+// What one optimizer step (one iteration) did: exact bytes, where Adam ran, the loss scale.
+struct IterationReport {
+  int64_t iteration = 0;          // 0 is the warm-up
+  bool warmup = false;
+  bool skipped = false;           // fp16 overflow: weights unchanged, scale lowered
+  double loss_scale = 1.0;
+  double grad_norm = 0.0;
+  int64_t h2d_bytes = 0;          // every chunk move this iteration, both directions
+  int64_t d2h_bytes = 0;
+  // Of the warm-up's h2d_bytes: the chunks brought back at its end for the first scheduled
+  // iteration (the warm start, at most the device's chunk budget); 0 in other iterations.
+  int64_t warm_start_h2d_bytes = 0;
+  // Asynchronous moves: how long compute waited for chunk copies this iteration (the copy time
+  // that did not overlap compute); 0 with synchronous moves, whose copies are all exposed. On CUDA
+  // also the time the compute stream stood waiting on a copy's event on the GPU, in the first
+  // report made once the GPU has passed that wait (reports never wait for the GPU).
+  double copy_wait_seconds = 0;
+  int64_t device_chunk_peak_bytes = 0;  // the device tier's peak during the iteration
+  int64_t non_model_peak_bytes = 0;     // the probe's peak during the iteration
+  int64_t evictions = 0;
+  int64_t prefetches = 0;
+  // Of d2h_bytes: chunks sent to the host for the host-side Adam (gradients in, new weights out);
+  // they return at their next use. The rest of the traffic is the scheduler's choice.
+  int64_t adam_host_d2h_bytes = 0;
+  // The moments differed from the trace, which was re-recorded in this iteration (a warm-up
+  // schedule from that moment on); retraces counts such iterations since the engine was built.
+  bool retraced = false;
+  int64_t retraces = 0;
+  PlacementReport adam;           // chunks and bytes of optimizer state updated on device / host
+  // The disk tier (zero_optimization.offload_optimizer.device "nvme"): optimizer-state bytes read
+  // from and written to its files this iteration (0 without it).
+  int64_t disk_read_bytes = 0;
+  int64_t disk_written_bytes = 0;
+  // Wall time of the optimizer step (both Adams, the disk tier's I/O included), and of it the time
+  // the engine waited for the disk tier (reads not done ahead, writes still going at the end).
+  double adam_seconds = 0;
+  double disk_wait_seconds = 0;
+  // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
+  // a group gather is one all-gather of the group's world_size param chunks into one buffer
+  // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to
+  // its owner (world_size x chunk_elems x 4); all-reduces agree on the loss's finiteness and the
+  // gradient norm.
+  int64_t group_gathers = 0;      // comm groups gathered (forward and backward)
+  int64_t group_reduces = 0;      // comm groups whose gradients were reduced into their owners
+  // The most device bytes that gathered group buffers held at once (the doors place them, not the
+  // scheduler; the trace counts them as non-model bytes, so non_model_peak_bytes includes them).
+  int64_t gathered_peak_bytes = 0;
+  int64_t gather_bytes = 0;
+  int64_t reduce_bytes = 0;
+  int64_t all_reduce_bytes = 0;
+  double collective_seconds = 0;  // wall time inside collectives
+};
+
+// Model-data figures, fixed after registration.
+struct RegistrationReport {
+  int64_t params = 0;             // registered elements (tied parameters once)
+  int64_t tensors = 0;
+  int64_t trainable_params = 0;
+  int64_t chunk_elems = 0;
+  int64_t chunks_per_kind = 0;
+  int64_t chunk_waste_elems = 0;
+  double chunk_waste_fraction = 0;
+  int64_t model_data_bytes = 0;   // every payload of every kind this rank owns (all, one rank)
+  // Of model_data_bytes: optimizer states kept in the disk tier's files (0 without one).
+  int64_t disk_bytes = 0;
+  // Of model_data_bytes: optimizer states placed on the device for good because the host budget
+  // could not hold them (0 when it could; docs/design.md, "Host plus device").
+  int64_t device_state_bytes = 0;
+  double model_data_bytes_per_param = 0;
+  // Host memory during initialization: the peak of LibTorch's CPU allocations (through the
+  // counting allocator) plus the host tier, over building the model (when initialize_engine built
+  // it) and registering it. Registration streams chunk by chunk, so the goal is
+  // init_goal_bytes: the model data plus the largest module's own parameters in fp32.
+  int64_t host_peak_bytes_during_init = 0;
+  int64_t model_construction_peak_bytes = 0;  // the factory's part (0 when not measured)
+  int64_t largest_module_param_bytes = 0;     // fp32 bytes of one module's own parameters, largest
+  int64_t init_goal_bytes = 0;
+};
+
+}  // namespace patrickstar

@@ -1,0 +1,360 @@
+// Private to engine/src: the engine's implementation behind patrickstar::Engine (engine.h, whose
+// comment says what it does for its user). It orchestrates the components one level down (ChunkStore,
+// Scheduler, TraceRecorder, HybridAdam, DiskStates, Communicator) and the engine's own ones
+// (IterationTracker, iteration_tracker.h); docs/design.md, "Architecture", has the picture.
+//
+// Thread-safety: one training thread drives it; the entry points autograd and the doors call are
+// serialized by entry_mutex_ (on CUDA autograd runs a backward's CPU and GPU work on different
+// threads).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+#include <torch/nn/module.h>
+
+#include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/comm/communicator.h"
+#include "patrickstar/engine/autograd_hooks.h"
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/engine.h"
+#include "patrickstar/engine/memory_breakdown.h"
+#include "patrickstar/engine/reports.h"
+#include "patrickstar/engine/module_hooks.h"
+#include "patrickstar/memtracer/memory_probe.h"
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/trace.h"
+#include "patrickstar/optimizer/hybrid_adam.h"
+
+#include "iteration_metrics.h"
+#include "iteration_tracker.h"
+
+namespace patrickstar {
+namespace engine_detail {
+class GatheredBytesProbe;  // engine/src/engine_internal.h
+class DiskStates;          // engine/src/disk_states.h
+}  // namespace engine_detail
+
+class GatheredParameters;
+
+
+class EngineCore final : public ModuleHookHandler {
+ public:
+  // engine.h documents what each of these does for the user; Engine forwards to them.
+  EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
+             std::shared_ptr<Communicator> comm = nullptr);
+  ~EngineCore() override;
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  torch::nn::Module& module() const { return *model_; }
+  const std::shared_ptr<torch::nn::Module>& module_ptr() const { return model_; }
+  const Config& config() const { return config_; }
+  ActiveHandlerGuard activate() { return ActiveHandlerGuard(this); }
+
+  void backward(const at::Tensor& loss);
+  IterationReport step();
+  void zero_grad(bool set_to_none = true);
+  const at::Tensor& zero_grad_marker() const { return zero_grad_marker_; }
+  void set_lr(double lr);
+  double lr() const;
+  std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
+  void save_weights(const std::string& path) const;
+  void save_checkpoint(const std::string& path) const;
+  void load_checkpoint(const std::string& path);
+
+  const RegistrationReport& registration() const { return metrics_.registration(); }
+  void note_model_construction_peak(int64_t bytes);
+  const std::vector<IterationReport>& history() const { return metrics_.history(); }
+  void set_record_timeline(bool on);
+  const MemoryBreakdown& device_peak_breakdown() const { return metrics_.device_peak(); }
+  const MemoryBreakdown& host_peak_breakdown() const { return metrics_.host_peak(); }
+  int64_t iteration() const { return iteration_; }
+  int64_t retrace_count() const { return retraces_; }
+  double loss_scale() const { return adam_->loss_scale(); }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+
+  // What tests and benchmarks inspect (engine_inspect.h documents them).
+  const ChunkStore& chunks() const { return *store_; }
+  const Scheduler& scheduler() const { return *scheduler_; }
+  const TraceRecorder& tracer() const { return *recorder_; }
+  MemoryTier& device_tier() const { return *device_; }
+  MemoryTier& host_tier() const { return *host_; }
+  const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
+  bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
+  bool owns(int64_t chunk_index) const {
+    return store_->layout().owner_rank(chunk_index) == rank_;
+  }
+  const Communicator& communicator() const { return *comm_; }
+
+  // ModuleHookHandler (called by the doors).
+  int64_t pre_forward(torch::nn::Module& module) override;
+  std::vector<at::Tensor> wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) override;
+  std::vector<at::Tensor> post_forward(int64_t token, std::vector<at::Tensor> outputs) override;
+  void forward_failed(int64_t token) override;
+  // An engine takes only the doors of the modules it registered.
+  bool handles_unregistered_modules() const override { return false; }
+  // The first hook of a backward pass (the engine's backward() or plain loss.backward()): the
+  // engine queues its end-of-backward work on that pass.
+  void backward_started() override;
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor tensor;  // the user's parameter (same TensorImpl throughout)
+    // The parameter's storage in a door: re-pointed at the chunk slot (views autograd saved share
+    // it). Outside the doors the parameter holds `fence`, which has no data and throws an error
+    // naming the parameter when an operator reads it.
+    c10::Storage live;
+    c10::Storage fence;
+    bool gathered = false;  // a GatheredParameters scope holds it as a real fp32 tensor
+    TensorId id = -1;
+    bool trainable = true;
+    int compute_refs = 0;  // open doors / backward uses holding it
+    bool has_grad = false;  // gradient written since the last step (or kept at zero: the step)
+    // The autograd passes that will bring this parameter a gradient in the next backward: the
+    // plain forward is one, each checkpointed call that uses it another (its recompute has a
+    // backward of its own). With two or more, a recompute may still read the weight after a
+    // gradient arrived, so gradients wait in pending_grad (mixed precision without a gradient
+    // space). last_segment: the pass of the latest use (0 plain, else the checkpoint's serial).
+    int segments = 0;
+    int64_t last_segment = -1;
+    void forget_segments() {  // a forward forgotten, a backward ended or abandoned
+      segments = 0;
+      last_segment = -1;
+    }
+    at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
+    // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
+    // (the schedule is not followed outside training; the copy goes when the door closes).
+    mutable at::Tensor eval_copy;
+    // Data parallel: gradients written this backward (the group is reduced once every trainable
+    // tensor of it has `segments` of them), and whether a door used it since its group's gather.
+    int grads_this_backward = 0;
+    bool touched = false;
+    // The gradient as LibTorch code sees it (engine_grad_handles.cpp). grad_defined: LibTorch's
+    // tensor.grad() would be defined (a gradient came since the last reset). grad_handle: what the
+    // engine set tensor.grad() to: a view of the chunk slot holding the gradient (grad_view, over
+    // grad_storage, fenced when withdrawn) or a marker without data. grad_consumed: a step used
+    // the gradient and overwrote its half slot (mixed precision without a gradient space).
+    bool grad_defined = false;
+    bool grad_view = false;
+    bool grad_consumed = false;
+    at::Tensor grad_handle;
+    c10::Storage grad_storage;
+    int64_t grad_handle_version = 0;
+    int64_t adam_steps = 0;  // Adam updates applied to it (torch::optim::Adam counts per parameter)
+  };
+  struct ModuleInfo {
+    std::string label;
+    std::vector<TensorId> params;  // its own and its descendants', registered order
+    int64_t hook_id = -1;       // pre-backward (on its outputs)
+    int64_t post_hook_id = -1;  // post-backward (on its inputs)
+  };
+  // What a door's forward is part of, decided at its pre_forward.
+  enum class ForwardKind {
+    kTraining,      // grad mode on: a moment; outputs and inputs get the backward hooks
+    kCheckpointed,  // inside patrickstar::checkpoint, no grad: a moment, no hooks (recomputed later)
+    kEvaluation,    // no grad: no moment, parameters read where they are
+  };
+  struct OpenScope {
+    ModuleInfo* module = nullptr;
+    std::vector<TensorId> acquired;
+    ForwardKind kind = ForwardKind::kTraining;
+  };
+  class Mover;
+
+  void register_parameters();
+  // The model's parameters become plain fp32 tensors with the master weights again (the
+  // destructor; a constructor that fails after registration). may_gather: data parallel, the
+  // other ranks take part (false while an error unwinds: they are elsewhere).
+  void give_back_model(bool may_gather);
+  void report_config_warnings() const;
+  ModuleInfo& module_info(torch::nn::Module& module);
+  // A moment: tick, record, schedule the chunks of `params` (plus gradient chunks when asked), then
+  // set each parameter COMPUTE and point it at its chunk. Returns the tensors it acquired.
+  std::vector<TensorId> access(const ModuleInfo& module, MomentKind kind, bool with_grad_chunks);
+  void release(TensorId id, TensorState to);
+  void pre_backward(ModuleInfo& module);
+  void post_backward(ModuleInfo& module);
+  void post_backward_release(ModuleInfo& module);
+  void on_gradient(TensorId id, const at::Tensor& param);
+  void begin_iteration_if_needed();
+  void finish_backward();
+  // The moment about to be recorded differs from the trace: warn, re-record from here.
+  void follow_trace(MomentKind kind, const std::string& label);
+  // The forward in progress will never reach backward (it threw, or its loss was dropped).
+  void abandon_forward();
+  // Drops the iteration in progress: gradients, tensor states, the trace's moments.
+  void drop_iteration();
+  // Gradients since the last step are dropped; half weights restored where gradients overwrote them.
+  void discard_gradients();
+  // True when a half slot holds a gradient instead of a weight (mixed, no gradient space).
+  bool half_slots_hold_gradients() const { return grads_in_half_slots_; }
+  void flush_pending_gradients();
+  // A backward that began (Phase::kBackward) but whose end never came: autograd threw inside a plain
+  // loss.backward(). Drops the iteration, with a warning naming `where` the engine noticed.
+  void recover_from_a_dead_backward(const char* where);
+  // Parameters whose requires_grad changed since registration start or stop training now.
+  void sync_trainable();
+  void point_at_chunk(const Param& p);
+  // The parameter leaves its chunk: it holds its fence (no data) again.
+  void point_at_nothing(const Param& p);
+  // Refuses a door over parameters that a GatheredParameters scope holds (before any change).
+  void check_not_gathered(const ModuleInfo& module) const;
+  // zero_grad() when the marker's gradient was reset, replaced or zeroed (zero_grad through
+  // torch::optim::Optimizer&); not inside a backward, where it waits for the next call.
+  // `door`: called by a door, where markers alone are looked at only before the forward (the
+  // backward's start looks at them again before anything accumulates).
+  void zero_grad_if_marker_reset(bool door = false);
+  void arm_zero_grad_marker();
+  // --- gradients as LibTorch code sees them (engine_grad_handles.cpp) ---
+  // At the end of a backward or a step: tensor.grad() of every parameter with a gradient becomes a
+  // view of its slot (one process, fp32/bf16), a marker that refuses reads but takes zero_(), or,
+  // right after a backward with data parallel or fp16, a fence that refuses every access.
+  enum class GradientsShown { kAfterBackward, kAfterStep, kWithdrawn };
+  void show_gradients(GradientsShown when);
+  // What LibTorch code did to them since (Module::zero_grad, clipping in place, assignment),
+  // applied to the chunks; views are withdrawn (fenced) and markers put in their place.
+  void take_gradient_edits(bool door);
+  // Before autograd accumulates a new backward's gradients: every handle goes.
+  void clear_gradient_handles();
+  // One parameter's gradient dropped (set_to_none on it alone): its slot zeroed or its half weight
+  // restored from the fp32 master.
+  void drop_gradient(Param& p);
+  // A forward between doors whose graph is gone (its loss was dropped): forgotten.
+  void forget_dropped_forward();
+  // GatheredParameters: checks every id, then makes each a real fp32 tensor with the master
+  // weights; gather_end writes them back (write_back) and returns them to their fences.
+  void gather_begin(const std::vector<TensorId>& ids, bool write_back);
+  void gather_end(const std::vector<TensorId>& ids, bool write_back);
+  // The registered parameter behind `t`, or -1.
+  TensorId id_of(const at::Tensor& t) const;
+  friend class GatheredParameters;
+  // --- data parallel (engine_distributed.cpp) ---
+  bool distributed() const { return world_ > 1; }
+  int64_t comm_group_of(TensorId id) const;
+  // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
+  // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones
+  // (other remote gradient chunks start as zeros when the Mover first puts them on the device).
+  void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
+  void gather_group(int64_t group);
+  // Outside a backward: drops the remote chunks of the groups of `ids` whose every tensor was used
+  // since their gather and none is in use.
+  void release_used_groups(const std::vector<TensorId>& ids);
+  // In a backward: reduces (and drops) the groups of `ids` whose gradients are all final.
+  void reduce_ready_groups(const std::vector<TensorId>& ids);
+  void reduce_group(int64_t group);
+  // End of backward: every group not reduced yet is reduced (unused parameters' zeros included).
+  void reduce_remaining_groups();
+  // Frees every remote payload; `discard` also drops gradients not reduced yet (else such groups
+  // are kept).
+  void release_remote(bool discard);
+  void release_group(int64_t group);
+  void broadcast_initial_state(const std::vector<std::pair<std::string, at::Tensor>>& params);
+  // Every rank agrees: true when `local` is true on every rank (one small all-reduce).
+  bool all_ranks_agree(bool local) const;
+  // fp32 master of chunk index i on every rank (broadcast from its owner).
+  at::Tensor master_chunk_everywhere(int64_t index) const;
+  void decide_adam_placement();
+  // Tells the scheduler the last moment's compute is over (its prefetch point).
+  void close_moment();
+  // Keeps the breakdown of this moment when it is the highest device or host use so far.
+  void note_memory(const std::string& moment);
+  // The counters an iteration's report takes differences of, now.
+  engine_detail::RunningTotals running_totals() const;
+  // "param chunk 0 (id 0) (wte.weight); ...": resident chunks that may not move, for errors.
+  std::string describe_pinned() const;
+  // Registration: marks optimizer-state chunks to go to the device for good, covering `shortfall`
+  // bytes the host budget lacks, and sets the registration report's device_state_bytes. Returns "" when it
+  // did (or the disk tier handles it), else why not, for the host-budget error.
+  std::string place_states_on_device(int64_t shortfall);
+  IterationReport run_adam();
+  // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
+  // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
+  // such views, finish_state_views() writes back what was written (`write`) and frees the staging.
+  at::Tensor state_view(TensorId id, ChunkKind kind, bool write = false) const;
+  void finish_state_views() const;
+
+  std::shared_ptr<torch::nn::Module> model_;
+  Config config_;
+  bool mixed_ = false;
+  // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
+  ChunkKind master_kind() const { return mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam; }
+  bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
+  std::vector<Param> params_;
+  std::unordered_map<const c10::TensorImpl*, TensorId> param_of_impl_;
+  std::unordered_map<const torch::nn::Module*, std::string> module_names_;
+  std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
+
+  std::unique_ptr<CopyEngine> copy_queue_;  // asynchronous moves; outlives the store (declared first)
+  std::unique_ptr<MemoryTier> host_;
+  std::unique_ptr<MemoryTier> device_;
+  std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<engine_detail::DiskStates> disk_;  // the disk tier (null without); goes before store_
+  std::unique_ptr<MemoryProbe> probe_;
+  CpuMemoryProbe* cpu_probe_ = nullptr;  // probe_, on the emulated device
+  // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.
+  engine_detail::GatheredBytesProbe* gathered_probe_ = nullptr;
+  bool probe_floor_set_ = false;
+  std::unique_ptr<TraceRecorder> recorder_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<Mover> mover_;
+  std::unique_ptr<HybridAdam> adam_;
+  HookTable hooks_;
+  // Held by every entry point autograd or a door calls (the doors, the backward hooks, gradients,
+  // a backward's start and end): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
+  // work on different threads, and the engine's state is one thread's at a time. Recursive: a
+  // checkpoint's recompute opens doors from inside a backward hook's work.
+  std::recursive_mutex entry_mutex_;
+
+  engine_detail::IterationTracker tracker_;  // the phase of the iteration (iteration_tracker.h)
+  bool grads_in_half_slots_ = false;
+  bool handles_shown_ = false;    // some parameter's grad() is an engine handle
+  bool views_shown_ = false;      // ... and some of them are views of chunk slots
+  bool warned_consumed_ = false;  // the backward-after-step-without-zero_grad warning was given
+  int open_scopes_ = 0;
+  int64_t retraces_ = 0;
+  bool retraced_this_iteration_ = false;
+  int64_t iteration_ = 0;
+  std::vector<OpenScope> scopes_;
+  int64_t open_moment_ = -1;  // the last moment, until close_moment()
+  std::vector<bool> adam_on_device_;
+  std::vector<bool> host_only_;  // per chunk index: a CPU embedding's chunk, never on the device
+  // Host plus device: per chunk id, an optimizer-state chunk placed on the device for good at
+  // registration; per chunk index, whether it has one (its Adam always runs on the device).
+  std::vector<bool> states_on_device_;
+  std::vector<bool> adam_device_only_;
+  bool placement_decided_ = false;
+  engine_detail::IterationMetrics metrics_;  // reports, history, peaks (iteration_metrics.h)
+  at::Tensor zero_grad_marker_;
+  at::Tensor zero_grad_marker_grad_;
+  int64_t zero_grad_marker_version_ = 0;
+  int64_t gathered_ = 0;  // parameters held by GatheredParameters scopes
+  int64_t gathered_for_write_ = 0;  // of which by read-write scopes
+  std::vector<GatheredParameters*> gathered_scopes_;  // open scopes (told when the engine goes)
+  std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
+
+  // Data parallel.
+  std::shared_ptr<Communicator> comm_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::vector<char> group_gathered_;     // per comm group: its remote param chunks are present
+  std::vector<char> group_has_grads_;    // per comm group: gradients written, not reduced yet
+  std::vector<int64_t> group_touched_;   // per comm group: tensors used since the gather
+  std::vector<int64_t> group_tensors_;   // per comm group: tensors in its chunks
+  std::vector<at::Tensor> reduced_grads_;  // per owned chunk index (mixed, no gradient space): fp32
+  int64_t group_gathers_ = 0;
+  int64_t group_reduces_ = 0;
+  mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
+};
+
+}  // namespace patrickstar

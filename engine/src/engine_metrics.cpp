@@ -1,0 +1,30 @@
+// What EngineCore hands its IterationMetrics (iteration_metrics.h): a moment's memory, the totals.
+#include "engine_core.h"
+
+#include "patrickstar/chunk/copy_queue.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+void EngineCore::note_memory(const std::string& moment) {
+  // Data parallel: the probe adds the gathered groups' bytes, which are device tier blocks here
+  // already (device_used_bytes); count them once.
+  const int64_t non_model =
+      probe_->live_bytes() - (gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
+  metrics_.note_memory(*store_, non_model, iteration_, moment);
+}
+
+RunningTotals EngineCore::running_totals() const {
+  RunningTotals t;
+  t.moves = store_->move_counters();
+  t.comm = comm_->counters();
+  t.group_gathers = group_gathers_;
+  t.group_reduces = group_reduces_;
+  t.copy_wait_seconds = copy_queue_ != nullptr ? copy_queue_->waited_seconds() : 0;
+  t.collective_seconds = collective_seconds_;
+  return t;
+}
+
+}  // namespace patrickstar
