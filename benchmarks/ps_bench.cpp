@@ -202,10 +202,7 @@ int run() {
     const at::Tensor tokens = data.tokens.narrow(0, rank * rows, rows);
     const at::Tensor targets = data.targets.narrow(0, rank * rows, rows);
     const auto start = Clock::now();
-    optimizer.zero_grad();
-    at::Tensor loss = model->loss(tokens, targets);
-    model.backward(loss);
-    const ps::IterationReport r = optimizer.step();
+    const auto [loss, r] = train_step(model, optimizer, tokens, targets);
     if (s == 0) warmup_report = r;
     last_report = r;
     non_model_peak = std::max(non_model_peak, r.non_model_peak_bytes);

@@ -57,6 +57,21 @@ inline auto build_engine(const ps::models::GptSpec& spec, const ps::Config& conf
       local_rank(), config);
 }
 
+// One training step through the engine, written as a LibTorch loop writes it (every mode trains
+// through this): the loss and the step's report.
+struct StepResult {
+  at::Tensor loss;
+  ps::IterationReport report;
+};
+template <class Model, class Optimizer>
+StepResult train_step(Model& model, Optimizer& optimizer, const at::Tensor& tokens,
+                      const at::Tensor& targets) {
+  optimizer.zero_grad();
+  at::Tensor loss = model->loss(tokens, targets);
+  model.backward(loss);
+  return StepResult{loss, optimizer.step()};
+}
+
 // --find-max-model (ps_bench_search.cpp) and --compare-moves (ps_bench_compare.cpp).
 int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& base, int64_t batch,
                    int64_t seq, uint64_t seed);

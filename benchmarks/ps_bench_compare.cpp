@@ -88,10 +88,7 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
       const size_t i = (static_cast<size_t>(r) + k) % modes.size();
       auto& [model, optimizer] = engines[i];
       const auto start = Clock::now();
-      optimizer.zero_grad();
-      at::Tensor loss = model->loss(data.tokens, data.targets);
-      model.backward(loss);
-      const ps::IterationReport report = optimizer.step();
+      const auto [loss, report] = train_step(model, optimizer, data.tokens, data.targets);
       finish_device_work(base);
       const double t = seconds_since(start);
       Mode& m = modes[i];

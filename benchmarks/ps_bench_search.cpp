@@ -52,10 +52,7 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
     ps::Engine& engine = model.engine();
     for (int64_t s = 0; s < steps; ++s) {
       auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
-      optimizer.zero_grad();
-      at::Tensor loss = model->loss(data.tokens, data.targets);
-      model.backward(loss);
-      optimizer.step();
+      const at::Tensor loss = train_step(model, optimizer, data.tokens, data.targets).loss;
       TORCH_CHECK(std::isfinite(loss.item<double>()), "the loss is not finite");
       trial.device_peak_bytes = std::max(trial.device_peak_bytes,  // the history is bounded
                                          inspect(engine).scheduler().history().back().peak_device_bytes);

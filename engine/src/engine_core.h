@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <ranges>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -241,6 +242,11 @@ class EngineCore final : public ModuleHookHandler {
   friend class GatheredParameters;
   // --- data parallel (engine_distributed.cpp) ---
   bool distributed() const { return world_ > 1; }
+  // Comm group g is the world_ consecutive chunk indices from g * world_ (rank r owns the r-th).
+  int64_t group_index(int64_t group, int rank) const { return group * world_ + rank; }
+  auto group_indices(int64_t group) const {
+    return std::views::iota(group_index(group, 0), group_index(group + 1, 0));
+  }
   int64_t comm_group_of(TensorId id) const;
   // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
   // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones

@@ -61,10 +61,10 @@ void EngineCore::gather_group(int64_t group) {
   // the other ranks' chunks, freed with the last of them (release_group).
   std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
   for (int r = 0; r < world_; ++r) {
-    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, group * world_ + r);
+    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, group_index(group, r));
   }
-  const ChunkId own = store_->chunk_id(ChunkKind::kParam, group * world_ + rank_);
-  const bool on_host = host_only_[static_cast<size_t>(group * world_)];
+  const ChunkId own = store_->chunk_id(ChunkKind::kParam, group_index(group, rank_));
+  const bool on_host = host_only_[static_cast<size_t>(group_index(group, 0))];
   const int64_t bytes = world_ * store_->chunk_bytes(own);
   at::Tensor buffer;
   try {
@@ -92,7 +92,7 @@ void EngineCore::gather_group(int64_t group) {
   }
   group_gathered_[static_cast<size_t>(group)] = 1;
   group_touched_[static_cast<size_t>(group)] = 0;
-  for (int64_t index = group * world_; index < (group + 1) * world_; ++index) {
+  for (int64_t index : group_indices(group)) {
     for (TensorId t : store_->layout().tensors_in_chunk(index)) params_[t].touched = false;
   }
   ++group_gathers_;
@@ -120,10 +120,11 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
 }
 
 void EngineCore::release_group(int64_t group) {
-  if (group_gathered_[static_cast<size_t>(group)] && !host_only_[static_cast<size_t>(group * world_)]) {
-    gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, group * world_)));
+  const int64_t first = group_index(group, 0);
+  if (group_gathered_[static_cast<size_t>(group)] && !host_only_[static_cast<size_t>(first)]) {
+    gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, first)));
   }
-  for (int64_t index = group * world_; index < (group + 1) * world_; ++index) {
+  for (int64_t index : group_indices(group)) {
     if (owns(index)) continue;
     store_->release(store_->chunk_id(ChunkKind::kParam, index));
     if (grad_space_) store_->release(store_->chunk_id(ChunkKind::kGrad, index));
@@ -134,8 +135,9 @@ void EngineCore::release_group(int64_t group) {
 }
 
 namespace {
-bool any_in_compute(const ChunkStore& store, bool grad_space, int64_t first, int64_t end) {
-  for (int64_t index = first; index < end; ++index) {
+template <class Indices>
+bool any_in_compute(const ChunkStore& store, bool grad_space, Indices indices) {
+  for (int64_t index : indices) {
     if (!store.is_movable(store.chunk_id(ChunkKind::kParam, index))) return true;
     if (grad_space && !store.is_movable(store.chunk_id(ChunkKind::kGrad, index))) return true;
   }
@@ -149,7 +151,7 @@ void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
     const int64_t g = comm_group_of(id);
     const auto k = static_cast<size_t>(g);
     if (!group_gathered_[k] || group_has_grads_[k] || group_touched_[k] < group_tensors_[k]) continue;
-    if (any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_)) continue;
+    if (any_in_compute(*store_, grad_space_, group_indices(g))) continue;
     release_group(g);
   }
 }
@@ -159,8 +161,9 @@ void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
     if (!group_has_grads_[static_cast<size_t>(g)]) continue;
-    bool ready = !any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_);
-    for (int64_t index = g * world_; ready && index < (g + 1) * world_; ++index) {
+    bool ready = !any_in_compute(*store_, grad_space_, group_indices(g));
+    for (int64_t index : group_indices(g)) {
+      if (!ready) break;
       for (TensorId t : store_->layout().tensors_in_chunk(index)) {
         const Param& p = params_[t];
         if (p.trainable && (p.segments == 0 || p.grads_this_backward < p.segments)) {
@@ -178,7 +181,7 @@ void EngineCore::reduce_group(int64_t group) {
   {
     ScopeTimer timer(collective_seconds_);
     for (int owner = 0; owner < world_; ++owner) {
-      const int64_t index = group * world_ + owner;
+      const int64_t index = group_index(group, owner);
       if (grad_space_) {
         // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
         // micro-batches reduced, receives the sum in place.
@@ -224,9 +227,10 @@ void EngineCore::release_remote(bool discard) {
   for (int64_t g = 0; g < static_cast<int64_t>(group_gathered_.size()); ++g) {
     const auto k = static_cast<size_t>(g);
     if (!discard && group_has_grads_[k]) continue;
-    if (any_in_compute(*store_, grad_space_, g * world_, (g + 1) * world_)) continue;
+    if (any_in_compute(*store_, grad_space_, group_indices(g))) continue;
     bool present = group_gathered_[k] != 0;
-    for (int64_t index = g * world_; !present && index < (g + 1) * world_; ++index) {
+    for (int64_t index : group_indices(g)) {
+      if (present) break;
       present = !owns(index) && grad_space_ &&
                 store_->tier(store_->chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
     }
