@@ -565,14 +565,12 @@ void EngineCore::register_parameters() {
   if (distributed()) {
     // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
     const int64_t groups = placed->chunk_count() / world_;
-    group_gathered_.assign(static_cast<size_t>(groups), 0);
-    group_has_grads_.assign(static_cast<size_t>(groups), 0);
-    group_touched_.assign(static_cast<size_t>(groups), 0);
-    group_tensors_.assign(static_cast<size_t>(groups), 0);
+    std::vector<int64_t> tensors(static_cast<size_t>(groups), 0);
     for (int64_t i = 0; i < placed->chunk_count(); ++i) {
-      group_tensors_[static_cast<size_t>(i / world_)] +=
+      tensors[static_cast<size_t>(placed->comm_group(i))] +=
           static_cast<int64_t>(placed->tensors_in_chunk(i).size());
     }
+    groups_.init(world_, tensors);
     reduced_grads_.resize(static_cast<size_t>(placed->chunk_count()));
   }
 

@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <ranges>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -35,6 +34,7 @@
 #include "patrickstar/memtracer/trace.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
+#include "comm_groups.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
 
@@ -242,11 +242,6 @@ class EngineCore final : public ModuleHookHandler {
   friend class GatheredParameters;
   // --- data parallel (engine_distributed.cpp) ---
   bool distributed() const { return world_ > 1; }
-  // Comm group g is the world_ consecutive chunk indices from g * world_ (rank r owns the r-th).
-  int64_t group_index(int64_t group, int rank) const { return group * world_ + rank; }
-  auto group_indices(int64_t group) const {
-    return std::views::iota(group_index(group, 0), group_index(group + 1, 0));
-  }
   int64_t comm_group_of(TensorId id) const;
   // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
   // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones
@@ -353,13 +348,8 @@ class EngineCore final : public ModuleHookHandler {
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;
-  std::vector<char> group_gathered_;     // per comm group: its remote param chunks are present
-  std::vector<char> group_has_grads_;    // per comm group: gradients written, not reduced yet
-  std::vector<int64_t> group_touched_;   // per comm group: tensors used since the gather
-  std::vector<int64_t> group_tensors_;   // per comm group: tensors in its chunks
+  engine_detail::CommGroups groups_;  // per comm group: gathered, gradients, use (comm_groups.h)
   std::vector<at::Tensor> reduced_grads_;  // per owned chunk index (mixed, no gradient space): fp32
-  int64_t group_gathers_ = 0;
-  int64_t group_reduces_ = 0;
   mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
 };
 

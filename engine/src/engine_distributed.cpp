@@ -61,10 +61,10 @@ void EngineCore::gather_group(int64_t group) {
   // the other ranks' chunks, freed with the last of them (release_group).
   std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
   for (int r = 0; r < world_; ++r) {
-    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, group_index(group, r));
+    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, groups_.index(group, r));
   }
-  const ChunkId own = store_->chunk_id(ChunkKind::kParam, group_index(group, rank_));
-  const bool on_host = host_only_[static_cast<size_t>(group_index(group, 0))];
+  const ChunkId own = store_->chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
+  const bool on_host = host_only_[static_cast<size_t>(groups_.index(group, 0))];
   const int64_t bytes = world_ * store_->chunk_bytes(own);
   at::Tensor buffer;
   try {
@@ -90,23 +90,21 @@ void EngineCore::gather_group(int64_t group) {
     gathered_probe_->add(bytes);
     metrics_.note_gathered_bytes(gathered_probe_->gathered_bytes());
   }
-  group_gathered_[static_cast<size_t>(group)] = 1;
-  group_touched_[static_cast<size_t>(group)] = 0;
-  for (int64_t index : group_indices(group)) {
+  groups_.on_gathered(group);
+  for (int64_t index : groups_.indices(group)) {
     for (TensorId t : store_->layout().tensors_in_chunk(index)) params_[t].touched = false;
   }
-  ++group_gathers_;
 }
 
 void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks) {
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!group_gathered_[static_cast<size_t>(g)]) gather_group(g);
+    if (!groups_.gathered(g)) gather_group(g);
     Param& p = params_[id];
     if (!p.touched) {
       p.touched = true;
-      ++group_touched_[static_cast<size_t>(g)];
+      groups_.on_used(g);
     }
     // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the
     // Mover allocates it on the device); a CPU embedding's, which is never scheduled, on the host.
@@ -120,18 +118,16 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
 }
 
 void EngineCore::release_group(int64_t group) {
-  const int64_t first = group_index(group, 0);
-  if (group_gathered_[static_cast<size_t>(group)] && !host_only_[static_cast<size_t>(first)]) {
+  const int64_t first = groups_.index(group, 0);
+  if (groups_.gathered(group) && !host_only_[static_cast<size_t>(first)]) {
     gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, first)));
   }
-  for (int64_t index : group_indices(group)) {
+  for (int64_t index : groups_.indices(group)) {
     if (owns(index)) continue;
     store_->release(store_->chunk_id(ChunkKind::kParam, index));
     if (grad_space_) store_->release(store_->chunk_id(ChunkKind::kGrad, index));
   }
-  group_gathered_[static_cast<size_t>(group)] = 0;
-  group_has_grads_[static_cast<size_t>(group)] = 0;
-  group_touched_[static_cast<size_t>(group)] = 0;
+  groups_.on_released(group);
 }
 
 namespace {
@@ -149,9 +145,8 @@ void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
   if (!distributed() || tracker_.in_backward()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    const auto k = static_cast<size_t>(g);
-    if (!group_gathered_[k] || group_has_grads_[k] || group_touched_[k] < group_tensors_[k]) continue;
-    if (any_in_compute(*store_, grad_space_, group_indices(g))) continue;
+    if (!groups_.gathered(g) || groups_.has_gradients(g) || !groups_.all_used(g)) continue;
+    if (any_in_compute(*store_, grad_space_, groups_.indices(g))) continue;
     release_group(g);
   }
 }
@@ -160,9 +155,9 @@ void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!group_has_grads_[static_cast<size_t>(g)]) continue;
-    bool ready = !any_in_compute(*store_, grad_space_, group_indices(g));
-    for (int64_t index : group_indices(g)) {
+    if (!groups_.has_gradients(g)) continue;
+    bool ready = !any_in_compute(*store_, grad_space_, groups_.indices(g));
+    for (int64_t index : groups_.indices(g)) {
       if (!ready) break;
       for (TensorId t : store_->layout().tensors_in_chunk(index)) {
         const Param& p = params_[t];
@@ -181,7 +176,7 @@ void EngineCore::reduce_group(int64_t group) {
   {
     ScopeTimer timer(collective_seconds_);
     for (int owner = 0; owner < world_; ++owner) {
-      const int64_t index = group_index(group, owner);
+      const int64_t index = groups_.index(group, owner);
       if (grad_space_) {
         // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
         // micro-batches reduced, receives the sum in place.
@@ -211,25 +206,24 @@ void EngineCore::reduce_group(int64_t group) {
       }
     }
   }
-  ++group_reduces_;
+  groups_.on_reduced();
   release_group(group);
 }
 
 void EngineCore::reduce_remaining_groups() {
   if (!distributed()) return;
-  for (int64_t g = 0; g < static_cast<int64_t>(group_has_grads_.size()); ++g) {
-    if (group_has_grads_[static_cast<size_t>(g)]) reduce_group(g);
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (groups_.has_gradients(g)) reduce_group(g);
   }
 }
 
 void EngineCore::release_remote(bool discard) {
   if (!distributed()) return;
-  for (int64_t g = 0; g < static_cast<int64_t>(group_gathered_.size()); ++g) {
-    const auto k = static_cast<size_t>(g);
-    if (!discard && group_has_grads_[k]) continue;
-    if (any_in_compute(*store_, grad_space_, group_indices(g))) continue;
-    bool present = group_gathered_[k] != 0;
-    for (int64_t index : group_indices(g)) {
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (!discard && groups_.has_gradients(g)) continue;
+    if (any_in_compute(*store_, grad_space_, groups_.indices(g))) continue;
+    bool present = groups_.gathered(g);
+    for (int64_t index : groups_.indices(g)) {
       if (present) break;
       present = !owns(index) && grad_space_ &&
                 store_->tier(store_->chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;

@@ -114,7 +114,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   point_at_nothing(p);
   if (distributed()) {
     ++p.grads_this_backward;
-    group_has_grads_[static_cast<size_t>(comm_group_of(id))] = 1;
+    groups_.on_gradient(comm_group_of(id));
     reduce_ready_groups({id});
   }
 }
@@ -126,7 +126,7 @@ void EngineCore::flush_pending_gradients() {
     ensure_gathered({p.id}, /*with_grad_chunks=*/false);
     if (distributed()) {
       ++p.grads_this_backward;
-      group_has_grads_[static_cast<size_t>(comm_group_of(p.id))] = 1;
+      groups_.on_gradient(comm_group_of(p.id));
     }
     if (store_->state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
       store_->set_state(p.id, ChunkKind::kParam, TensorState::kCompute);

@@ -20,8 +20,8 @@ RunningTotals EngineCore::running_totals() const {
   RunningTotals t;
   t.moves = store_->move_counters();
   t.comm = comm_->counters();
-  t.group_gathers = group_gathers_;
-  t.group_reduces = group_reduces_;
+  t.group_gathers = groups_.gathers();
+  t.group_reduces = groups_.reduces();
   t.copy_wait_seconds = copy_queue_ != nullptr ? copy_queue_->waited_seconds() : 0;
   t.collective_seconds = collective_seconds_;
   return t;
