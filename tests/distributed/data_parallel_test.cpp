@@ -22,7 +22,6 @@
 #include "engine/gpt_training.h"
 #include "engine/small_net.h"
 #include "patrickstar/engine/engine_inspect.h"
-#include "patrickstar/comm/communicator.h"
 #include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
