@@ -10,7 +10,7 @@
 
 namespace patrickstar {
 
-// states_on_device_ and adam_device_only_ come sized, all false (register_parameters).
+// adam_placement_ comes sized, nothing kept on the device (register_parameters).
 std::string EngineCore::place_states_on_device(int64_t shortfall) {
   const int64_t n = store_->chunks_per_kind();
   // Where the states could not go, say why (the caller adds it to the host budget's error).
@@ -41,15 +41,14 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
     for (ChunkKind kind : {ChunkKind::kVariance, ChunkKind::kMomentum, ChunkKind::kParamFp32}) {
       if (placed >= shortfall || !store_->has_kind(kind)) continue;
       const ChunkId id = store_->chunk_id(kind, index);
-      states_on_device_[static_cast<size_t>(id)] = true;
-      adam_device_only_[static_cast<size_t>(index)] = true;
+      adam_placement_.keep_state_on_device(id, index);
       placed += store_->chunk_bytes(id);
     }
   }
   // Those indices' Adam runs on the device: at the step every kind of theirs is there at once.
   int64_t step_bytes = 0;
   for (int64_t index = 0; index < n; ++index) {
-    if (!adam_device_only_[static_cast<size_t>(index)]) continue;
+    if (!adam_placement_.device_only(index)) continue;
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);
       if (store_->has_kind(kind)) step_bytes += store_->chunk_bytes(store_->chunk_id(kind, index));
@@ -71,8 +70,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
                        "more than its ", usable, " usable bytes (a smaller chunk size helps)");
   }
   if (!why.empty()) {
-    states_on_device_.assign(states_on_device_.size(), false);
-    adam_device_only_.assign(adam_device_only_.size(), false);
+    adam_placement_.clear_kept();
     return why;
   }
   metrics_.registration().device_state_bytes = placed;

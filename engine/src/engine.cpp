@@ -357,8 +357,7 @@ void EngineCore::register_parameters() {
   int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
   // What the host budget cannot hold: optimizer states on the device for good, where allowed.
   std::string no_device_placement;
-  states_on_device_.assign(static_cast<size_t>(store_->chunk_count()), false);
-  adam_device_only_.assign(static_cast<size_t>(placed->chunk_count()), false);
+  adam_placement_.init(store_->chunk_count(), placed->chunk_count());
   if (host_->capacity_bytes() != MemoryTier::kUnlimited &&
       host_->used_bytes() + host_need > host_->capacity_bytes()) {
     no_device_placement =
@@ -446,7 +445,7 @@ void EngineCore::register_parameters() {
         store_->allocate(store_->chunk_id(ChunkKind::kParam, index), Tier::kHost);
         if (mixed_) {
           const ChunkId master = store_->chunk_id(ChunkKind::kParamFp32, index);
-          store_->allocate(master, states_on_device_[static_cast<size_t>(master)] ? Tier::kDevice
+          store_->allocate(master, adam_placement_.state_on_device(master) ? Tier::kDevice
                                                                                  : Tier::kHost);
         }
       }
@@ -476,7 +475,7 @@ void EngineCore::register_parameters() {
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
         if (!mine || !store_->has_kind(kind)) continue;
         const ChunkId id = store_->chunk_id(kind, index);
-        store_->allocate(id, states_on_device_[static_cast<size_t>(id)] ? Tier::kDevice : Tier::kHost);
+        store_->allocate(id, adam_placement_.state_on_device(id) ? Tier::kDevice : Tier::kHost);
       }
       sample();
       if (disk_ != nullptr) disk_->spill(index);  // written to its files, its payloads freed
@@ -523,7 +522,7 @@ void EngineCore::register_parameters() {
     chunk_table[id] = ChunkInfo{store_->chunk_bytes(id),
                                 store_->kind_of(id) == ChunkKind::kParam &&
                                     !host_only_[store_->index_of(id)],
-                                states_on_device_[static_cast<size_t>(id)]};
+                                adam_placement_.state_on_device(id)};
   }
   SchedulerOptions options;
   options.capacity_bytes = config_.device.capacity_bytes;

@@ -34,6 +34,7 @@
 #include "patrickstar/memtracer/trace.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
+#include "adam_placement.h"
 #include "comm_groups.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
@@ -90,7 +91,7 @@ class EngineCore final : public ModuleHookHandler {
   const TraceRecorder& tracer() const { return *recorder_; }
   MemoryTier& device_tier() const { return *device_; }
   MemoryTier& host_tier() const { return *host_; }
-  const std::vector<bool>& adam_on_device() const { return adam_on_device_; }
+  const std::vector<bool>& adam_on_device() const { return adam_placement_.on_device(); }
   bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
   bool owns(int64_t chunk_index) const {
     return store_->layout().owner_rank(chunk_index) == rank_;
@@ -328,13 +329,8 @@ class EngineCore final : public ModuleHookHandler {
   int64_t iteration_ = 0;
   std::vector<OpenScope> scopes_;
   int64_t open_moment_ = -1;  // the last moment, until close_moment()
-  std::vector<bool> adam_on_device_;
   std::vector<bool> host_only_;  // per chunk index: a CPU embedding's chunk, never on the device
-  // Host plus device: per chunk id, an optimizer-state chunk placed on the device for good at
-  // registration; per chunk index, whether it has one (its Adam always runs on the device).
-  std::vector<bool> states_on_device_;
-  std::vector<bool> adam_device_only_;
-  bool placement_decided_ = false;
+  engine_detail::AdamPlacement adam_placement_;  // where each index's Adam runs (adam_placement.h)
   engine_detail::IterationMetrics metrics_;  // reports, history, peaks (iteration_metrics.h)
   at::Tensor zero_grad_marker_;
   at::Tensor zero_grad_marker_grad_;

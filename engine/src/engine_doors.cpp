@@ -187,7 +187,7 @@ void EngineCore::follow_trace(MomentKind kind, const std::string& label) {
   // iteration schedules as a warm-up from here; its moments become the trace at step().
   recorder_->rewarm();
   scheduler_->drop_trace();
-  placement_decided_ = false;
+  adam_placement_.forget();
   ++retraces_;
   retraced_this_iteration_ = true;
   TORCH_WARN("patrickstar: ", why,

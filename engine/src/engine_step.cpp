@@ -29,7 +29,7 @@ void EngineCore::decide_adam_placement() {
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
     if (host_only_[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
-    if (adam_device_only_[i]) {               // its Adam runs on the device whatever the margin
+    if (adam_placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
       resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
       if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
       continue;
@@ -56,20 +56,17 @@ void EngineCore::decide_adam_placement() {
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
   const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
-  adam_on_device_.assign(static_cast<size_t>(n), false);
-  for (size_t k = 0; k < candidates.size(); ++k) adam_on_device_[candidates[k]] = plan.on_device[k];
-  for (int64_t i = 0; i < n; ++i) {
-    if (adam_device_only_[i]) adam_on_device_[i] = true;
-  }
+  std::vector<bool> on_device(static_cast<size_t>(n), false);
+  for (size_t k = 0; k < candidates.size(); ++k) on_device[candidates[k]] = plan.on_device[k];
+  adam_placement_.decide(std::move(on_device));  // with the device-only indices
   // The disk tier keeps the states of the indices still on disk; those of the device Adam come home
   // for good (host first, then the scheduler takes them to the device at the step). An index home
   // from an earlier placement stays in memory even where this one runs its Adam on the host.
   if (disk_ != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
-      if (adam_on_device_[i]) disk_->bring_home(i);
+      if (adam_placement_.on_device()[static_cast<size_t>(i)]) disk_->bring_home(i);
     }
   }
-  placement_decided_ = true;
 }
 
 IterationReport EngineCore::run_adam() {
@@ -87,7 +84,7 @@ IterationReport EngineCore::run_adam() {
   follow_trace(MomentKind::kStep, "step");
   // (Chunk indices whose states the host could not hold update on the device in the warm-up too.)
   const bool warmup = !scheduler_->has_trace();
-  const std::vector<bool> on_device = warmup ? adam_device_only_ : adam_on_device_;
+  const std::vector<bool> on_device = adam_placement_.for_step(warmup);
   auto device_side_chunks = [&](const std::vector<bool>& device_side) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
@@ -100,7 +97,7 @@ IterationReport EngineCore::run_adam() {
     }
     return ids;
   };
-  const std::vector<int64_t> device_chunks = device_side_chunks(adam_on_device_);
+  const std::vector<int64_t> device_chunks = device_side_chunks(adam_placement_.on_device());
   // The rest update on the host: their gradients, weights and states go there. The states are
   // there already unless this index's Adam ran on the device before a retrace (the warm-up that
   // follows updates everything on the host). The trace records the steady state's host chunks, so
@@ -122,7 +119,7 @@ IterationReport EngineCore::run_adam() {
   }
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
-  for (int64_t c : host_chunks(adam_on_device_)) recorder_->record_host(c);
+  for (int64_t c : host_chunks(adam_placement_.on_device())) recorder_->record_host(c);
   scheduler_->at_moment(m, MomentKind::kStep, device_side_chunks(on_device), *mover_,
                         probe_->live_bytes(), to_host);
   note_memory("step");
@@ -324,7 +321,7 @@ IterationReport EngineCore::step() {
   const double disk_wait_before = disk_ != nullptr ? disk_->waited_seconds() : 0;
   try {
     const auto adam_start = std::chrono::steady_clock::now();
-    if (!placement_decided_) decide_adam_placement();
+    if (!adam_placement_.decided()) decide_adam_placement();
     report = run_adam();
     report.adam_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - adam_start).count();

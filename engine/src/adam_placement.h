@@ -1,0 +1,58 @@
+// Private to engine/src: where each chunk index's Adam runs. Registration may keep some
+// optimizer-state chunks on the device for good (the host budget could not hold them): their
+// indices' Adam always runs on the device. The rest is decided at the first step after the trace
+// was dropped (the warm-up's, and each retrace's), from the margin the trace measured; in the
+// warm-up itself only the device-only indices update on the device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "patrickstar/chunk/types.h"
+
+namespace patrickstar::engine_detail {
+
+class AdamPlacement {
+ public:
+  // `chunks`: chunk ids of every kind; `indices`: chunk indices. Everything on the host, undecided.
+  void init(int64_t chunks, int64_t indices) {
+    state_on_device_.assign(static_cast<size_t>(chunks), false);
+    device_only_.assign(static_cast<size_t>(indices), false);
+    on_device_.assign(static_cast<size_t>(indices), false);
+    decided_ = false;
+  }
+  // Registration: optimizer-state chunk `id` (of chunk index `index`) lives on the device.
+  void keep_state_on_device(ChunkId id, int64_t index) {
+    state_on_device_[static_cast<size_t>(id)] = true;
+    device_only_[static_cast<size_t>(index)] = true;
+  }
+  void clear_kept() {  // registration could not place them after all
+    state_on_device_.assign(state_on_device_.size(), false);
+    device_only_.assign(device_only_.size(), false);
+  }
+  bool state_on_device(ChunkId id) const { return state_on_device_[static_cast<size_t>(id)]; }
+  bool device_only(int64_t index) const { return device_only_[static_cast<size_t>(index)]; }
+
+  // The step's placement per chunk index; the device-only indices are added.
+  void decide(std::vector<bool> on_device) {
+    for (size_t i = 0; i < on_device.size(); ++i) on_device[i] = on_device[i] || device_only_[i];
+    on_device_ = std::move(on_device);
+    decided_ = true;
+  }
+  void forget() { decided_ = false; }  // a retrace: decided again at the next step
+  bool decided() const { return decided_; }
+  const std::vector<bool>& on_device() const { return on_device_; }
+  // The indices whose Adam runs on the device in this step (the warm-up: the device-only ones).
+  const std::vector<bool>& for_step(bool warmup) const {
+    return warmup ? device_only_ : on_device_;
+  }
+
+ private:
+  std::vector<bool> state_on_device_;  // per chunk id
+  std::vector<bool> device_only_;      // per chunk index
+  std::vector<bool> on_device_;        // per chunk index, the decided placement
+  bool decided_ = false;
+};
+
+}  // namespace patrickstar::engine_detail
