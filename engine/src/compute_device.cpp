@@ -2,8 +2,9 @@
 // and every test unless PATRICKSTAR_TEST_DEVICE=cuda) or, in builds with CUDA, GPU 0. The tier and
 // copy engine it picks live here (their CUDA code in chunk/src/cuda, the probe's in
 // memtracer/src/cuda); elsewhere the engine branches on the device type only where a GPU needs it:
-// the constructor's refusals (copy delays, data parallel), the probe and host pinning (engine.cpp)
-// and the config's check of copy delays (config.cpp). The rest reads the tier's device().
+// the constructor's refusals (copy delays, data parallel) and the probe (engine.cpp), host pinning
+// (engine_registration.cpp) and the config's check of copy delays (config.cpp). The rest reads the
+// tier's device().
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 

@@ -12,7 +12,7 @@ namespace patrickstar {
 
 // adam_placement_ comes sized, nothing kept on the device (register_parameters).
 std::string EngineCore::place_states_on_device(int64_t shortfall) {
-  const int64_t n = store_->chunks_per_kind();
+  const int64_t n = store().chunks_per_kind();
   // Where the states could not go, say why (the caller adds it to the host budget's error).
   if (config_.offload_optimizer.nvme) {
     return "";  // the disk tier's staging figure says it all
@@ -37,12 +37,13 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
   // the fp32 master: no more than the host lacks, rounded up to a chunk.
   int64_t placed = 0;
   for (int64_t index = n - 1; index >= 0 && placed < shortfall; --index) {
-    if (host_only_[static_cast<size_t>(index)]) continue;
-    for (ChunkKind kind : {ChunkKind::kVariance, ChunkKind::kMomentum, ChunkKind::kParamFp32}) {
-      if (placed >= shortfall || !store_->has_kind(kind)) continue;
-      const ChunkId id = store_->chunk_id(kind, index);
+    if (storage_.host_only[static_cast<size_t>(index)]) continue;
+    const std::vector<ChunkKind> kinds = state_kinds();
+    for (auto kind = kinds.rbegin(); kind != kinds.rend(); ++kind) {  // variance first
+      if (placed >= shortfall) continue;
+      const ChunkId id = store().chunk_id(*kind, index);
       adam_placement_.keep_state_on_device(id, index);
-      placed += store_->chunk_bytes(id);
+      placed += store().chunk_bytes(id);
     }
   }
   // Those indices' Adam runs on the device: at the step every kind of theirs is there at once.
@@ -51,7 +52,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
     if (!adam_placement_.device_only(index)) continue;
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);
-      if (store_->has_kind(kind)) step_bytes += store_->chunk_bytes(store_->chunk_id(kind, index));
+      if (store().has_kind(kind)) step_bytes += store().chunk_bytes(store().chunk_id(kind, index));
     }
   }
   std::string why;

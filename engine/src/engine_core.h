@@ -1,7 +1,9 @@
 // Private to engine/src: the engine's implementation behind patrickstar::Engine (engine.h, whose
-// comment says what it does for its user). It orchestrates the components one level down (ChunkStore,
-// Scheduler, TraceRecorder, HybridAdam, DiskStates, Communicator) and the engine's own ones
-// (IterationTracker, iteration_tracker.h); docs/design.md, "Architecture", has the picture.
+// comment says what it does for its user). It orchestrates the libraries one level down
+// (ChunkStore, Scheduler, TraceRecorder, HybridAdam, Communicator) and the engine's own components,
+// each of which owns its state (ParamTable, ModelStorage, GradientState, IterationTracker,
+// IterationMetrics, AdamPlacement, CommGroups: engine/src/*.h); docs/design.md, "Inside the
+// engine", has the picture.
 //
 // Thread-safety: one training thread drives it; the entry points autograd and the doors call are
 // serialized by entry_mutex_ (on CUDA autograd runs a backward's CPU and GPU work on different
@@ -36,13 +38,15 @@
 
 #include "adam_placement.h"
 #include "comm_groups.h"
+#include "gradient_state.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
+#include "model_storage.h"
+#include "param_table.h"
 
 namespace patrickstar {
 namespace engine_detail {
 class GatheredBytesProbe;  // engine/src/engine_internal.h
-class DiskStates;          // engine/src/disk_states.h
 }  // namespace engine_detail
 
 class GatheredParameters;
@@ -65,7 +69,7 @@ class EngineCore final : public ModuleHookHandler {
   void backward(const at::Tensor& loss);
   IterationReport step();
   void zero_grad(bool set_to_none = true);
-  const at::Tensor& zero_grad_marker() const { return zero_grad_marker_; }
+  const at::Tensor& zero_grad_marker() const { return gradients_.marker; }
   void set_lr(double lr);
   double lr() const;
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
@@ -86,16 +90,14 @@ class EngineCore final : public ModuleHookHandler {
   int world_size() const { return world_; }
 
   // What tests and benchmarks inspect (engine_inspect.h documents them).
-  const ChunkStore& chunks() const { return *store_; }
+  const ChunkStore& chunks() const { return store(); }
   const Scheduler& scheduler() const { return *scheduler_; }
   const TraceRecorder& tracer() const { return *recorder_; }
-  MemoryTier& device_tier() const { return *device_; }
-  MemoryTier& host_tier() const { return *host_; }
+  MemoryTier& device_tier() const { return *storage_.device; }
+  MemoryTier& host_tier() const { return *storage_.host; }
   const std::vector<bool>& adam_on_device() const { return adam_placement_.on_device(); }
-  bool host_only(int64_t chunk_index) const { return host_only_[chunk_index]; }
-  bool owns(int64_t chunk_index) const {
-    return store_->layout().owner_rank(chunk_index) == rank_;
-  }
+  bool host_only(int64_t chunk_index) const { return storage_.host_only[chunk_index]; }
+  bool owns(int64_t chunk_index) const { return store().layout().owner_rank(chunk_index) == rank_; }
   const Communicator& communicator() const { return *comm_; }
 
   // ModuleHookHandler (called by the doors).
@@ -105,62 +107,14 @@ class EngineCore final : public ModuleHookHandler {
   void forward_failed(int64_t token) override;
   // An engine takes only the doors of the modules it registered.
   bool handles_unregistered_modules() const override { return false; }
-  // The first hook of a backward pass (the engine's backward() or plain loss.backward()): the
-  // engine queues its end-of-backward work on that pass.
+  // The first hook of a backward pass. In a plain loss.backward() it begins the engine's backward
+  // and queues finish_backward() for the end of that pass; under the engine's backward(), which
+  // began the backward and finishes it itself, it does nothing.
   void backward_started() override;
 
  private:
-  struct Param {
-    std::string name;
-    at::Tensor tensor;  // the user's parameter (same TensorImpl throughout)
-    // The parameter's storage in a door: re-pointed at the chunk slot (views autograd saved share
-    // it). Outside the doors the parameter holds `fence`, which has no data and throws an error
-    // naming the parameter when an operator reads it.
-    c10::Storage live;
-    c10::Storage fence;
-    bool gathered = false;  // a GatheredParameters scope holds it as a real fp32 tensor
-    TensorId id = -1;
-    bool trainable = true;
-    int compute_refs = 0;  // open doors / backward uses holding it
-    bool has_grad = false;  // gradient written since the last step (or kept at zero: the step)
-    // The autograd passes that will bring this parameter a gradient in the next backward: the
-    // plain forward is one, each checkpointed call that uses it another (its recompute has a
-    // backward of its own). With two or more, a recompute may still read the weight after a
-    // gradient arrived, so gradients wait in pending_grad (mixed precision without a gradient
-    // space). last_segment: the pass of the latest use (0 plain, else the checkpoint's serial).
-    int segments = 0;
-    int64_t last_segment = -1;
-    void forget_segments() {  // a forward forgotten, a backward ended or abandoned
-      segments = 0;
-      last_segment = -1;
-    }
-    at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
-    // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
-    // (the schedule is not followed outside training; the copy goes when the door closes).
-    mutable at::Tensor eval_copy;
-    // Data parallel: gradients written this backward (the group is reduced once every trainable
-    // tensor of it has `segments` of them), and whether a door used it since its group's gather.
-    int grads_this_backward = 0;
-    bool touched = false;
-    // The gradient as LibTorch code sees it (engine_grad_handles.cpp). grad_defined: LibTorch's
-    // tensor.grad() would be defined (a gradient came since the last reset). grad_handle: what the
-    // engine set tensor.grad() to: a view of the chunk slot holding the gradient (grad_view, over
-    // grad_storage, fenced when withdrawn) or a marker without data. grad_consumed: a step used
-    // the gradient and overwrote its half slot (mixed precision without a gradient space).
-    bool grad_defined = false;
-    bool grad_view = false;
-    bool grad_consumed = false;
-    at::Tensor grad_handle;
-    c10::Storage grad_storage;
-    int64_t grad_handle_version = 0;
-    int64_t adam_steps = 0;  // Adam updates applied to it (torch::optim::Adam counts per parameter)
-  };
-  struct ModuleInfo {
-    std::string label;
-    std::vector<TensorId> params;  // its own and its descendants', registered order
-    int64_t hook_id = -1;       // pre-backward (on its outputs)
-    int64_t post_hook_id = -1;  // post-backward (on its inputs)
-  };
+  using Param = engine_detail::Param;
+  using ModuleInfo = engine_detail::ModuleInfo;
   // What a door's forward is part of, decided at its pre_forward.
   enum class ForwardKind {
     kTraining,      // grad mode on: a moment; outputs and inputs get the backward hooks
@@ -174,15 +128,19 @@ class EngineCore final : public ModuleHookHandler {
   };
   class Mover;
 
-  void register_parameters();
+  void register_parameters();  // engine_registration.cpp
+  // Registration gave up: every chunk and the parameter table go (the parameters are restored by
+  // the caller where they moved).
+  void abandon_registration();
   // The model's parameters become plain fp32 tensors with the master weights again (the
   // destructor; a constructor that fails after registration). may_gather: data parallel, the
   // other ranks take part (false while an error unwinds: they are elsewhere).
   void give_back_model(bool may_gather);
   void report_config_warnings() const;
   ModuleInfo& module_info(torch::nn::Module& module);
-  // A moment: tick, record, schedule the chunks of `params` (plus gradient chunks when asked), then
-  // set each parameter COMPUTE and point it at its chunk. Returns the tensors it acquired.
+  // A moment: tick, record, schedule the chunks of `module`'s parameters (plus gradient chunks when
+  // asked), then set each parameter COMPUTE and point it at its chunk. Returns the tensors it
+  // acquired.
   std::vector<TensorId> access(const ModuleInfo& module, MomentKind kind, bool with_grad_chunks);
   void release(TensorId id, TensorState to);
   void pre_backward(ModuleInfo& module);
@@ -200,7 +158,7 @@ class EngineCore final : public ModuleHookHandler {
   // Gradients since the last step are dropped; half weights restored where gradients overwrote them.
   void discard_gradients();
   // True when a half slot holds a gradient instead of a weight (mixed, no gradient space).
-  bool half_slots_hold_gradients() const { return grads_in_half_slots_; }
+  bool half_slots_hold_gradients() const { return gradients_.in_half_slots; }
   void flush_pending_gradients();
   // A backward that began (Phase::kBackward) but whose end never came: autograd threw inside a plain
   // loss.backward(). Drops the iteration, with a warning naming `where` the engine noticed.
@@ -210,7 +168,8 @@ class EngineCore final : public ModuleHookHandler {
   void point_at_chunk(const Param& p);
   // The parameter leaves its chunk: it holds its fence (no data) again.
   void point_at_nothing(const Param& p);
-  // Refuses a door over parameters that a GatheredParameters scope holds (before any change).
+  // Refuses a door over parameters that a GatheredParameters scope holds (in pre_forward before
+  // anything changes; in pre_backward after the backward has begun).
   void check_not_gathered(const ModuleInfo& module) const;
   // zero_grad() when the marker's gradient was reset, replaced or zeroed (zero_grad through
   // torch::optim::Optimizer&); not inside a backward, where it waits for the next call.
@@ -239,7 +198,7 @@ class EngineCore final : public ModuleHookHandler {
   void gather_begin(const std::vector<TensorId>& ids, bool write_back);
   void gather_end(const std::vector<TensorId>& ids, bool write_back);
   // The registered parameter behind `t`, or -1.
-  TensorId id_of(const at::Tensor& t) const;
+  TensorId id_of(const at::Tensor& t) const { return params_.id_of(t); }
   friend class GatheredParameters;
   // --- data parallel (engine_distributed.cpp) ---
   bool distributed() const { return world_ > 1; }
@@ -266,6 +225,8 @@ class EngineCore final : public ModuleHookHandler {
   bool all_ranks_agree(bool local) const;
   // fp32 master of chunk index i on every rank (broadcast from its owner).
   at::Tensor master_chunk_everywhere(int64_t index) const;
+  // Tensor `id`'s value, shaped and its own, from a copy of its chunk (as the one above returns).
+  at::Tensor value_in(const at::Tensor& chunk, TensorId id) const;
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
@@ -291,19 +252,30 @@ class EngineCore final : public ModuleHookHandler {
   bool mixed_ = false;
   // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
   ChunkKind master_kind() const { return mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam; }
+  // The optimizer states of a chunk index, which live where its Adam runs (or in the disk tier's
+  // files): the fp32 master in mixed precision (in fp32 the params are the master and move with the
+  // doors), momentum, variance. Their bytes: every kind is fp32 of the chunk's size.
+  std::vector<ChunkKind> state_kinds() const {
+    if (mixed_) return {ChunkKind::kParamFp32, ChunkKind::kMomentum, ChunkKind::kVariance};
+    return {ChunkKind::kMomentum, ChunkKind::kVariance};
+  }
+  bool is_state_kind(ChunkKind kind) const {
+    return kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
+           (mixed_ && kind == ChunkKind::kParamFp32);
+  }
+  int64_t state_bytes(int64_t index) const {
+    return store().chunk_bytes(store().chunk_id(ChunkKind::kMomentum, index)) * (mixed_ ? 3 : 2);
+  }
   bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
-  std::vector<Param> params_;
-  std::unordered_map<const c10::TensorImpl*, TensorId> param_of_impl_;
-  std::unordered_map<const torch::nn::Module*, std::string> module_names_;
-  std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
+  // The registered parameters and the modules whose doors open over them (param_table.h).
+  engine_detail::ParamTable params_;
 
-  std::unique_ptr<CopyEngine> copy_queue_;  // asynchronous moves; outlives the store (declared first)
-  std::unique_ptr<MemoryTier> host_;
-  std::unique_ptr<MemoryTier> device_;
-  std::unique_ptr<ChunkStore> store_;
-  std::unique_ptr<engine_detail::DiskStates> disk_;  // the disk tier (null without); goes before store_
+  engine_detail::ModelStorage storage_;  // tiers, chunk store, disk tier (model_storage.h)
+  ChunkStore& store() const { return *storage_.store; }
   std::unique_ptr<MemoryProbe> probe_;
-  CpuMemoryProbe* cpu_probe_ = nullptr;  // probe_, on the emulated device
+  // The CPU probe on the emulated device: probe_ itself, or with data parallel the base probe that
+  // probe_ wraps.
+  CpuMemoryProbe* cpu_probe_ = nullptr;
   // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.
   engine_detail::GatheredBytesProbe* gathered_probe_ = nullptr;
   bool probe_floor_set_ = false;
@@ -319,24 +291,14 @@ class EngineCore final : public ModuleHookHandler {
   std::recursive_mutex entry_mutex_;
 
   engine_detail::IterationTracker tracker_;  // the phase of the iteration (iteration_tracker.h)
-  bool grads_in_half_slots_ = false;
-  bool handles_shown_ = false;    // some parameter's grad() is an engine handle
-  bool views_shown_ = false;      // ... and some of them are views of chunk slots
-  bool warned_consumed_ = false;  // the backward-after-step-without-zero_grad warning was given
-  int open_scopes_ = 0;
+  engine_detail::GradientState gradients_;  // half slots, grad() handles, marker (gradient_state.h)
   int64_t retraces_ = 0;
   bool retraced_this_iteration_ = false;
   int64_t iteration_ = 0;
-  std::vector<OpenScope> scopes_;
-  int64_t open_moment_ = -1;  // the last moment, until close_moment()
-  std::vector<bool> host_only_;  // per chunk index: a CPU embedding's chunk, never on the device
+  engine_detail::OpenDoors<OpenScope> doors_;    // the doors open now, by token (param_table.h)
+  int64_t open_moment_ = -1;                     // the last moment, until close_moment()
   engine_detail::AdamPlacement adam_placement_;  // where each index's Adam runs (adam_placement.h)
-  engine_detail::IterationMetrics metrics_;  // reports, history, peaks (iteration_metrics.h)
-  at::Tensor zero_grad_marker_;
-  at::Tensor zero_grad_marker_grad_;
-  int64_t zero_grad_marker_version_ = 0;
-  int64_t gathered_ = 0;  // parameters held by GatheredParameters scopes
-  int64_t gathered_for_write_ = 0;  // of which by read-write scopes
+  engine_detail::IterationMetrics metrics_;      // reports, history, peaks (iteration_metrics.h)
   std::vector<GatheredParameters*> gathered_scopes_;  // open scopes (told when the engine goes)
   std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
 
@@ -345,7 +307,6 @@ class EngineCore final : public ModuleHookHandler {
   int rank_ = 0;
   int world_ = 1;
   engine_detail::CommGroups groups_;  // per comm group: gathered, gradients, use (comm_groups.h)
-  std::vector<at::Tensor> reduced_grads_;  // per owned chunk index (mixed, no gradient space): fp32
   mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
 };
 

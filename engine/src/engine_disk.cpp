@@ -1,5 +1,6 @@
 // The engine's side of the disk tier: optimizer-state views wherever the states live, and the
-// source that streams the host Adam's states from their files.
+// source that streams the host Adam's states from their files; and ModelStorage's out-of-line
+// members (here, where DiskStates is complete).
 #include "engine_core.h"
 
 #include "disk_states.h"
@@ -9,15 +10,23 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 at::Tensor EngineCore::state_view(TensorId id, ChunkKind kind, bool write) const {
-  if (disk_ == nullptr) return store_->view(id, kind);
-  return disk_->view(id, kind, write);
+  if (storage_.disk == nullptr) return store().view(id, kind);
+  return storage_.disk->view(id, kind, write);
 }
 
 void EngineCore::finish_state_views() const {
-  if (disk_ != nullptr) disk_->finish_views();
+  if (storage_.disk != nullptr) storage_.disk->finish_views();
 }
 
 namespace engine_detail {
+
+ModelStorage::ModelStorage() = default;
+ModelStorage::~ModelStorage() = default;  // the members go in reverse order (model_storage.h)
+
+void ModelStorage::drop_chunks() {
+  disk.reset();
+  store.reset();
+}
 
 DiskAdamSource::DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs,
                                std::function<void()> staged)

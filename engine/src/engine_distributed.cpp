@@ -33,7 +33,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 
 int64_t EngineCore::comm_group_of(TensorId id) const {
-  return store_->layout().comm_group(store_->layout().placement(id).chunk_index);
+  return store().layout().comm_group(store().layout().placement(id).chunk_index);
 }
 
 void EngineCore::broadcast_initial_state(
@@ -61,20 +61,21 @@ void EngineCore::gather_group(int64_t group) {
   // the other ranks' chunks, freed with the last of them (release_group).
   std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
   for (int r = 0; r < world_; ++r) {
-    if (r != rank_) slots[static_cast<size_t>(r)] = store_->chunk_id(ChunkKind::kParam, groups_.index(group, r));
+    if (r != rank_)
+      slots[static_cast<size_t>(r)] = store().chunk_id(ChunkKind::kParam, groups_.index(group, r));
   }
-  const ChunkId own = store_->chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
-  const bool on_host = host_only_[static_cast<size_t>(groups_.index(group, 0))];
-  const int64_t bytes = world_ * store_->chunk_bytes(own);
+  const ChunkId own = store().chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
+  const bool on_host = storage_.host_only[static_cast<size_t>(groups_.index(group, 0))];
+  const int64_t bytes = world_ * store().chunk_bytes(own);
   at::Tensor buffer;
   try {
     if (!on_host) {
       // The trace's budgets leave room for the groups the doors gather; in the warm-up, or when
       // this moment's compute holds more than measured, chunks the scheduler placed make room.
-      const int64_t free = device_->capacity_bytes() - device_->used_bytes();
+      const int64_t free = storage_.device->capacity_bytes() - storage_.device->used_bytes();
       if (bytes > free) scheduler_->make_room(bytes - free, *mover_);
     }
-    buffer = store_->allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
+    buffer = store().allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
   } catch (c10::Error& e) {
     e.add_context(absl::StrCat("while gathering comm group ", group, " (", world_,
                                " param chunks, ", bytes, " bytes) onto the ",
@@ -84,7 +85,7 @@ void EngineCore::gather_group(int64_t group) {
   }
   {
     ScopeTimer timer(collective_seconds_);
-    comm_->all_gather(store_->chunk_view(own), buffer);
+    comm_->all_gather(store().chunk_view(own), buffer);
   }
   if (!on_host) {
     gathered_probe_->add(bytes);
@@ -92,7 +93,7 @@ void EngineCore::gather_group(int64_t group) {
   }
   groups_.on_gathered(group);
   for (int64_t index : groups_.indices(group)) {
-    for (TensorId t : store_->layout().tensors_in_chunk(index)) params_[t].touched = false;
+    for (TensorId t : store().layout().tensors_in_chunk(index)) params_[t].touched = false;
   }
 }
 
@@ -108,24 +109,25 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
     }
     // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the
     // Mover allocates it on the device); a CPU embedding's, which is never scheduled, on the host.
-    const int64_t index = store_->layout().placement(id).chunk_index;
-    if (!with_grad_chunks || !grad_space_ || !p.trainable || !host_only_[static_cast<size_t>(index)]) {
+    const int64_t index = store().layout().placement(id).chunk_index;
+    if (!with_grad_chunks || !grad_space_ || !p.trainable ||
+        !storage_.host_only[static_cast<size_t>(index)]) {
       continue;
     }
-    const ChunkId grad = store_->chunk_id(ChunkKind::kGrad, index);
-    if (store_->tier(grad) == Tier::kNone) store_->allocate(grad, Tier::kHost);  // zeros
+    const ChunkId grad = store().chunk_id(ChunkKind::kGrad, index);
+    if (store().tier(grad) == Tier::kNone) store().allocate(grad, Tier::kHost);  // zeros
   }
 }
 
 void EngineCore::release_group(int64_t group) {
   const int64_t first = groups_.index(group, 0);
-  if (groups_.gathered(group) && !host_only_[static_cast<size_t>(first)]) {
-    gathered_probe_->add(-world_ * store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, first)));
+  if (groups_.gathered(group) && !storage_.host_only[static_cast<size_t>(first)]) {
+    gathered_probe_->add(-world_ * store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
   }
   for (int64_t index : groups_.indices(group)) {
     if (owns(index)) continue;
-    store_->release(store_->chunk_id(ChunkKind::kParam, index));
-    if (grad_space_) store_->release(store_->chunk_id(ChunkKind::kGrad, index));
+    store().release(store().chunk_id(ChunkKind::kParam, index));
+    if (grad_space_) store().release(store().chunk_id(ChunkKind::kGrad, index));
   }
   groups_.on_released(group);
 }
@@ -146,7 +148,7 @@ void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
     if (!groups_.gathered(g) || groups_.has_gradients(g) || !groups_.all_used(g)) continue;
-    if (any_in_compute(*store_, grad_space_, groups_.indices(g))) continue;
+    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
     release_group(g);
   }
 }
@@ -156,10 +158,10 @@ void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
     if (!groups_.has_gradients(g)) continue;
-    bool ready = !any_in_compute(*store_, grad_space_, groups_.indices(g));
+    bool ready = !any_in_compute(store(), grad_space_, groups_.indices(g));
     for (int64_t index : groups_.indices(g)) {
       if (!ready) break;
-      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
         const Param& p = params_[t];
         if (p.trainable && (p.segments == 0 || p.grads_this_backward < p.segments)) {
           ready = false;
@@ -180,28 +182,29 @@ void EngineCore::reduce_group(int64_t group) {
       if (grad_space_) {
         // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
         // micro-batches reduced, receives the sum in place.
-        const ChunkId c = store_->chunk_id(ChunkKind::kGrad, index);
-        if (store_->tier(c) == Tier::kNone) store_->allocate(c, Tier::kHost);  // nothing here
-        comm_->reduce_sum(store_->chunk_view(c), owner);
+        const ChunkId c = store().chunk_id(ChunkKind::kGrad, index);
+        if (store().tier(c) == Tier::kNone) store().allocate(c, Tier::kHost);  // nothing here
+        comm_->reduce_sum(store().chunk_view(c), owner);
         continue;
       }
       // Mixed precision without a gradient space: the half slots hold the gradients. They are
       // summed in fp32 (MPI has no bf16); the owner keeps the fp32 sum for Adam and its half slot
       // gets the weight back from the master (a later gather reads weights).
-      at::Tensor sum = store_->chunk_view(store_->chunk_id(ChunkKind::kParam, index)).to(at::kFloat);
-      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+      at::Tensor sum =
+          store().chunk_view(store().chunk_id(ChunkKind::kParam, index)).to(at::kFloat);
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
         if (params_[t].has_grad) continue;  // a weight, not a gradient
-        const TensorPlacement& where = store_->layout().placement(t);
+        const TensorPlacement& where = store().layout().placement(t);
         sum.narrow(0, where.offset_elems, where.numel).zero_();
       }
       sum.mul_(1.0 / world_);
       comm_->reduce_sum(sum, owner);
       if (!owns(index)) continue;
-      at::Tensor& kept = reduced_grads_[static_cast<size_t>(index)];
+      at::Tensor& kept = gradients_.reduced[static_cast<size_t>(index)];
       kept = kept.defined() ? kept.add_(sum) : sum;
-      for (TensorId t : store_->layout().tensors_in_chunk(index)) {
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
         if (params_[t].has_grad) {
-          store_->view(t, ChunkKind::kParam).copy_(store_->view(t, ChunkKind::kParamFp32));
+          store().view(t, ChunkKind::kParam).copy_(store().view(t, ChunkKind::kParamFp32));
         }
       }
     }
@@ -221,12 +224,12 @@ void EngineCore::release_remote(bool discard) {
   if (!distributed()) return;
   for (int64_t g = 0; g < groups_.count(); ++g) {
     if (!discard && groups_.has_gradients(g)) continue;
-    if (any_in_compute(*store_, grad_space_, groups_.indices(g))) continue;
+    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
     bool present = groups_.gathered(g);
     for (int64_t index : groups_.indices(g)) {
       if (present) break;
       present = !owns(index) && grad_space_ &&
-                store_->tier(store_->chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
+                store().tier(store().chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
     }
     if (present) release_group(g);
   }
@@ -244,11 +247,17 @@ at::Tensor EngineCore::master_chunk_everywhere(int64_t index) const {
   const ChunkKind master = master_kind();
   at::Tensor buffer =
       owns(index)
-          ? store_->chunk_view(store_->chunk_id(master, index))
+          ? store()
+                .chunk_view(store().chunk_id(master, index))
                 .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-          : at::empty({store_->chunk(store_->chunk_id(master, index)).capacity_elems}, at::kFloat);
+          : at::empty({store().chunk(store().chunk_id(master, index)).capacity_elems}, at::kFloat);
   comm_->broadcast(buffer, static_cast<int>(index % world_));
   return buffer;
+}
+
+at::Tensor EngineCore::value_in(const at::Tensor& chunk, TensorId id) const {
+  const TensorPlacement& where = store().layout().placement(id);
+  return chunk.narrow(0, where.offset_elems, where.numel).view(store().layout().sizes(id)).clone();
 }
 
 }  // namespace patrickstar

@@ -27,34 +27,21 @@ bool computes_on_host(const std::vector<TensorId>& params, const ChunkStore& sto
 }
 }  // namespace
 
-EngineCore::ModuleInfo& EngineCore::module_info(torch::nn::Module& module) {
-  auto it = modules_.find(&module);
-  if (it != modules_.end()) return *it->second;
-  auto info = std::make_unique<ModuleInfo>();
-  auto name = module_names_.find(&module);
-  info->label = name != module_names_.end() ? name->second : module.name();
-  for (const at::Tensor& t : module.parameters(/*recurse=*/true)) {
-    auto id = param_of_impl_.find(t.unsafeGetTensorImpl());
-    TORCH_CHECK(id != param_of_impl_.end(), "patrickstar: module ", info->label,
-                " has a parameter the engine did not register (was it added after "
-                "initialize_engine?)");
-    if (std::find(info->params.begin(), info->params.end(), id->second) == info->params.end()) {
-      info->params.push_back(id->second);
-    }
-  }
-  ModuleInfo* raw = info.get();
-  info->hook_id = hooks_.add([this, raw] { pre_backward(*raw); });
-  info->post_hook_id = hooks_.add([this, raw] { post_backward(*raw); });
-  return *modules_.emplace(&module, std::move(info)).first->second;
+ModuleInfo& EngineCore::module_info(torch::nn::Module& module) {
+  return params_.module(module, [this](ModuleInfo& info) {
+    ModuleInfo* raw = &info;
+    info.hook_id = hooks_.add([this, raw] { pre_backward(*raw); });
+    info.post_hook_id = hooks_.add([this, raw] { post_backward(*raw); });
+  });
 }
 
 void EngineCore::point_at_chunk(const Param& p) {
   // The invariant of asynchronous moves: compute reads a chunk whose last copy has completed.
   // view() waits for that copy; this checks it did.
-  const ChunkId c = store_->chunk_of(p.id, ChunkKind::kParam);
-  const at::Tensor slot = store_->view(p.id, ChunkKind::kParam);
-  TORCH_INTERNAL_ASSERT(store_->copy_complete(c), "parameter ", p.name, " points into ",
-                        store_->describe(c), " while a copy of it is in flight");
+  const ChunkId c = store().chunk_of(p.id, ChunkKind::kParam);
+  const at::Tensor slot = store().view(p.id, ChunkKind::kParam);
+  TORCH_INTERNAL_ASSERT(store().copy_complete(c), "parameter ", p.name, " points into ",
+                        store().describe(c), " while a copy of it is in flight");
   if (slot.device() != p.live.device()) {
     // Only an evaluation forward on CUDA gets here (a scheduled moment has the chunk on the
     // device): compute reads a device copy of the slot, never host memory.
@@ -70,17 +57,17 @@ void EngineCore::point_at_chunk(const Param& p) {
 // throws an error naming it instead of reading freed memory. Its live storage points at nothing,
 // so a view autograd saved cannot read a slot that moved on.
 void EngineCore::point_at_nothing(const Param& p) {
-  if (p.gathered) return;  // a GatheredParameters scope holds it; its end gives it the fence
+  if (p.gathered != GatherHold::kNone)
+    return;  // a GatheredParameters scope holds it; its end gives it the fence
   p.tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(p.fence);
   repoint(p.live, nullptr);
   p.eval_copy.reset();
 }
 
 void EngineCore::check_not_gathered(const ModuleInfo& module) const {
-  if (gathered_ == 0) return;
   for (TensorId id : module.params) {
-    TORCH_CHECK(!params_[id].gathered, "patrickstar: the door of module ", module.label,
-                " opened while parameter ", params_[id].name,
+    TORCH_CHECK(params_[id].gathered == GatherHold::kNone, "patrickstar: the door of module ",
+                module.label, " opened while parameter ", params_[id].name,
                 " is held by a GatheredParameters scope; end the scope before the forward");
   }
 }
@@ -93,24 +80,24 @@ void EngineCore::zero_grad_if_marker_reset(bool door) {
   take_gradient_edits(door);
   // The optimizer's marker: reset (set_to_none, the default), replaced, or zeroed in place
   // (set_to_none false).
-  const at::Tensor& grad = zero_grad_marker_.grad();
-  if (grad.defined() && grad.is_same(zero_grad_marker_grad_) &&
-      grad._version() == zero_grad_marker_version_) {
+  const at::Tensor& grad = gradients_.marker.grad();
+  if (grad.defined() && grad.is_same(gradients_.marker_grad) &&
+      grad._version() == gradients_.marker_version) {
     return;
   }
   zero_grad(/*set_to_none=*/!grad.defined());
 }
 
 void EngineCore::arm_zero_grad_marker() {
-  zero_grad_marker_grad_.zero_();
-  zero_grad_marker_.mutable_grad() = zero_grad_marker_grad_;
-  zero_grad_marker_version_ = zero_grad_marker_grad_._version();
+  gradients_.marker_grad.zero_();
+  gradients_.marker.mutable_grad() = gradients_.marker_grad;
+  gradients_.marker_version = gradients_.marker_grad._version();
 }
 
 void EngineCore::forget_dropped_forward() {
   // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
   // alive and none has run): that forward's loss was dropped unused.
-  if (tracker_.phase() == Phase::kForward && open_scopes_ == 0 && tracker_.hooks_in_forward() &&
+  if (tracker_.phase() == Phase::kForward && doors_.none_open() && tracker_.hooks_in_forward() &&
       hooks_.pending_nodes() == 0) {
     abandon_forward();
   }
@@ -129,7 +116,7 @@ void EngineCore::begin_iteration_if_needed() {
   open_moment_ = -1;
   metrics_.begin_iteration(running_totals(),
                            gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
-  device_->reset_peak();
+  storage_.device->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
 }
@@ -139,15 +126,15 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   ensure_gathered(module.params, with_grad_chunks);  // data parallel: other ranks' chunks
   std::vector<int64_t> chunk_ids;
   auto add_chunk = [&](ChunkId c) {
-    if (host_only_[store_->index_of(c)]) return;  // a CPU embedding's: read on the host
+    if (storage_.host_only[store().index_of(c)]) return;  // a CPU embedding's: read on the host
     // Data parallel: another rank's param chunk is on the device with its gathered group.
-    if (store_->kind_of(c) == ChunkKind::kParam && !owns(store_->index_of(c))) return;
+    if (store().kind_of(c) == ChunkKind::kParam && !owns(store().index_of(c))) return;
     if (std::find(chunk_ids.begin(), chunk_ids.end(), c) == chunk_ids.end()) chunk_ids.push_back(c);
   };
   for (TensorId id : module.params) {
-    add_chunk(store_->chunk_of(id, ChunkKind::kParam));
+    add_chunk(store().chunk_of(id, ChunkKind::kParam));
     if (with_grad_chunks && grad_space_ && params_[id].trainable) {
-      add_chunk(store_->chunk_of(id, ChunkKind::kGrad));
+      add_chunk(store().chunk_of(id, ChunkKind::kGrad));
     }
   }
   close_moment();
@@ -166,15 +153,16 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   for (TensorId id : module.params) {
     Param& p = params_[id];
     if (p.compute_refs++ > 0) continue;
-    store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
+    store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
     if (with_grad_chunks && grad_space_ && p.trainable) {
-      store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+      store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     }
     // A scheduled moment computes on the device (a CPU embedding's chunks stay on the host).
-    const ChunkId c = store_->chunk_of(id, ChunkKind::kParam);
-    TORCH_INTERNAL_ASSERT(store_->tier(c) == Tier::kDevice || host_only_[store_->index_of(c)],
-                          "parameter ", p.name, " is used at moment ", m, " from ",
-                          store_->describe(c), " on the ", to_string(store_->tier(c)));
+    const ChunkId c = store().chunk_of(id, ChunkKind::kParam);
+    TORCH_INTERNAL_ASSERT(
+        store().tier(c) == Tier::kDevice || storage_.host_only[store().index_of(c)], "parameter ",
+        p.name, " is used at moment ", m, " from ", store().describe(c), " on the ",
+        to_string(store().tier(c)));
     point_at_chunk(p);
   }
   return module.params;
@@ -199,8 +187,8 @@ void EngineCore::abandon_forward() {
   // Nothing of this forward reaches backward: its moments are forgotten (the next forward starts
   // where it started) and its parameters wait for nothing.
   for (Param& p : params_) {
-    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
     p.forget_segments();
   }
@@ -218,15 +206,15 @@ void EngineCore::close_moment() {
 
 std::string EngineCore::describe_pinned() const {
   std::string out;
-  for (ChunkId c = 0; c < store_->chunk_count(); ++c) {
-    if (store_->tier(c) != Tier::kDevice || store_->is_movable(c)) continue;
+  for (ChunkId c = 0; c < store().chunk_count(); ++c) {
+    if (store().tier(c) != Tier::kDevice || store().is_movable(c)) continue;
     std::string users;
-    for (TensorId t : store_->layout().tensors_in_chunk(store_->index_of(c))) {
-      if (store_->state(t, store_->kind_of(c)) == TensorState::kCompute) {
+    for (TensorId t : store().layout().tensors_in_chunk(store().index_of(c))) {
+      if (store().state(t, store().kind_of(c)) == TensorState::kCompute) {
         absl::StrAppend(&users, users.empty() ? "" : ", ", params_[t].name);
       }
     }
-    absl::StrAppend(&out, out.empty() ? "" : "; ", store_->describe(c), " (", users, ")");
+    absl::StrAppend(&out, out.empty() ? "" : "; ", store().describe(c), " (", users, ")");
   }
   return out.empty() ? "none" : out;
 }
@@ -253,12 +241,10 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;
-      store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
+      store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
       point_at_chunk(p);
     }
-    scopes_.push_back(OpenScope{&info, info.params, kind});
-    ++open_scopes_;
-    return static_cast<int64_t>(scopes_.size()) - 1;
+    return doors_.open(OpenScope{&info, info.params, kind});
   }
   if (!in_checkpoint_recompute()) recover_from_a_dead_backward("a forward");
   if (tracker_.phase() == Phase::kBackwardDone) {
@@ -271,15 +257,13 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
   forget_dropped_forward();
   begin_iteration_if_needed();
   tracker_.on(PhaseEvent::kForwardBegins, recorder_->current_trace().size());
-  scopes_.push_back(OpenScope{&info, {}, kind});
-  ++open_scopes_;
-  const int64_t token = static_cast<int64_t>(scopes_.size()) - 1;
+  const int64_t token = doors_.open(OpenScope{&info, {}, kind});
   if (info.params.empty()) return token;
   try {
-    scopes_[token].acquired = access(info, MomentKind::kPreForward, false);
+    doors_[token].acquired = access(info, MomentKind::kPreForward, false);
   } catch (...) {
-    scopes_.pop_back();
-    if (--open_scopes_ == 0 && !tracker_.in_backward()) abandon_forward();
+    doors_.cancel_last();
+    if (doors_.none_open() && !tracker_.in_backward()) abandon_forward();
     throw;
   }
   if (!tracker_.in_backward()) {  // a recompute in backward is not a pass of its own
@@ -298,15 +282,14 @@ void EngineCore::release(TensorId id, TensorState to) {
   Param& p = params_[id];
   TORCH_CHECK(p.compute_refs > 0, "patrickstar: internal: release of ", p.name, " not in use");
   if (--p.compute_refs > 0) return;
-  store_->set_state(id, ChunkKind::kParam, to);
+  store().set_state(id, ChunkKind::kParam, to);
   point_at_nothing(p);
 }
 
 std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
-  TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
-              "patrickstar: internal: unknown door token ", token);
-  OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  TORCH_CHECK(doors_.valid(token), "patrickstar: internal: unknown door token ", token);
+  OpenScope& scope = doors_[token];
   // An output that shares a parameter's storage (the parameter itself, a view of it) would point at
   // nothing once the door closes: it gets storage of its own (autograd still leads to the parameter).
   for (at::Tensor& out : outputs) {
@@ -320,8 +303,8 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
     }
   }
   // A CPU embedding on CUDA: its outputs go to the device (autograd brings their gradients back).
-  const c10::Device device = device_->device();
-  if (!device.is_cpu() && computes_on_host(scope.module->params, *store_, host_only_)) {
+  const c10::Device device = storage_.device->device();
+  if (!device.is_cpu() && computes_on_host(scope.module->params, store(), storage_.host_only)) {
     for (at::Tensor& out : outputs) {
       if (out.defined()) out = out.to(device);
     }
@@ -334,7 +317,7 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
   scope.acquired.clear();
   const ModuleInfo* module = scope.module;
   release_used_groups(module->params);  // data parallel: groups every tensor of which was used
-  if (--open_scopes_ == 0) scopes_.clear();  // tokens are not used again
+  doors_.close();
   if (!training || outputs.empty() || module->params.empty()) return outputs;
   std::vector<at::Tensor> hooked = with_pre_backward(outputs, hooks_, module->hook_id);
   tracker_.note_hooks_in_forward();
@@ -343,20 +326,18 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
 
 void EngineCore::forward_failed(int64_t token) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
-  const bool evaluation = token >= 0 && token < static_cast<int64_t>(scopes_.size()) &&
-                          scopes_[static_cast<size_t>(token)].kind == ForwardKind::kEvaluation;
+  const bool evaluation = doors_.valid(token) && doors_[token].kind == ForwardKind::kEvaluation;
   post_forward(token, {});
   // The outermost door of a training forward that threw: the next forward starts where this one
   // started. (A failed evaluation leaves a training forward in progress alone.)
-  if (!evaluation && open_scopes_ == 0 && tracker_.phase() == Phase::kForward) {
+  if (!evaluation && doors_.none_open() && tracker_.phase() == Phase::kForward) {
     abandon_forward();
   }
 }
 
 std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
-  TORCH_CHECK(token >= 0 && token < static_cast<int64_t>(scopes_.size()),
-              "patrickstar: internal: unknown door token ", token);
+  TORCH_CHECK(doors_.valid(token), "patrickstar: internal: unknown door token ", token);
   if (mixed_) {
     // Floating-point inputs are cast to the compute dtype (as DeepSpeed does in fp16); integer
     // inputs (indices) are left alone.
@@ -367,9 +348,10 @@ std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::T
       }
     }
   }
-  const OpenScope& scope = scopes_[static_cast<size_t>(token)];
+  const OpenScope& scope = doors_[token];
   // A CPU embedding on CUDA reads its inputs (token ids) on the host.
-  if (!device_->device().is_cpu() && computes_on_host(scope.module->params, *store_, host_only_)) {
+  if (!storage_.device->device().is_cpu() &&
+      computes_on_host(scope.module->params, store(), storage_.host_only)) {
     for (at::Tensor& x : inputs) {
       if (x.defined()) x = x.to(at::kCPU);
     }

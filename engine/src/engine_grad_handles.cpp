@@ -52,19 +52,19 @@ void EngineCore::show_gradients(GradientsShown when) {
   const bool views_possible = !distributed() && config_.precision() != Precision::kFp16;
   const at::ScalarType half = param_dtype(config_.precision());
   for (Param& p : params_) {
-    if (!p.grad_defined) continue;
+    if (!p.grad.defined) continue;
     at::Tensor handle;
     const bool view = views_possible &&
                       ((when == GradientsShown::kAfterBackward && (grad_space_ || p.has_grad)) ||
                        (when == GradientsShown::kAfterStep && grad_space_));
     if (view) {
       const at::Tensor slot =
-          store_->view(p.id, grad_space_ ? ChunkKind::kGrad : ChunkKind::kParam);
-      p.grad_storage = storage_without_memory(
+          store().view(p.id, grad_space_ ? ChunkKind::kGrad : ChunkKind::kParam);
+      p.grad.storage = storage_without_memory(
           slot.numel() * static_cast<int64_t>(slot.element_size()), slot.device());
-      repoint(p.grad_storage, slot.data_ptr());
-      handle = tensor_over(p.grad_storage, p.tensor.sizes(), slot.scalar_type());
-      views_shown_ = true;
+      repoint(p.grad.storage, slot.data_ptr());
+      handle = tensor_over(p.grad.storage, p.tensor.sizes(), slot.scalar_type());
+      gradients_.views_shown = true;
     } else if (when == GradientsShown::kAfterBackward && !views_possible) {
       const char* why = distributed()
                             ? "with data parallel each rank keeps only its share of the gradients, "
@@ -77,45 +77,47 @@ void EngineCore::show_gradients(GradientsShown when) {
     } else {
       handle = at::empty(p.tensor.sizes(), at::TensorOptions().dtype(half).device(at::kMeta));
       handle.storage().unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
-          unreadable_message(p.name, p.grad_consumed ? "the step used this gradient and its slot "
+          unreadable_message(p.name, p.grad.consumed ? "the step used this gradient and its slot "
                                                        "now holds the new weight (mixed precision "
                                                        "without a gradient space)"
                                                      : kLaterWhy));
     }
-    p.grad_view = view;
-    p.grad_handle = handle;
-    p.grad_handle_version = static_cast<int64_t>(handle._version());
+    p.grad.is_view = view;
+    p.grad.tensor = handle;
+    p.grad.version = static_cast<int64_t>(handle._version());
     p.tensor.mutable_grad() = handle;
-    handles_shown_ = true;
+    gradients_.handles_shown = true;
   }
 }
 
 void EngineCore::take_gradient_edits(bool door) {
-  if (!handles_shown_) return;
+  if (!gradients_.handles_shown) return;
   // A door within a forward, or of an evaluation, where only markers are shown (a door withdrew
   // the views and evaluation moves nothing), does not look: what is done to them is looked at
   // when the backward or the step starts, before anything accumulates.
-  if (door && !views_shown_ && (tracker_.phase() == Phase::kForward || !at::GradMode::is_enabled())) return;
+  if (door && !gradients_.views_shown &&
+      (tracker_.phase() == Phase::kForward || !at::GradMode::is_enabled()))
+    return;
   torch::NoGradGuard no_grad;
   // First what was done, checked before anything changes: a refused edit leaves the engine and
   // every handle as they were, so the same call refuses again until the trainer does otherwise.
   std::vector<Param*> reset, zeroed, assigned;
   int64_t with_handle = 0;
   for (Param& p : params_) {
-    if (!p.grad_handle.defined()) continue;
+    if (!p.grad.tensor.defined()) continue;
     ++with_handle;
     const at::Tensor& grad = p.tensor.grad();
     const bool same_storage =
-        grad.defined() && grad.has_storage() && grad.storage().is_alias_of(p.grad_handle.storage());
-    const bool written = static_cast<int64_t>(p.grad_handle._version()) != p.grad_handle_version;
+        grad.defined() && grad.has_storage() && grad.storage().is_alias_of(p.grad.tensor.storage());
+    const bool written = static_cast<int64_t>(p.grad.tensor._version()) != p.grad.version;
     if (!grad.defined()) {
       reset.push_back(&p);
     } else if (same_storage) {
       // The handle, or a detach() of it (Module::zero_grad). A view was edited in place already.
-      if (written && !p.grad_view) zeroed.push_back(&p);
+      if (written && !p.grad.is_view) zeroed.push_back(&p);
     } else {
       // Assigned another tensor: its values become the gradient, where a view shows the slot.
-      TORCH_CHECK(p.grad_view, "patrickstar: the gradient of parameter ", p.name,
+      TORCH_CHECK(p.grad.is_view, "patrickstar: the gradient of parameter ", p.name,
                   " was replaced "
                   "by another tensor where the engine shows no view of it (",
                   distributed()                             ? "data parallel"
@@ -141,71 +143,71 @@ void EngineCore::take_gradient_edits(bool door) {
                   "optimizer's zero_grad()) or none");
     }
   }
-  for (Param* p : assigned) p->grad_handle.copy_(p->tensor.grad());
-  for (Param* p : reset) p->grad_defined = false;
+  for (Param* p : assigned) p->grad.tensor.copy_(p->tensor.grad());
+  for (Param* p : reset) p->grad.defined = false;
   // Withdraw: views are fenced (a copy of one kept by the trainer throws when read) and every
   // parameter still showing a gradient gets a marker; the chunks may move from here on.
   for (Param& p : params_) {
-    if (p.grad_view) {
-      withdraw_view(p.grad_storage, p.name);
-      p.grad_view = false;
+    if (p.grad.is_view) {
+      withdraw_view(p.grad.storage, p.name);
+      p.grad.is_view = false;
     }
-    p.grad_handle.reset();
+    p.grad.tensor.reset();
   }
-  handles_shown_ = false;
-  views_shown_ = false;
+  gradients_.handles_shown = false;
+  gradients_.views_shown = false;
   if (whole) {
     // Zeroed in place (set_to_none false) stays defined, as in LibTorch: such a parameter is
     // stepped with a zero gradient even where the next loss does not reach it.
     std::vector<Param*> kept;
     for (Param* p : dropped) {
-      if (p->grad_defined) kept.push_back(p);
+      if (p->grad.defined) kept.push_back(p);
     }
     zero_grad();  // also takes the handles away
-    for (Param* p : kept) p->grad_defined = true;
+    for (Param* p : kept) p->grad.defined = true;
     if (!kept.empty()) show_gradients(GradientsShown::kWithdrawn);
     return;
   }
   if (!dropped.empty()) {
     for (Param* p : dropped) drop_gradient(*p);
     finish_state_views();
-    grads_in_half_slots_ = false;
-    for (const Param& p : params_) grads_in_half_slots_ |= p.has_grad && !grad_space_;
+    gradients_.in_half_slots = false;
+    for (const Param& p : params_) gradients_.in_half_slots |= p.has_grad && !grad_space_;
   }
   show_gradients(GradientsShown::kWithdrawn);
 }
 
 void EngineCore::drop_gradient(Param& p) {
   if (grad_space_) {
-    if (!distributed() || owns(store_->layout().placement(p.id).chunk_index)) {
-      store_->view(p.id, ChunkKind::kGrad).zero_();
+    if (!distributed() || owns(store().layout().placement(p.id).chunk_index)) {
+      store().view(p.id, ChunkKind::kGrad).zero_();
     }
-  } else if (p.has_grad && owns(store_->layout().placement(p.id).chunk_index)) {
-    store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+  } else if (p.has_grad && owns(store().layout().placement(p.id).chunk_index)) {
+    store().view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
   }
   p.has_grad = false;
-  p.grad_consumed = false;
+  p.grad.consumed = false;
   p.pending_grad.reset();
 }
 
 void EngineCore::clear_gradient_handles() {
   bool consumed = false;
   for (Param& p : params_) {
-    consumed |= p.grad_consumed && p.grad_handle.defined();
-    p.grad_consumed = false;
-    if (p.grad_view) {
-      withdraw_view(p.grad_storage, p.name);
-      p.grad_view = false;
+    consumed |= p.grad.consumed && p.grad.tensor.defined();
+    p.grad.consumed = false;
+    if (p.grad.is_view) {
+      withdraw_view(p.grad.storage, p.name);
+      p.grad.is_view = false;
     }
-    if (p.grad_handle.defined()) {
+    if (p.grad.tensor.defined()) {
       if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
-      p.grad_handle.reset();
+      p.grad.tensor.reset();
     }
   }
-  handles_shown_ = false;
-  views_shown_ = false;
-  if (consumed && !warned_consumed_) {
-    warned_consumed_ = true;
+  gradients_.handles_shown = false;
+  gradients_.views_shown = false;
+  if (consumed && !gradients_.warned_consumed) {
+    gradients_.warned_consumed = true;
     TORCH_WARN(
         "patrickstar: a backward after step() without zero_grad(): LibTorch would add its "
         "gradients to the previous step's, but in ",

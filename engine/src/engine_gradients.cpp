@@ -48,11 +48,11 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
   for (TensorId id : module.params) {
     Param& p = params_[id];
     if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
-    store_->set_state(id, ChunkKind::kParam,
+    store().set_state(id, ChunkKind::kParam,
                       p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
     if (grad_space_ && p.trainable &&
-        store_->state(id, ChunkKind::kGrad) == TensorState::kCompute) {
-      store_->set_state(id, ChunkKind::kGrad, TensorState::kHold);
+        store().state(id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store().set_state(id, ChunkKind::kGrad, TensorState::kHold);
     }
     point_at_nothing(p);
   }
@@ -63,7 +63,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   Param& p = params_[id];
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
-  TORCH_CHECK(!p.gathered, "patrickstar: a gradient reached parameter ", p.name,
+  TORCH_CHECK(p.gathered == GatherHold::kNone, "patrickstar: a gradient reached parameter ", p.name,
               " while a GatheredParameters scope holds it; the scope gives values (saving, "
               "re-initialization, a penalty's value): a penalty that trains goes behind the "
               "module's door (ModuleScope), or is the optimizer's weight_decay");
@@ -82,12 +82,12 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   }
   if (p.compute_refs == 0) {  // a gradient without its module's pre-backward: take the slot now
     ensure_gathered({id}, grad_space_);
-    store_->set_state(id, ChunkKind::kParam, TensorState::kCompute);
-    if (grad_space_) store_->set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+    store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
+    if (grad_space_) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     p.compute_refs = 1;
   }
   if (grad_space_) {
-    at::Tensor slot = store_->view(id, ChunkKind::kGrad);
+    at::Tensor slot = store().view(id, ChunkKind::kGrad);
     // The slot is where its chunk is: on the device after a pre-backward, anywhere when the branch
     // above took it (on CUDA, maybe a host chunk for a device gradient), and add_ does not cross
     // devices. Same device: no copy.
@@ -99,18 +99,18 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     } else {
       slot.add_(here);
     }
-    store_->set_state(id, ChunkKind::kGrad, TensorState::kHoldAfterBwd);
+    store().set_state(id, ChunkKind::kGrad, TensorState::kHoldAfterBwd);
   } else {
     // The weight's last use is behind us and the fp32 master keeps its value: the half slot
     // takes the gradient (docs/design.md section 4; copy_, unlike add_, copies across devices).
-    store_->view(id, ChunkKind::kParam).copy_(grad);
+    store().view(id, ChunkKind::kParam).copy_(grad);
   }
   param.mutable_grad().reset();
   p.has_grad = true;
-  p.grad_defined = true;
-  grads_in_half_slots_ = !grad_space_;
+  p.grad.defined = true;
+  gradients_.in_half_slots = !grad_space_;
   p.compute_refs = 0;
-  store_->set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
+  store().set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
   point_at_nothing(p);
   if (distributed()) {
     ++p.grads_this_backward;
@@ -128,15 +128,15 @@ void EngineCore::flush_pending_gradients() {
       ++p.grads_this_backward;
       groups_.on_gradient(comm_group_of(p.id));
     }
-    if (store_->state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
+    if (store().state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
     }
-    store_->view(p.id, ChunkKind::kParam).copy_(p.pending_grad);
-    store_->set_state(p.id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
+    store().view(p.id, ChunkKind::kParam).copy_(p.pending_grad);
+    store().set_state(p.id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
     p.pending_grad.reset();
     p.has_grad = true;
-    p.grad_defined = true;
-    grads_in_half_slots_ = true;
+    p.grad.defined = true;
+    gradients_.in_half_slots = true;
     p.compute_refs = 0;
     point_at_nothing(p);
   }
@@ -209,16 +209,16 @@ void EngineCore::finish_backward() {
   flush_pending_gradients();
   // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
   for (Param& p : params_) {
-    const TensorState state = store_->state(p.id, ChunkKind::kParam);
+    const TensorState state = store().state(p.id, ChunkKind::kParam);
     if (p.compute_refs > 0 || state == TensorState::kCompute) {
       p.compute_refs = 0;
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
       point_at_nothing(p);
     } else if (state == TensorState::kHoldAfterFwd) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
-      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.forget_segments();
     p.grads_this_backward = 0;
@@ -237,18 +237,18 @@ void EngineCore::discard_gradients() {
   const bool restore = mixed_ && !grad_space_;
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
   release_remote(/*discard=*/true);
-  for (at::Tensor& sum : reduced_grads_) sum.reset();
+  for (at::Tensor& sum : gradients_.reduced) sum.reset();
   // The half slots hold gradients: the weights come back from the fp32 masters, rounded as the
   // step rounds them. In chunk order (a disk tier reads each chunk's masters once). Runs inside
   // error handling: a master that cannot be read (a disk tier's file gone) is reported as a warning
   // after the rest is done, never thrown from here.
   std::string unrestored;
   if (restore) {
-    for (TensorId id : tensors_in_chunk_order(store_->layout())) {
-      const Param& p = params_[static_cast<size_t>(id)];
-      if (!p.has_grad || !owns(store_->layout().placement(id).chunk_index)) continue;
+    for (TensorId id : tensors_in_chunk_order(store().layout())) {
+      const Param& p = params_[id];
+      if (!p.has_grad || !owns(store().layout().placement(id).chunk_index)) continue;
       try {
-        store_->view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+        store().view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
       } catch (const std::exception& e) {
         if (unrestored.empty()) unrestored = p.name + ": " + e.what();
       }
@@ -264,41 +264,41 @@ void EngineCore::discard_gradients() {
                "restored from their fp32 masters and hold gradients (", unrestored, ")");
   }
   for (Param& p : params_) {
-    p.grad_consumed = false;
-    p.grad_defined = false;
+    p.grad.consumed = false;
+    p.grad.defined = false;
   }
   clear_gradient_handles();
   for (Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
     p.grads_this_backward = 0;
-    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
-      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+      store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.has_grad = false;
     p.pending_grad.reset();
   }
   if (grad_space_) {
-    for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) {
+    for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
       if (!owns(i)) continue;
-      store_->chunk_view(store_->chunk_id(ChunkKind::kGrad, i)).zero_();
+      store().chunk_view(store().chunk_id(ChunkKind::kGrad, i)).zero_();
     }
   }
   tracker_.on(PhaseEvent::kGradientsDiscarded);
-  grads_in_half_slots_ = false;
+  gradients_.in_half_slots = false;
 }
 
 void EngineCore::drop_iteration() {
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (Param& p : params_) {
-    const TensorState state = store_->state(p.id, ChunkKind::kParam);
+    const TensorState state = store().state(p.id, ChunkKind::kParam);
     if (state == TensorState::kCompute || state == TensorState::kHoldAfterFwd) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
-      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+      store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.compute_refs = 0;
     p.forget_segments();
@@ -306,8 +306,7 @@ void EngineCore::drop_iteration() {
   }
   discard_gradients();
   open_moment_ = -1;
-  open_scopes_ = 0;
-  scopes_.clear();
+  doors_.clear();
   if (tracker_.in_iteration()) {
     recorder_->abort_iteration();
     scheduler_->abort_iteration();
@@ -320,12 +319,13 @@ void EngineCore::zero_grad(bool set_to_none) {
   // parameters even where the next loss does not reach them.
   std::vector<char> kept;
   if (!set_to_none) {
-    for (const Param& p : params_) kept.push_back(p.grad_defined ? 1 : 0);
+    for (const Param& p : params_) kept.push_back(p.grad.defined ? 1 : 0);
   }
   recover_from_a_dead_backward("zero_grad()");
   arm_zero_grad_marker();
   const bool after_backward = tracker_.phase() == Phase::kBackwardDone;
-  discard_gradients();  // the phase goes back to kStarted
+  discard_gradients();  // after a backward the phase goes back to kStarted (a forward stays
+                        // kForward)
   // A forward in progress keeps its graph (LibTorch loops may call zero_grad() between forward and
   // backward). After a backward, nothing of the iteration so far reaches a step: its moments are
   // forgotten too, so a loop that discards a backward (a GAN's discriminator after the generator's
@@ -335,7 +335,7 @@ void EngineCore::zero_grad(bool set_to_none) {
     open_moment_ = -1;
   }
   if (!set_to_none) {
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].grad_defined = kept[i] != 0;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].grad.defined = kept[i] != 0;
     show_gradients(GradientsShown::kWithdrawn);
   }
 }

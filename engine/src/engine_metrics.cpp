@@ -13,16 +13,16 @@ void EngineCore::note_memory(const std::string& moment) {
   // already (device_used_bytes); count them once.
   const int64_t non_model =
       probe_->live_bytes() - (gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
-  metrics_.note_memory(*store_, non_model, iteration_, moment);
+  metrics_.note_memory(store(), non_model, iteration_, moment);
 }
 
 RunningTotals EngineCore::running_totals() const {
   RunningTotals t;
-  t.moves = store_->move_counters();
+  t.moves = store().move_counters();
   t.comm = comm_->counters();
   t.group_gathers = groups_.gathers();
   t.group_reduces = groups_.reduces();
-  t.copy_wait_seconds = copy_queue_ != nullptr ? copy_queue_->waited_seconds() : 0;
+  t.copy_wait_seconds = storage_.copy_queue != nullptr ? storage_.copy_queue->waited_seconds() : 0;
   t.collective_seconds = collective_seconds_;
   return t;
 }

@@ -23,7 +23,7 @@ std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() co
   const ChunkKind master = master_kind();
   if (!distributed()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
-    for (TensorId id : tensors_in_chunk_order(store_->layout())) {
+    for (TensorId id : tensors_in_chunk_order(store().layout())) {
       values[static_cast<size_t>(id)] = host_copy(state_view(id, master));
     }
     finish_state_views();
@@ -31,14 +31,10 @@ std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() co
     return out;
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
-  std::vector<at::Tensor> chunks(static_cast<size_t>(store_->chunks_per_kind()));
-  for (int64_t i = 0; i < store_->chunks_per_kind(); ++i) chunks[i] = master_chunk_everywhere(i);
+  std::vector<at::Tensor> chunks(static_cast<size_t>(store().chunks_per_kind()));
+  for (int64_t i = 0; i < store().chunks_per_kind(); ++i) chunks[i] = master_chunk_everywhere(i);
   for (const Param& p : params_) {
-    const TensorPlacement& where = store_->layout().placement(p.id);
-    out.emplace_back(p.name, chunks[where.chunk_index]
-                                 .narrow(0, where.offset_elems, where.numel)
-                                 .view(store_->layout().sizes(p.id))
-                                 .clone());
+    out.emplace_back(p.name, value_in(chunks[store().layout().placement(p.id).chunk_index], p.id));
   }
   return out;
 }
@@ -102,15 +98,15 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   for (const Param& p : params_) c.names.push_back(p.name);
   c.world_size = world_;
   c.rank = rank_;
-  c.chunk_elems = store_->chunk_elems();
+  c.chunk_elems = store().chunk_elems();
   c.adam_step = adam_->step_count();
   for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
   const ChunkKind master = master_kind();
-  for (TensorId id : tensors_in_chunk_order(store_->layout())) {
-    const Param& p = params_[static_cast<size_t>(id)];
-    if (!owns(store_->layout().placement(p.id).chunk_index)) continue;  // another rank's shard
+  for (TensorId id : tensors_in_chunk_order(store().layout())) {
+    const Param& p = params_[id];
+    if (!owns(store().layout().placement(p.id).chunk_index)) continue;  // another rank's shard
     c.params[p.id] = {host_copy(state_view(p.id, master)),
                       host_copy(state_view(p.id, ChunkKind::kMomentum)),
                       host_copy(state_view(p.id, ChunkKind::kVariance))};
@@ -137,8 +133,11 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   zero_grad_if_marker_reset();
   TORCH_CHECK(tracker_.between_iterations(), "patrickstar: load_checkpoint() in the middle of an "
               "iteration; call it before a forward or after step()");
-  TORCH_CHECK(gathered_ == 0, "patrickstar: load_checkpoint() while a GatheredParameters scope "
-              "holds ", gathered_, " parameter", gathered_ == 1 ? "" : "s", "; end the scope first");
+  const int64_t held = params_.gathered();
+  TORCH_CHECK(held == 0,
+              "patrickstar: load_checkpoint() while a GatheredParameters scope "
+              "holds ",
+              held, " parameter", held == 1 ? "" : "s", "; end the scope first");
   // Read and check everything first: a damaged checkpoint, or one of another model, changes
   // nothing.
   CheckpointContents c;
@@ -155,26 +154,26 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
     TORCH_CHECK(c.precision == here, "patrickstar: checkpoint \"", path, "\" was saved by a ",
                 c.precision, " engine and this engine is ", here, ": resume with the precision that "
                 "saved it (save_weights writes fp32 weights that any engine's model can start from)");
-    TORCH_CHECK(c.chunk_elems == store_->chunk_elems() || world_ == 1,
-                "patrickstar: checkpoint \"", path, "\" was saved with chunks of ", c.chunk_elems,
-                " elements, this engine has ", store_->chunk_elems(),
+    TORCH_CHECK(c.chunk_elems == store().chunk_elems() || world_ == 1, "patrickstar: checkpoint \"",
+                path, "\" was saved with chunks of ", c.chunk_elems, " elements, this engine has ",
+                store().chunk_elems(),
                 ": with several ranks the chunk size decides which rank owns what; use the config "
                 "that saved it");
     for (const Param& p : params_) {
       const std::string& saved = c.names[static_cast<size_t>(p.id)];
       TORCH_CHECK(saved == p.name, "patrickstar: checkpoint \"", path, "\" is from another model: "
                   "parameter ", p.id, " is ", saved, " there but ", p.name, " here");
-      if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
+      if (!owns(store().layout().placement(p.id).chunk_index)) continue;
       auto it = c.params.find(p.id);
       TORCH_CHECK(it != c.params.end(), "patrickstar: checkpoint \"", path, "\" has no optimizer "
                   "state for parameter ", p.name);
-      TORCH_CHECK(it->second.master.sizes() == store_->layout().sizes(p.id),
+      TORCH_CHECK(it->second.master.sizes() == store().layout().sizes(p.id),
                   "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
                   p.name, " has shape ", it->second.master.sizes(), " there but ",
-                  store_->layout().sizes(p.id), " here");
+                  store().layout().sizes(p.id), " here");
     }
     // The disk tier's files are read while the states are written: all there, or nothing loads.
-    if (disk_ != nullptr) disk_->check_files();
+    if (storage_.disk != nullptr) storage_.disk->check_files();
     try {
       adam_->loss_scaler().check_state(c.scaler);
     } catch (const c10::Error& e) {
@@ -196,12 +195,12 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = master_kind();
-  for (TensorId id : tensors_in_chunk_order(store_->layout())) {
-    const Param& p = params_[static_cast<size_t>(id)];
-    if (!owns(store_->layout().placement(p.id).chunk_index)) continue;
+  for (TensorId id : tensors_in_chunk_order(store().layout())) {
+    const Param& p = params_[id];
+    if (!owns(store().layout().placement(p.id).chunk_index)) continue;
     const CheckpointParam& saved = c.params.at(p.id);
     state_view(p.id, master, /*write=*/true).copy_(saved.master);
-    if (mixed_) store_->view(p.id, ChunkKind::kParam).copy_(saved.master);
+    if (mixed_) store().view(p.id, ChunkKind::kParam).copy_(saved.master);
     state_view(p.id, ChunkKind::kMomentum, /*write=*/true).copy_(saved.exp_avg);
     state_view(p.id, ChunkKind::kVariance, /*write=*/true).copy_(saved.exp_avg_sq);
   }

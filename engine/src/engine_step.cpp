@@ -22,25 +22,24 @@ constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad, ChunkKi
 }  // namespace
 
 void EngineCore::decide_adam_placement() {
-  const int64_t n = store_->chunks_per_kind();
+  const int64_t n = store().chunks_per_kind();
   // CPU embeddings update on the host: the plan covers the other chunk indices.
   std::vector<int64_t> candidates;
-  std::vector<int64_t> state_bytes;  // per candidate
+  std::vector<int64_t> candidate_bytes;  // their optimizer states', per candidate
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
-    if (host_only_[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
+    if (storage_.host_only[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
     if (adam_placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
-      resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
-      if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
+      resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kParam, i));
+      if (grad_space_)
+        resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kGrad, i));
       continue;
     }
     candidates.push_back(i);
-    state_bytes.push_back(store_->chunk_bytes(store_->chunk_id(ChunkKind::kMomentum, i)) +
-                          store_->chunk_bytes(store_->chunk_id(ChunkKind::kVariance, i)) +
-                          (mixed_ ? store_->chunk_bytes(store_->chunk_id(ChunkKind::kParamFp32, i))
-                                  : 0));
-    resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kParam, i));
-    if (grad_space_) resident_model_bytes += store_->chunk_bytes(store_->chunk_id(ChunkKind::kGrad, i));
+    candidate_bytes.push_back(state_bytes(i));
+    resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kParam, i));
+    if (grad_space_)
+      resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kGrad, i));
   }
   int64_t peak_non_model = probe_->peak_bytes();
   for (const Moment& m : recorder_->current_trace().moments) {
@@ -55,24 +54,25 @@ void EngineCore::decide_adam_placement() {
       config_.mem_tracer.margin_use_ratio);
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
                       config_.scheduler.policy != EvictionPolicy::kStatic;
-  const PlacementPlan plan = hybrid ? plan_placement(state_bytes, margin) : all_on_host(state_bytes);
+  const PlacementPlan plan =
+      hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
   std::vector<bool> on_device(static_cast<size_t>(n), false);
   for (size_t k = 0; k < candidates.size(); ++k) on_device[candidates[k]] = plan.on_device[k];
   adam_placement_.decide(std::move(on_device));  // with the device-only indices
   // The disk tier keeps the states of the indices still on disk; those of the device Adam come home
   // for good (host first, then the scheduler takes them to the device at the step). An index home
   // from an earlier placement stays in memory even where this one runs its Adam on the host.
-  if (disk_ != nullptr) {
+  if (storage_.disk != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
-      if (adam_placement_.on_device()[static_cast<size_t>(i)]) disk_->bring_home(i);
+      if (adam_placement_.on_device()[static_cast<size_t>(i)]) storage_.disk->bring_home(i);
     }
   }
 }
 
 IterationReport EngineCore::run_adam() {
   torch::NoGradGuard no_grad;
-  const int64_t n = store_->chunks_per_kind();
-  auto id_of = [&](ChunkKind kind, int64_t i) { return store_->chunk_id(kind, i); };
+  const int64_t n = store().chunks_per_kind();
+  auto id_of = [&](ChunkKind kind, int64_t i) { return store().chunk_id(kind, i); };
 
   // The step moment: chunks whose Adam runs on the device are accessed there. The warm-up runs
   // every update on the host (its chunk budget is the conservative one) but records the steady
@@ -107,7 +107,7 @@ IterationReport EngineCore::run_adam() {
     for (int64_t i = 0; i < n; ++i) {
       if (device_side[i] || !owns(i)) continue;
       for (ChunkKind kind : kAdamKinds) {
-        if (store_->has_kind(kind)) ids.push_back(id_of(kind, i));
+        if (store().has_kind(kind)) ids.push_back(id_of(kind, i));
       }
     }
     return ids;
@@ -115,7 +115,7 @@ IterationReport EngineCore::run_adam() {
   const std::vector<int64_t> to_host = host_chunks(on_device);
   int64_t adam_host_d2h_bytes = 0;
   for (int64_t c : to_host) {
-    if (store_->tier(c) == Tier::kDevice) adam_host_d2h_bytes += store_->chunk_bytes(c);
+    if (store().tier(c) == Tier::kDevice) adam_host_d2h_bytes += store().chunk_bytes(c);
   }
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
   for (int64_t c : device_chunks) recorder_->record_access(c);
@@ -130,7 +130,7 @@ IterationReport EngineCore::run_adam() {
   // them now, the step writes the new weight over them). Data parallel without a gradient space
   // refuses: the reduced sums hold nothing for such a parameter.
   for (Param& p : params_) {
-    if (!p.grad_defined || p.has_grad) continue;
+    if (!p.grad.defined || p.has_grad) continue;
     if (!grad_space_) {
       TORCH_CHECK(!distributed(), "patrickstar: parameter ", p.name, " has a gradient kept at zero "
                   "by zero_grad(set_to_none=false) but this loss did not reach it; LibTorch's "
@@ -138,7 +138,7 @@ IterationReport EngineCore::run_adam() {
                   to_string(config_.precision()), " without a gradient space cannot do. Use "
                   "zero_grad() (set_to_none, LibTorch's default) or gradient_accumulation_steps > "
                   "1");
-      store_->view(p.id, ChunkKind::kParam).zero_();
+      store().view(p.id, ChunkKind::kParam).zero_();
     }
     p.has_grad = true;
   }
@@ -148,31 +148,31 @@ IterationReport EngineCore::run_adam() {
   PlacementPlan plan;
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i)) continue;  // data parallel: another rank steps it
-    const auto tensors = store_->layout().tensors_in_chunk(i);
+    const auto tensors = store().layout().tensors_in_chunk(i);
     size_t k = 0;
     while (k < tensors.size()) {
       if (!params_[tensors[k]].has_grad) {
         ++k;
         continue;
       }
-      const int64_t begin = store_->layout().placement(tensors[k]).offset_elems;
+      const int64_t begin = store().layout().placement(tensors[k]).offset_elems;
       int64_t end = begin;
       // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter).
       const int64_t adam_steps = params_[tensors[k]].adam_steps;
       while (k < tensors.size() && params_[tensors[k]].has_grad &&
              params_[tensors[k]].adam_steps == adam_steps &&
-             store_->layout().placement(tensors[k]).offset_elems == end) {
-        end += store_->layout().numel(tensors[k]);
+             store().layout().placement(tensors[k]).offset_elems == end) {
+        end += store().layout().numel(tensors[k]);
         ++k;
       }
       auto slice = [&](ChunkKind kind) {
-        return store_->chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
+        return store().chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
       };
       AdamChunk run;
       run.step = adam_steps + 1;
       // States in the disk tier come to the update through the source below.
-      const bool from_disk = disk_ != nullptr && disk_->on_disk(i);
-      if (disk_ != nullptr) disk_runs.push_back({i, begin, end, from_disk, mixed_});
+      const bool from_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
+      if (storage_.disk != nullptr) disk_runs.push_back({i, begin, end, from_disk, mixed_});
       run.states_from_source = from_disk;
       if (!from_disk) {
         run.exp_avg = slice(ChunkKind::kMomentum);
@@ -187,7 +187,7 @@ IterationReport EngineCore::run_adam() {
         if (grad_space_) {
           run.grad_fp32 = slice(ChunkKind::kGrad);
         } else if (distributed()) {
-          const at::Tensor& sum = reduced_grads_[static_cast<size_t>(i)];
+          const at::Tensor& sum = gradients_.reduced[static_cast<size_t>(i)];
           TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
                       " has gradients but was never reduced");
           run.grad_fp32 = sum.narrow(0, begin, end - begin);
@@ -206,14 +206,12 @@ IterationReport EngineCore::run_adam() {
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i)) continue;
     const Tier want = on_device[i] ? Tier::kDevice : Tier::kHost;
-    const bool states_on_disk = disk_ != nullptr && disk_->on_disk(i);
+    const bool states_on_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
     for (ChunkKind kind : kAdamKinds) {
-      if (!store_->has_kind(kind)) continue;
-      const bool state = kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
-                         (mixed_ && kind == ChunkKind::kParamFp32);
-      if (state && states_on_disk) continue;
+      if (!store().has_kind(kind)) continue;
+      if (states_on_disk && is_state_kind(kind)) continue;
       const ChunkId id = id_of(kind, i);
-      const Tier tier = store_->tier(id);
+      const Tier tier = store().tier(id);
       TORCH_CHECK(tier == Tier::kNone || tier == want, "patrickstar: internal: chunk ", id, " (",
                   to_string(kind), " of index ", i, ") is in the ", to_string(tier),
                   " tier but its Adam runs on the ", to_string(want), " tier");
@@ -229,11 +227,11 @@ IterationReport EngineCore::run_adam() {
   IterationReport report;
   report.adam_host_d2h_bytes = adam_host_d2h_bytes;
   StepReport step;
-  if (disk_ != nullptr) {
+  if (storage_.disk != nullptr) {
     // Every file is there before any state changes (a missing one fails the step, not half of it).
-    disk_->check_files();
+    storage_.disk->check_files();
     // The host's peak with a disk tier is here: the staged states are in the breakdown.
-    DiskAdamSource source(*disk_, *store_, std::move(disk_runs),
+    DiskAdamSource source(*storage_.disk, store(), std::move(disk_runs),
                           [this] { note_memory("step (disk tier: states staged)"); });
     step = adam_->step(runs, plan, &source);
     source.finish();  // every write behind done: the files hold the new states
@@ -248,7 +246,7 @@ IterationReport EngineCore::run_adam() {
   report.grad_norm = step.grad_norm;
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i)) continue;
-    const int64_t bytes = store_->chunk_bytes(id_of(ChunkKind::kMomentum, i)) * (mixed_ ? 3 : 2);
+    const int64_t bytes = state_bytes(i);
     if (on_device[i]) {
       ++report.adam.chunks_device;
       report.adam.bytes_device += bytes;
@@ -271,8 +269,11 @@ double EngineCore::lr() const { return adam_->options().lr(); }
 IterationReport EngineCore::step() {
   recover_from_a_dead_backward("step()");
   zero_grad_if_marker_reset();
-  TORCH_CHECK(gathered_for_write_ == 0, "patrickstar: step() while a read-write GatheredParameters "
-              "scope holds ", gathered_for_write_, " parameter", gathered_for_write_ == 1 ? "" : "s",
+  const int64_t held = params_.gathered(/*for_write=*/true);
+  TORCH_CHECK(held == 0,
+              "patrickstar: step() while a read-write GatheredParameters "
+              "scope holds ",
+              held, " parameter", held == 1 ? "" : "s",
               ": its end would write its values over the step's update; end the scope first");
   TORCH_CHECK(tracker_.backwards_since_step() > 0,
               "patrickstar: step() without a backward since the last step or zero_grad()",
@@ -286,7 +287,7 @@ IterationReport EngineCore::step() {
               config_.gradient_accumulation_steps);
   // A forward in progress whose backward never came (a validation forward left in grad mode) is
   // not part of the step.
-  if (tracker_.phase() == Phase::kForward && open_scopes_ == 0) abandon_forward();
+  if (tracker_.phase() == Phase::kForward && doors_.none_open()) abandon_forward();
   // Data parallel: copies of other ranks' chunks (an evaluation forward's group that was not fully
   // used) would be stale after the step: they go, and the next door gathers the new weights.
   release_remote(/*discard=*/false);
@@ -316,19 +317,21 @@ IterationReport EngineCore::step() {
     if (distributed() && !agreed) agree(-1e300);
   };
   IterationReport report;
-  const int64_t disk_read_before = disk_ != nullptr ? disk_->files().bytes_read() : 0;
-  const int64_t disk_written_before = disk_ != nullptr ? disk_->files().bytes_written() : 0;
-  const double disk_wait_before = disk_ != nullptr ? disk_->waited_seconds() : 0;
+  const int64_t disk_read_before =
+      storage_.disk != nullptr ? storage_.disk->files().bytes_read() : 0;
+  const int64_t disk_written_before =
+      storage_.disk != nullptr ? storage_.disk->files().bytes_written() : 0;
+  const double disk_wait_before = storage_.disk != nullptr ? storage_.disk->waited_seconds() : 0;
   try {
     const auto adam_start = std::chrono::steady_clock::now();
     if (!adam_placement_.decided()) decide_adam_placement();
     report = run_adam();
     report.adam_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - adam_start).count();
-    if (disk_ != nullptr) {
-      report.disk_read_bytes = disk_->files().bytes_read() - disk_read_before;
-      report.disk_written_bytes = disk_->files().bytes_written() - disk_written_before;
-      report.disk_wait_seconds = disk_->waited_seconds() - disk_wait_before;
+    if (storage_.disk != nullptr) {
+      report.disk_read_bytes = storage_.disk->files().bytes_read() - disk_read_before;
+      report.disk_written_bytes = storage_.disk->files().bytes_written() - disk_written_before;
+      report.disk_wait_seconds = storage_.disk->waited_seconds() - disk_wait_before;
     }
     adam_->set_stats_reducer(nullptr);
   } catch (c10::Error& e) {
@@ -347,20 +350,20 @@ IterationReport EngineCore::step() {
   }
 
   for (Param& p : params_) {
-    if (store_->state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
-      store_->set_state(p.id, ChunkKind::kParam, TensorState::kHold);
+    if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
+      store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store_->state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
-      store_->set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
+    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+      store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     if (p.has_grad) {
       if (!report.skipped) ++p.adam_steps;
-      p.grad_consumed = !grad_space_;  // the half slot holds the new weight now
+      p.grad.consumed = !grad_space_;  // the half slot holds the new weight now
     }
     p.has_grad = false;
   }
-  for (at::Tensor& sum : reduced_grads_) sum.reset();
-  grads_in_half_slots_ = false;
+  for (at::Tensor& sum : gradients_.reduced) sum.reset();
+  gradients_.in_half_slots = false;
   recorder_->end_iteration();
   const bool warmup = iteration_ == 0 || !scheduler_->has_trace();
   if (warmup) {
@@ -385,7 +388,7 @@ IterationReport EngineCore::step() {
   report.warmup = warmup;
   report.retraced = retraced_this_iteration_;
   report.retraces = retraces_;
-  report.device_chunk_peak_bytes = device_->peak_bytes();
+  report.device_chunk_peak_bytes = storage_.device->peak_bytes();
   metrics_.fill_traffic(report, running_totals());
   for (const Moment& m : recorder_->current_trace().moments) {
     report.non_model_peak_bytes = std::max(report.non_model_peak_bytes, m.non_model_bytes);
@@ -403,7 +406,7 @@ IterationReport EngineCore::step() {
 void EngineCore::set_record_timeline(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   scheduler_->set_record_timeline(on);
-  if (copy_queue_ != nullptr) copy_queue_->set_record_spans(on);
+  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_record_spans(on);
 }
 
 }  // namespace patrickstar

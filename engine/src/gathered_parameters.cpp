@@ -14,28 +14,22 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-TensorId EngineCore::id_of(const at::Tensor& t) const {
-  if (!t.defined()) return -1;
-  auto it = param_of_impl_.find(t.unsafeGetTensorImpl());
-  return it == param_of_impl_.end() ? -1 : it->second;
-}
-
 void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
-  // 1. Check, changing nothing.
+  // 1. Check (after recovering from a dead backward or a dropped forward), changing nothing else.
   if (write_back) {
     recover_from_a_dead_backward("GatheredParameters");
     forget_dropped_forward();
-    TORCH_CHECK(tracker_.between_iterations() && open_scopes_ == 0,
+    TORCH_CHECK(tracker_.between_iterations() && doors_.none_open(),
                 "patrickstar: a read-write GatheredParameters scope opens between a step (or "
                 "zero_grad()) and the next forward, and ",
                 tracker_.phase() == Phase::kBackwardDone ? "gradients wait for step()"
-                                               : "a forward is in progress",
+                                                         : "a forward is in progress",
                 "; use GatheredParameters::Mode::kReadOnly to read values now");
   }
   for (TensorId id : ids) {
     const Param& p = params_[id];
-    TORCH_CHECK(!p.gathered, "patrickstar: parameter ", p.name,
+    TORCH_CHECK(p.gathered == GatherHold::kNone, "patrickstar: parameter ", p.name,
                 " is held by another GatheredParameters scope already");
     TORCH_CHECK(p.compute_refs == 0, "patrickstar: parameter ", p.name,
                 " is in use by an open door (a forward or backward in progress); a "
@@ -48,7 +42,7 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
   values.reserve(ids.size());
   if (!distributed()) {
     values.resize(ids.size());
-    for (size_t k : chunk_order(store_->layout(), ids)) {
+    for (size_t k : chunk_order(store().layout(), ids)) {
       // On the parameter's compute device (the GPU on CUDA), as the model's tensors would be.
       values[k] = state_view(ids[k], master)
                       .to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
@@ -59,14 +53,10 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
     // Data parallel: every rank takes every value. The chunks holding them are broadcast from their
     // owners in index order (the same collectives on every rank: every rank opens the same scope).
     std::map<int64_t, at::Tensor> chunks;
-    for (TensorId id : ids) chunks[store_->layout().placement(id).chunk_index] = at::Tensor();
+    for (TensorId id : ids) chunks[store().layout().placement(id).chunk_index] = at::Tensor();
     for (auto& [index, chunk] : chunks) chunk = master_chunk_everywhere(index);
     for (TensorId id : ids) {
-      const TensorPlacement& where = store_->layout().placement(id);
-      values.push_back(chunks[where.chunk_index]
-                           .narrow(0, where.offset_elems, where.numel)
-                           .view(store_->layout().sizes(id))
-                           .clone());
+      values.push_back(value_in(chunks[store().layout().placement(id).chunk_index], id));
     }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -74,10 +64,8 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
     c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
     impl->set_storage_and_dtype(values[i].storage(), c10::scalarTypeToTypeMeta(at::kFloat));
     impl->set_storage_offset(0);
-    impl->set_sizes_contiguous(store_->layout().sizes(p.id));
-    p.gathered = true;
-    ++gathered_;
-    if (write_back) ++gathered_for_write_;
+    impl->set_sizes_contiguous(store().layout().sizes(p.id));
+    p.gathered = write_back ? GatherHold::kReadWrite : GatherHold::kReadOnly;
   }
 }
 
@@ -88,7 +76,7 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
     for (TensorId id : ids) {
       const Param& p = params_[id];
       const at::Tensor& t = p.tensor;
-      if (t.scalar_type() != at::kFloat || t.sizes() != store_->layout().sizes(id) ||
+      if (t.scalar_type() != at::kFloat || t.sizes() != store().layout().sizes(id) ||
           !t.is_contiguous()) {
         absl::StrAppend(&changed, changed.empty() ? "" : ", ", p.name, " (now ", t.scalar_type(),
                         " ", c10::str(t.sizes()), ")");
@@ -103,10 +91,8 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
       c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
       impl->set_storage_and_dtype(p.fence, half);
       impl->set_storage_offset(0);
-      impl->set_sizes_contiguous(store_->layout().sizes(p.id));
-      p.gathered = false;
-      --gathered_;
-      if (write_back) --gathered_for_write_;
+      impl->set_sizes_contiguous(store().layout().sizes(p.id));
+      p.gathered = GatherHold::kNone;
     }
   };
   try {
@@ -120,16 +106,16 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
       // chunk order (a disk tier writes each chunk's masters once).
       std::vector<size_t> order(ids.size());
       for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      if (!distributed()) order = chunk_order(store_->layout(), ids);
+      if (!distributed()) order = chunk_order(store().layout(), ids);
       for (size_t k : order) {
         const TensorId id = ids[k];
         const at::Tensor& t = params_[id].tensor;
         if (distributed()) {
           comm_->broadcast(t, 0);
-          if (!owns(store_->layout().placement(id).chunk_index)) continue;
+          if (!owns(store().layout().placement(id).chunk_index)) continue;
         }
         if (mixed_) state_view(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
-        store_->view(id, ChunkKind::kParam).copy_(t);
+        store().view(id, ChunkKind::kParam).copy_(t);
       }
       finish_state_views();
       release_remote(/*discard=*/false);  // no gathered copy keeps the old weights

@@ -1,6 +1,7 @@
 // Private to engine/src: what the engine reports. The running totals an iteration's report takes
 // differences of, the bounded history of reports, the peak breakdowns and the registration figures.
-// It reads nothing by itself: the engine passes what it measured (a Totals, a breakdown's inputs).
+// It reads nothing by itself: the engine passes what it measured (a RunningTotals, a breakdown's
+// inputs).
 #pragma once
 
 #include <algorithm>

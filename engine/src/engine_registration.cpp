@@ -1,0 +1,408 @@
+// Registration: the model's parameters packed into chunks, one chunk index at a time, with the
+// tiers, the disk tier, the scheduler, the tracer and the optimizer built around them. When this
+// throws, nothing stays registered and the parameters that moved get their values back from the
+// chunks; the error says when some could not (another rank's, with data parallel). Data parallel:
+// the values are rank 0's from the start (broadcast before anything moves).
+#include "engine_core.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/embedding.h>
+
+#include "absl/strings/str_cat.h"
+#include "patrickstar/memtracer/counting_allocator.h"
+
+#include "disk_states.h"
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+namespace {
+std::string outside_door_message(const std::string& param, const std::string& owner) {
+  return absl::StrCat(
+      "patrickstar: parameter '", param, "' (", owner,
+      ") was read outside its door: the engine keeps it in a chunk, and outside the doors it has "
+      "no data. In a forward, call the module through its door (patrickstar::call(module, x)), or "
+      "open a patrickstar::ModuleScope on the module whose forward uses the parameter directly; "
+      "outside a forward, a patrickstar::GatheredParameters scope makes parameters real fp32 "
+      "tensors for values (saving, re-initialization, a penalty's value; a loss term computed in "
+      "such a scope cannot be back-propagated after it: put it behind the module's door)");
+}
+}  // namespace
+
+void EngineCore::abandon_registration() {
+  storage_.drop_chunks();
+  params_.clear();
+}
+
+void EngineCore::register_parameters() {
+  // 1. Collect and check, touching nothing.
+  std::vector<std::pair<std::string, at::Tensor>> unique;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& t = item.value();
+    if (params_.id_of(t) >= 0) continue;  // tied: registered once
+    if (!t.device().is_cpu() || t.scalar_type() != at::kFloat) {
+      params_.clear();
+      TORCH_CHECK(false, "patrickstar::Engine: parameter ", item.key(), " is ", t.scalar_type(),
+                  " on ", t.device(),
+                  "; build the model in fp32 on the CPU (the engine places it)");
+    }
+    params_.add(t);
+    unique.emplace_back(item.key(), t);
+  }
+  TORCH_CHECK(!unique.empty(), "patrickstar::Engine: the model has no parameters to train");
+  // Data parallel: every rank starts from rank 0's weights and buffers (as DDP does).
+  if (distributed()) broadcast_initial_state(unique);
+  // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
+  // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
+  std::unordered_set<const c10::TensorImpl*> embedding_params;
+  // Where each parameter is used, for the error an operator reading it outside its door throws.
+  std::unordered_map<const c10::TensorImpl*, std::string> owner_of;
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module* module = item.value().get();
+    params_.name_module(module, item.key().empty() ? "<root>" : item.key());
+    const bool cpu_embedding =
+        config_.use_cpu_embedding &&
+        (dynamic_cast<const torch::nn::EmbeddingImpl*>(module) != nullptr ||
+         dynamic_cast<const torch::nn::EmbeddingBagImpl*>(module) != nullptr);
+    int64_t own = 0;
+    for (const at::Tensor& t : module->parameters(/*recurse=*/false)) {
+      own += t.numel();
+      if (cpu_embedding) embedding_params.insert(t.unsafeGetTensorImpl());
+      owner_of.emplace(
+          t.unsafeGetTensorImpl(),
+          absl::StrCat("module '", params_.module_name(module), "', ", module->name()));
+    }
+    metrics_.registration().largest_module_param_bytes =
+        std::max(metrics_.registration().largest_module_param_bytes, 4 * own);
+  }
+  Layout layout(world_);
+  for (const auto& [name, t] : unique) {
+    layout.add_tensor(name, t.sizes(), embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0);
+  }
+  try {
+    if (config_.chunk_size_auto) {
+      const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
+      const int64_t hi = 2 * lo;  // least waste among sizes that keep the chunks many
+      layout.finalize_search(lo, hi, std::max<int64_t>(1024, (hi - lo) / 256 / 1024 * 1024));
+    } else {
+      layout.finalize(config_.default_chunk_size);
+    }
+  } catch (c10::Error& e) {
+    params_.clear();
+    e.add_context(
+        "while packing the model's parameters into chunks (config key "
+        "\"default_chunk_size\")");
+    throw;
+  }
+  if (!config_.chunk_size_auto && layout.waste_fraction() > 0.5) {
+    TORCH_WARN("patrickstar: default_chunk_size ", config_.default_chunk_size, " leaves ",
+               static_cast<int>(layout.waste_fraction() * 1000.0) / 10.0,
+               "% of the chunk bytes empty for this model (", layout.total_numel(),
+               " parameters in ", layout.chunk_count(), " chunk",
+               layout.chunk_count() == 1 ? "" : "s",
+               " per kind): every move and every byte of model data pays for the waste; leave "
+               "\"default_chunk_size\" out of the config (or set \"auto\") and the engine picks "
+               "the size with the least waste");
+  }
+
+  // 2. Memory: tiers and chunks, every payload on the host to start with (but optimizer states
+  //    the host budget cannot hold: on the device for good, or in the disk tier's files).
+  const at::ScalarType half = param_dtype(config_.precision());
+  std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
+  if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
+  kinds.push_back({ChunkKind::kMomentum, at::kFloat});
+  kinds.push_back({ChunkKind::kVariance, at::kFloat});
+  if (grad_space_) kinds.push_back({ChunkKind::kGrad, at::kFloat});
+  const int64_t host_capacity = config_.device.host_capacity_bytes > 0
+                                    ? config_.device.host_capacity_bytes
+                                    : MemoryTier::kUnlimited;
+  using Pin = HostTier::Pinning;  // pinned for CUDA only: an emulated run must not start CUDA
+  const bool on_cuda = config_.device.type == DeviceType::kCuda;
+  storage_.host = std::make_unique<HostTier>(host_capacity, on_cuda ? Pin::kAuto : Pin::kNever);
+  storage_.device = make_device_tier(config_);
+  storage_.store =
+      std::make_unique<ChunkStore>(std::move(layout), kinds, *storage_.host, *storage_.device);
+  if (config_.scheduler.async_moves) {
+    storage_.copy_queue = make_copy_engine(config_);
+    store().set_copy_queue(storage_.copy_queue.get());
+  }
+  const Layout* placed = &store().layout();
+  storage_.host_only.assign(static_cast<size_t>(placed->chunk_count()), false);
+  for (int64_t i = 0; i < placed->chunk_count(); ++i)
+    storage_.host_only[i] = placed->chunk_group(i) == 1;
+  // This rank's share of the model data (every chunk with one process).
+  int64_t owned_bytes = 0;
+  for (ChunkId id = 0; id < store().chunk_count(); ++id) {
+    if (owns(store().index_of(id))) owned_bytes += store().chunk_bytes(id);
+  }
+  // The disk tier: the optimizer states (every index's, until a step's placement brings the device
+  // Adam's home) live in files; the host holds at most three indices' states at once (the one
+  // Adam updates, the next one read ahead, the last one written behind).
+  std::vector<ChunkKind> disk_kinds;
+  int64_t disk_state_bytes = 0;
+  int64_t staging_bytes = 0;
+  if (config_.offload_optimizer.nvme) {
+    if (distributed()) {
+      abandon_registration();
+      TORCH_CHECK(false,
+                  "patrickstar::Engine: the disk tier (zero_optimization.offload_optimizer "
+                  "\"nvme\") runs with one process; this job has ",
+                  world_, " ranks");
+    }
+    disk_kinds = state_kinds();
+    int64_t largest = 0;
+    for (int64_t i = 0; i < placed->chunk_count(); ++i) {
+      int64_t bytes = 0;
+      for (ChunkKind kind : disk_kinds) bytes += store().chunk_bytes(store().chunk_id(kind, i));
+      disk_state_bytes += bytes;
+      largest = std::max(largest, bytes);
+    }
+    staging_bytes = std::min<int64_t>(3, placed->chunk_count()) * largest;
+  }
+  int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
+  // What the host budget cannot hold: optimizer states on the device for good, where allowed.
+  std::string no_device_placement;
+  adam_placement_.init(store().chunk_count(), placed->chunk_count());
+  if (storage_.host->capacity_bytes() != MemoryTier::kUnlimited &&
+      storage_.host->used_bytes() + host_need > storage_.host->capacity_bytes()) {
+    no_device_placement = place_states_on_device(storage_.host->used_bytes() + host_need -
+                                                 storage_.host->capacity_bytes());
+    host_need -= metrics_.registration().device_state_bytes;
+  }
+  // It must fit the host before anything moves: a model is either untouched or fully registered.
+  if (storage_.host->capacity_bytes() != MemoryTier::kUnlimited &&
+      storage_.host->used_bytes() + host_need > storage_.host->capacity_bytes()) {
+    const int64_t have = storage_.host->capacity_bytes() - storage_.host->used_bytes();
+    abandon_registration();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "patrickstar::Engine: the model data needs ",
+                     host_need, " bytes of host memory but the host budget has ", have,
+                     " bytes left (config key client.device.host_capacity_bytes)",
+                     disk_state_bytes > 0
+                         ? absl::StrCat("; that is with ", disk_state_bytes,
+                                        " bytes of optimizer "
+                                        "states in the disk tier and ",
+                                        staging_bytes, " bytes of host staging for them")
+                         : std::string(),
+                     no_device_placement, "; nothing was registered");
+  }
+  if (!disk_kinds.empty()) {
+    try {
+      storage_.disk =
+          std::make_unique<DiskStates>(config_.offload_optimizer.nvme_path, store(), disk_kinds);
+    } catch (...) {
+      abandon_registration();
+      throw;
+    }
+  }
+
+  // 3. Values into chunks, one chunk index at a time: its weight payloads are allocated, its
+  //    tensors copied in and their original storage freed, and only then its optimizer payloads
+  //    are allocated. So the host holds at most the model data plus one chunk of fp32 weights
+  //    still waiting (RegistrationReport::host_peak_bytes_during_init measures it).
+  torch::NoGradGuard no_grad;
+  CountingCpuAllocator& counter = *CountingCpuAllocator::installed();
+  int64_t model_bytes_at_start = 0;
+  for (const auto& item : unique) model_bytes_at_start += item.second.nbytes();
+  const int64_t live_at_start = counter.live_bytes();
+  ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
+  int64_t& init_peak = metrics_.registration().host_peak_bytes_during_init;
+  auto sample = [&] {
+    // What the process holds beyond what it held before registration began, plus the model's
+    // own fp32 weights (there at the start).
+    init_peak = std::max(init_peak, window.peak_bytes() - live_at_start + model_bytes_at_start +
+                                        storage_.host->used_bytes());
+    window.reset();
+  };
+  sample();
+  params_.create_entries();
+  std::vector<TensorId> moved;  // parameters whose storage is now the engine's fence
+  moved.reserve(unique.size());
+  // A failing system allocation mid-way (the budget was checked): the parameters already moved
+  // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
+  // precision). Data parallel: another rank's values never came here, so those cannot.
+  auto restore_moved = [&]() -> bool {
+    bool all = true;
+    for (TensorId id : moved) {
+      Param& p = params_[id];
+      try {
+        TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
+        p.tensor.set_data(host_copy(state_view(id, master_kind())));
+      } catch (...) {
+        all = false;
+      }
+    }
+    return all;
+  };
+  auto give_up = [&] {
+    const bool restored = restore_moved();
+    abandon_registration();  // the disk tier's files go too
+    return restored;
+  };
+  try {
+    for (int64_t index = 0; index < store().chunks_per_kind(); ++index) {
+      // Another rank's chunk: its tensors only get their fences (its values live at the owner).
+      const bool mine = owns(index);
+      if (mine) {
+        store().allocate(store().chunk_id(ChunkKind::kParam, index), Tier::kHost);
+        if (mixed_) {
+          const ChunkId master = store().chunk_id(ChunkKind::kParamFp32, index);
+          store().allocate(master,
+                           adam_placement_.state_on_device(master) ? Tier::kDevice : Tier::kHost);
+        }
+      }
+      sample();
+      for (TensorId id : placed->tensors_in_chunk(index)) {
+        const auto& [name, t] = unique[static_cast<size_t>(id)];
+        Param& p = params_[id];
+        p.name = name;
+        p.tensor = t;
+        p.id = id;
+        p.trainable = t.requires_grad();
+        if (mine) {
+          store().view(p.id, ChunkKind::kParam).copy_(t);
+          if (mixed_) store().view(p.id, ChunkKind::kParamFp32).copy_(t);
+        }
+        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
+        // A CPU embedding's parameters compute on the host; the others where the device tier is.
+        const c10::Device where = storage_.host_only[static_cast<size_t>(index)]
+                                      ? c10::Device(c10::kCPU)
+                                      : storage_.device->device();
+        p.live = storage_without_memory(nbytes, where);
+        p.fence = fence_storage(
+            nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]), where);
+        t.set_data(tensor_over(p.fence, t.sizes(), half));
+        moved.push_back(id);
+      }
+      sample();
+      for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
+        if (!mine || !store().has_kind(kind)) continue;
+        const ChunkId id = store().chunk_id(kind, index);
+        store().allocate(id, adam_placement_.state_on_device(id) ? Tier::kDevice : Tier::kHost);
+      }
+      sample();
+      if (storage_.disk != nullptr)
+        storage_.disk->spill(index);  // written to its files, its payloads freed
+    }
+  } catch (c10::Error& e) {
+    const bool restored = give_up();
+    e.add_context(restored ? "patrickstar::Engine: registration stopped; the model's parameters "
+                             "are as they were"
+                           : "patrickstar::Engine: registration stopped and some of the model's "
+                             "parameters could not be given back their values");
+    throw;
+  } catch (...) {
+    give_up();
+    throw;
+  }
+  for (const Param& p : params_) {
+    if (!p.trainable) continue;
+    const TensorId id = p.id;
+    set_post_accumulate_grad_hook(p.tensor,
+                                  [this, id](const at::Tensor& t) { on_gradient(id, t); });
+  }
+  // Mixed precision: floating-point buffers (BatchNorm's running statistics) take the compute
+  // dtype, as DeepSpeed's module.half()/bfloat16() does: LibTorch's operators want them to match
+  // the half weights. The engine gives them back in fp32 when it goes.
+  // Buffers live where the model computes (on CUDA: the GPU; the engine gives them back on the
+  // CPU). Inputs are the trainer's to move, as in LibTorch.
+  for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
+    const bool cast = mixed_ && b.scalar_type() == at::kFloat;
+    if (cast) cast_buffers_.push_back(b);
+    if (cast || b.device() != storage_.device->device()) {
+      b.set_data(b.to(storage_.device->device(), cast ? half : b.scalar_type()));
+    }
+  }
+
+  // 4. Scheduler, tracer, optimizer.
+  // Data parallel: other ranks' param chunks on the device are the doors' (gathered with their
+  // group, dropped after use), not the scheduler's; their bytes reach its budgets as non-model
+  // bytes of the trace. Other ranks' gradient chunks are scheduled (they carry gradients).
+  std::map<int64_t, ChunkInfo> chunk_table;
+  for (ChunkId id = 0; id < store().chunk_count(); ++id) {
+    if (store().kind_of(id) == ChunkKind::kParam && !owns(store().index_of(id)) &&
+        !storage_.host_only[store().index_of(id)]) {
+      continue;
+    }
+    chunk_table[id] = ChunkInfo{
+        store().chunk_bytes(id),
+        store().kind_of(id) == ChunkKind::kParam && !storage_.host_only[store().index_of(id)],
+        adam_placement_.state_on_device(id)};
+  }
+  SchedulerOptions options;
+  options.capacity_bytes = config_.device.capacity_bytes;
+  options.overall_ratio = config_.mem_tracer.overall_gpu_mem_ratio;
+  options.reserve_bytes = config_.scheduler.reserve_bytes;
+  options.warmup_ratio = config_.mem_tracer.warmup_gpu_chunk_mem_ratio;
+  options.policy = config_.scheduler.policy;
+  options.prefetch_depth = config_.scheduler.prefetch_depth;
+  scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
+  if (storage_.copy_queue != nullptr) {
+    // One clock for the scheduler's moves and the copy thread's spans (chunks().copy_queue()'s
+    // set_record_spans), so that a trace shows both on one time line (no spans on CUDA).
+    const std::function<int64_t()> now_us = microseconds_since_now();
+    scheduler_->set_clock(now_us);
+    storage_.copy_queue->set_clock(now_us);
+  }
+  recorder_ = std::make_unique<TraceRecorder>(probe_.get());
+  mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
+
+  AdamOptions adam_options;
+  adam_options.lr(config_.optimizer.lr)
+      .beta1(config_.optimizer.beta1)
+      .beta2(config_.optimizer.beta2)
+      .eps(config_.optimizer.eps)
+      .weight_decay(config_.optimizer.weight_decay)
+      .decoupled(config_.optimizer.type == OptimizerType::kAdamW)
+      .max_grad_norm(config_.gradient_clipping);
+  LossScaler scaler = LossScaler::disabled();
+  if (config_.precision() == Precision::kFp16) {
+    LossScalerOptions s;
+    s.loss_scale = config_.fp16.loss_scale;
+    s.initial_scale_power = config_.fp16.initial_scale_power;
+    s.loss_scale_window = config_.fp16.loss_scale_window;
+    s.hysteresis = config_.fp16.hysteresis;
+    s.min_loss_scale = config_.fp16.min_loss_scale;
+    scaler = LossScaler(s);
+  }
+  adam_ = std::make_unique<HybridAdam>(adam_options, scaler);
+  if (distributed()) {
+    // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
+    const int64_t groups = placed->chunk_count() / world_;
+    std::vector<int64_t> tensors(static_cast<size_t>(groups), 0);
+    for (int64_t i = 0; i < placed->chunk_count(); ++i) {
+      tensors[static_cast<size_t>(placed->comm_group(i))] +=
+          static_cast<int64_t>(placed->tensors_in_chunk(i).size());
+    }
+    groups_.init(world_, tensors);
+    gradients_.reduced.resize(static_cast<size_t>(placed->chunk_count()));
+  }
+
+  // 5. Figures.
+  RegistrationReport& r = metrics_.registration();
+  r.tensors = static_cast<int64_t>(params_.size());
+  r.params = placed->total_numel();
+  for (const Param& p : params_) {
+    if (p.trainable) r.trainable_params += placed->numel(p.id);
+  }
+  r.chunk_elems = placed->chunk_elems();
+  r.chunks_per_kind = placed->chunk_count();
+  r.chunk_waste_elems = placed->waste_elems();
+  r.chunk_waste_fraction = placed->waste_fraction();
+  r.model_data_bytes = owned_bytes;  // this rank's share (everything with one process)
+  r.model_data_bytes_per_param =
+      static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
+  r.disk_bytes = storage_.disk != nullptr ? storage_.disk->disk_bytes() : 0;
+  // With a disk tier the host holds the rest, plus one index's states while they are written.
+  r.init_goal_bytes =
+      r.model_data_bytes - r.disk_bytes - r.device_state_bytes + r.largest_module_param_bytes +
+      (storage_.disk != nullptr ? staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0);
+}
+
+}  // namespace patrickstar

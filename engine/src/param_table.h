@@ -1,0 +1,195 @@
+// Private to engine/src: the model's parameters as the engine registered them (one entry per
+// TensorImpl: a tied parameter once), the modules whose doors open over them, and the doors open
+// now. It owns what each parameter is and where its storage points; the engine decides when that
+// changes (a door opens, a gradient arrives, a step runs) and the chunk store holds the values.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include "patrickstar/chunk/layout.h"
+
+namespace patrickstar::engine_detail {
+
+// How a GatheredParameters scope holds a parameter (as a real fp32 tensor with the master weights).
+enum class GatherHold { kNone, kReadOnly, kReadWrite };
+
+// tensor.grad() as LibTorch code sees it (engine_grad_handles.cpp). defined: LibTorch's
+// tensor.grad() would be defined (a gradient came since the last reset). tensor: what the engine
+// set tensor.grad() to: a view of the chunk slot holding the gradient (is_view, over storage,
+// fenced when withdrawn) or a marker without data. consumed: a step used the gradient and
+// overwrote its half slot (mixed precision without a gradient space).
+struct GradHandle {
+  bool defined = false;
+  bool is_view = false;
+  bool consumed = false;
+  at::Tensor tensor;
+  c10::Storage storage;
+  int64_t version = 0;
+};
+
+struct Param {
+  std::string name;
+  at::Tensor tensor;  // the user's parameter (same TensorImpl throughout)
+  // The parameter's storage in a door: re-pointed at the chunk slot (views autograd saved share
+  // it). Outside the doors the parameter holds `fence`, which has no data and throws an error
+  // naming the parameter when an operator reads it.
+  c10::Storage live;
+  c10::Storage fence;
+  GatherHold gathered = GatherHold::kNone;
+  TensorId id = -1;
+  bool trainable = true;
+  int compute_refs = 0;   // open doors / backward uses holding it
+  bool has_grad = false;  // gradient written since the last step (or kept at zero: the step)
+  // The autograd passes that will bring this parameter a gradient in the next backward: the
+  // plain forward is one, each checkpointed call that uses it another (its recompute has a
+  // backward of its own). With two or more, a recompute may still read the weight after a
+  // gradient arrived, so gradients wait in pending_grad (mixed precision without a gradient
+  // space). last_segment: the pass of the latest use (0 plain, else the checkpoint's serial).
+  int segments = 0;
+  int64_t last_segment = -1;
+  void forget_segments() {  // a forward forgotten, a backward ended or abandoned
+    segments = 0;
+    last_segment = -1;
+  }
+  at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
+  // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
+  // (the schedule is not followed outside training; the copy goes when the door closes).
+  mutable at::Tensor eval_copy;
+  // Data parallel: gradients written this backward (the group is reduced once every trainable
+  // tensor of it has `segments` of them), and whether a door used it since its group's gather.
+  int grads_this_backward = 0;
+  bool touched = false;
+  GradHandle grad;
+  int64_t adam_steps = 0;  // Adam updates applied to it (torch::optim::Adam counts per parameter)
+};
+
+struct ModuleInfo {
+  std::string label;
+  std::vector<TensorId> params;  // its own and its descendants', registered order
+  int64_t hook_id = -1;          // pre-backward (on its outputs)
+  int64_t post_hook_id = -1;     // post-backward (on its inputs)
+};
+
+class ParamTable {
+ public:
+  // Registration, step 1: `t` gets the next id unless its TensorImpl has one (a tied parameter).
+  // Returns whether it was new.
+  bool add(const at::Tensor& t) {
+    return ids_.emplace(t.unsafeGetTensorImpl(), static_cast<TensorId>(ids_.size())).second;
+  }
+  // Registration, step 3: the entries for the ids handed out.
+  void create_entries() { params_.resize(ids_.size()); }
+  // Registration gave up: nothing is registered.
+  void clear() {
+    ids_.clear();
+    params_.clear();
+  }
+  // The registered parameter behind `t`, or -1.
+  TensorId id_of(const at::Tensor& t) const {
+    if (!t.defined()) return -1;
+    auto it = ids_.find(t.unsafeGetTensorImpl());
+    return it == ids_.end() ? -1 : it->second;
+  }
+
+  size_t size() const { return params_.size(); }
+  bool empty() const { return params_.empty(); }
+  Param& operator[](TensorId id) { return params_[static_cast<size_t>(id)]; }
+  const Param& operator[](TensorId id) const { return params_[static_cast<size_t>(id)]; }
+  auto begin() { return params_.begin(); }
+  auto end() { return params_.end(); }
+  auto begin() const { return params_.begin(); }
+  auto end() const { return params_.end(); }
+
+  // Parameters a GatheredParameters scope holds (`for_write`: read-write scopes only).
+  int64_t gathered(bool for_write = false) const {
+    return std::count_if(params_.begin(), params_.end(), [&](const Param& p) {
+      return for_write ? p.gathered == GatherHold::kReadWrite : p.gathered != GatherHold::kNone;
+    });
+  }
+
+  // The model's modules: their names (registration), and what a door needs of each (made on its
+  // first door; `make_hooks` gives a new one its backward hooks).
+  void name_module(const torch::nn::Module* module, std::string name) {
+    module_names_[module] = std::move(name);
+  }
+  const std::string& module_name(const torch::nn::Module* module) { return module_names_[module]; }
+  const std::unordered_map<const torch::nn::Module*, std::string>& module_names() const {
+    return module_names_;
+  }
+  template <typename MakeHooks>
+  ModuleInfo& module(torch::nn::Module& module, MakeHooks&& make_hooks) {
+    auto it = modules_.find(&module);
+    if (it != modules_.end()) return *it->second;
+    auto info = std::make_unique<ModuleInfo>();
+    auto name = module_names_.find(&module);
+    info->label = name != module_names_.end() ? name->second : module.name();
+    for (const at::Tensor& t : module.parameters(/*recurse=*/true)) {
+      const TensorId id = id_of(t);
+      TORCH_CHECK(id >= 0, "patrickstar: module ", info->label,
+                  " has a parameter the engine did not register (was it added after "
+                  "initialize_engine?)");
+      if (std::find(info->params.begin(), info->params.end(), id) == info->params.end()) {
+        info->params.push_back(id);
+      }
+    }
+    make_hooks(*info);
+    return *modules_.emplace(&module, std::move(info)).first->second;
+  }
+
+ private:
+  std::vector<Param> params_;
+  std::unordered_map<const c10::TensorImpl*, TensorId> ids_;
+  std::unordered_map<const torch::nn::Module*, std::string> module_names_;
+  std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
+};
+
+// The doors open now. A door's token indexes the scopes opened since none was open; a closed door
+// keeps its slot until every door is closed (a token is not reused while any door is open).
+template <typename Scope>
+class OpenDoors {
+ public:
+  int64_t open(Scope scope) {
+    scopes_.push_back(std::move(scope));
+    ++open_;
+    return static_cast<int64_t>(scopes_.size()) - 1;
+  }
+  // A door closed (any one: slots are not freed one by one); when the last one closes, every slot
+  // goes.
+  void close() {
+    TORCH_INTERNAL_ASSERT(open_ > 0, "a door closed twice");
+    if (--open_ == 0) scopes_.clear();
+  }
+  // The door opened last failed to open: its slot goes.
+  void cancel_last() {
+    TORCH_INTERNAL_ASSERT(open_ > 0 && !scopes_.empty(), "no door to cancel");
+    scopes_.pop_back();
+    --open_;
+  }
+  bool valid(int64_t token) const {
+    return token >= 0 && token < static_cast<int64_t>(scopes_.size());
+  }
+  Scope& operator[](int64_t token) { return scopes_[static_cast<size_t>(token)]; }
+  int open_count() const { return open_; }
+  bool none_open() const { return open_ == 0; }
+  void clear() {  // an iteration dropped: every door forgotten
+    scopes_.clear();
+    open_ = 0;
+  }
+
+ private:
+  std::vector<Scope> scopes_;
+  int open_ = 0;
+};
+
+}  // namespace patrickstar::engine_detail
