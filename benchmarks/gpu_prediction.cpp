@@ -1,9 +1,13 @@
 #include "gpu_prediction.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
-#include "patrickstar/engine/engine_inspect.h"
 #include <set>
+
+#include "absl/strings/str_cat.h"
+#include "patrickstar/engine/engine_inspect.h"
 
 namespace patrickstar::bench {
 
@@ -65,8 +69,82 @@ std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& mo
   return costs;
 }
 
+std::vector<HostUpdate> host_updates(const Engine& engine) {
+  const Trace& trace = inspect(engine).scheduler().trace();
+  const ChunkStore& store = inspect(engine).chunks();
+  int64_t step = -1;  // the last step moment
+  for (int64_t m = 0; m < trace.size(); ++m) {
+    if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
+  }
+  if (step < 0) return {};
+  // One update per chunk index whose Adam runs on the host, with the chunks it reads there.
+  std::map<int64_t, HostUpdate> by_index;
+  for (int64_t id : trace.moments[static_cast<size_t>(step)].host_chunk_ids) {
+    HostUpdate& u = by_index[store.index_of(id)];
+    u.chunk_ids.push_back(id);
+    if (store.kind_of(id) == ChunkKind::kParam) {
+      u.params += static_cast<double>(store.chunk(id).capacity_elems);
+    }
+  }
+  std::vector<HostUpdate> updates;
+  for (auto& [index, u] : by_index) {
+    // Its gradients are final after the last moment before the step that reads its weights or
+    // writes its gradients.
+    std::set<int64_t> own = {store.chunk_id(ChunkKind::kParam, index)};
+    if (store.has_kind(ChunkKind::kGrad)) own.insert(store.chunk_id(ChunkKind::kGrad, index));
+    u.ready_after = std::max<int64_t>(0, step - 1);
+    for (int64_t m = step - 1; m >= 0; --m) {
+      const Moment& moment = trace.moments[static_cast<size_t>(m)];
+      auto touches = [&](const std::vector<int64_t>& ids) {
+        return std::any_of(ids.begin(), ids.end(), [&](int64_t c) { return own.count(c) > 0; });
+      };
+      if (touches(moment.chunk_ids) || touches(moment.host_chunk_ids)) {
+        u.ready_after = m;
+        break;
+      }
+    }
+    updates.push_back(std::move(u));
+  }
+  return updates;
+}
+
+namespace {
+struct Schedules {
+  Prediction serial, overlapped, delayed;
+};
+Schedules predict_schedules(const Scheduler& scheduler, const std::vector<MomentCost>& costs,
+                            const std::vector<MoveEvent>& moves,
+                            const std::vector<HostUpdate>& updates, const GpuCostModel& model) {
+  auto run = [&](StepSchedule schedule) {
+    return predict_iteration(scheduler.trace(), costs, moves, scheduler.chunks(), model, schedule,
+                             updates);
+  };
+  return {run(StepSchedule::kSerial), run(StepSchedule::kOverlapped), run(StepSchedule::kDelayed)};
+}
+
+void print_schedules(const char* what, const Schedules& s, double bound_seconds) {
+  const double ms = 1e3;
+  std::printf(
+      "  %s: serial %.3f ms, overlapped %.3f ms (%.2fx serial; the step waited %.3f ms "
+      "for the optimizer thread), delayed %.3f ms (%.2fx serial); bound max(GPU "
+      "iteration without the host Adam, host Adam) %.3f ms\n",
+      what, s.serial.step_seconds * ms, s.overlapped.step_seconds * ms,
+      s.overlapped.step_seconds / s.serial.step_seconds, s.overlapped.adam_wait_seconds * ms,
+      s.delayed.step_seconds * ms, s.delayed.step_seconds / s.serial.step_seconds,
+      bound_seconds * ms);
+}
+
+nlohmann::json schedules_json(const Schedules& s) {
+  return {{"serial_step_s", s.serial.step_seconds},
+          {"overlapped_step_s", s.overlapped.step_seconds},
+          {"overlapped_adam_wait_s", s.overlapped.adam_wait_seconds},
+          {"delayed_step_s", s.delayed.step_seconds}};
+}
+}  // namespace
+
 nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& model, int64_t tokens,
-                                    const std::string& gpu, double measured_step_seconds) {
+                                    int64_t seq, const std::string& gpu,
+                                    double measured_step_seconds) {
   const GpuCostModel cost_model = gpu_cost_model(gpu);
   const Scheduler& scheduler = inspect(engine).scheduler();
   TORCH_CHECK(!scheduler.history().empty(), "--predict: no iteration was scheduled");
@@ -76,7 +154,9 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
     if (e.iteration == last) moves.push_back(e);
   }
   const std::vector<MomentCost> costs = moment_costs(engine, model, tokens);
-  const Prediction p = predict_iteration(scheduler.trace(), costs, moves, scheduler.chunks(), cost_model);
+  const std::vector<HostUpdate> updates = host_updates(engine);
+  const Schedules schedules = predict_schedules(scheduler, costs, moves, updates, cost_model);
+  const Prediction& p = schedules.serial;
   const double ms = 1e3;
   std::printf("\npredicted on %s for the last iteration's trace and moves (%zu moves): step %.3f ms "
               "(measured here: %.3f ms), compute %.3f ms, copy queue %.3f ms H2D + %.3f ms D2H, "
@@ -94,16 +174,69 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
               cost_model.h2d_bytes_per_s / 1e9, cost_model.d2h_bytes_per_s / 1e9,
               cost_model.device_memory_bytes_per_s / 1e9, cost_model.host_adam_params_per_s,
               cost_model.sources.c_str());
-  return {{"gpu", cost_model.name},
-          {"step_s", p.step_seconds},
-          {"compute_s", p.compute_seconds},
-          {"h2d_s", p.h2d_seconds},
-          {"d2h_s", p.d2h_seconds},
-          {"exposed_copy_s", p.exposed_copy_seconds},
-          {"flops_per_iteration", p.flops},
-          {"tflops", p.tflops},
-          {"moves", moves.size()},
-          {"assumptions", cost_model.sources}};
+  // Where the host Adam runs (memtracer/cost_model.h, StepSchedule): the engine today (serial),
+  // each index's update as its gradients become final (overlapped), or during the next iteration
+  // (delayed). The bound: the GPU's iteration with a free host Adam, or the host Adam alone.
+  std::vector<MomentCost> no_host = costs;
+  for (MomentCost& c : no_host) c.host_adam_params = 0;
+  const double gpu_alone =
+      predict_iteration(scheduler.trace(), no_host, moves, scheduler.chunks(), cost_model)
+          .step_seconds;
+  std::printf(
+      "  the step's host Adam (%zu chunk ind%s, %.3f ms at the assumed rate) serial, "
+      "overlapped with backward (an optimizer thread; each index's update once its "
+      "gradients are final, its chunks sent home then) and delayed by one iteration "
+      "(ZeRO-Offload's delayed parameter update; weights one update old, a second host "
+      "gradient buffer):\n",
+      updates.size(), updates.size() == 1 ? "ex" : "ices", p.host_adam_seconds * ms);
+  const std::string this_batch = seq > 0 && tokens % seq == 0
+                                     ? absl::StrCat("batch ", tokens / seq, " x ", seq)
+                                     : absl::StrCat(tokens, " tokens");
+  print_schedules(this_batch.c_str(), schedules, std::max(gpu_alone, p.host_adam_seconds));
+  nlohmann::json out = {{"gpu", cost_model.name},
+                        {"step_s", p.step_seconds},
+                        {"compute_s", p.compute_seconds},
+                        {"h2d_s", p.h2d_seconds},
+                        {"d2h_s", p.d2h_seconds},
+                        {"exposed_copy_s", p.exposed_copy_seconds},
+                        {"flops_per_iteration", p.flops},
+                        {"tflops", p.tflops},
+                        {"moves", moves.size()},
+                        {"host_adam_s", p.host_adam_seconds},
+                        {"gpu_alone_s", gpu_alone},
+                        {"schedules", schedules_json(schedules)},
+                        {"assumptions", cost_model.sources}};
+  // The batch at which the GPU's compute matches the host Adam: compute grows with the tokens,
+  // the host Adam does not. Predicted with this run's moves (a larger batch's activations would
+  // need device memory this trace does not show: an approximation).
+  double gpu_compute = 0;
+  for (size_t m = 0; m < costs.size(); ++m) {
+    gpu_compute += costs[m].flops / (cost_model.peak_flops * cost_model.compute_efficiency);
+  }
+  if (gpu_compute > 0 && p.host_adam_seconds > gpu_compute && seq > 0) {
+    const double per_token = gpu_compute / static_cast<double>(tokens);
+    const int64_t batch =
+        static_cast<int64_t>(std::ceil(p.host_adam_seconds / per_token / static_cast<double>(seq)));
+    const std::vector<MomentCost> matched_costs = moment_costs(engine, model, batch * seq);
+    std::vector<MomentCost> matched_no_host = matched_costs;
+    for (MomentCost& c : matched_no_host) c.host_adam_params = 0;
+    const double matched_gpu_alone =
+        predict_iteration(scheduler.trace(), matched_no_host, moves, scheduler.chunks(), cost_model)
+            .step_seconds;
+    const Schedules matched =
+        predict_schedules(scheduler, matched_costs, moves, updates, cost_model);
+    print_schedules(absl::StrCat("batch ", batch, " x ", seq,
+                                 " (GPU compute = host Adam; this "
+                                 "run's moves)")
+                        .c_str(),
+                    matched, std::max(matched_gpu_alone, p.host_adam_seconds));
+    nlohmann::json m = schedules_json(matched);
+    m["batch"] = batch;
+    m["seq"] = seq;
+    m["gpu_alone_s"] = matched_gpu_alone;
+    out["matched_batch"] = m;
+  }
+  return out;
 }
 
 }  // namespace patrickstar::bench

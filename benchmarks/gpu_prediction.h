@@ -22,9 +22,18 @@ namespace patrickstar::bench {
 // element of the parameter chunks it sends home. Throws c10::Error before the engine has a trace.
 std::vector<MomentCost> moment_costs(const Engine& engine, torch::nn::Module& model, int64_t tokens);
 
+// The step's host Adam per chunk index for the cost model's overlapped and delayed schedules: the
+// parameters of each index whose param chunk the step reads on the host, the chunks it reads
+// there, and the last moment before the step that reads its weights or writes its gradients
+// (after which its gradients are final). Empty without a step moment.
+std::vector<HostUpdate> host_updates(const Engine& engine);
+
 // Predicts the last recorded iteration on `gpu` (a name gpu_cost_model knows), prints it beside
-// the step time measured here, with every assumption, and returns the figures for the JSON.
+// the step time measured here, with every assumption, the host Adam serial, overlapped and
+// delayed, at this batch (`tokens` per iteration, `seq` per sequence) and at the batch where the
+// GPU's compute matches the host Adam, and returns the figures for the JSON.
 nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& model, int64_t tokens,
-                                    const std::string& gpu, double measured_step_seconds);
+                                    int64_t seq, const std::string& gpu,
+                                    double measured_step_seconds);
 
 }  // namespace patrickstar::bench

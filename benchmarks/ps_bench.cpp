@@ -445,7 +445,7 @@ int run() {
     out["device_tier_reserved_peak_bytes"] = device_reserved;
   }
   if (!absl::GetFlag(FLAGS_predict).empty()) {
-    out["prediction"] = ps::bench::print_gpu_prediction(engine, model.module(), batch * seq,
+    out["prediction"] = ps::bench::print_gpu_prediction(engine, model.module(), batch * seq, seq,
                                                         absl::GetFlag(FLAGS_predict), step_time);
   }
   std::printf("\n%-30s %s\n", "figure", "value");

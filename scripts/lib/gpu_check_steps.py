@@ -388,8 +388,10 @@ BENCHES = {
          "--steps", "5", "--predict", "h100"],
         ["--model", "gpt_mini", "--dtype", "bf16", "--batch", "2", "--device", "emulated:24MiB",
          "--steps", "3", "--predict", "h100"],
-        ["step_time_s", "prediction.step_s", "prediction.exposed_copy_s", "traffic_to_opt_bound",
-         "h2d_bytes_per_iter", "copy_wait_s_per_iter", "device_peak_bytes", "device_capacity_bytes"]),
+        ["step_time_s", "prediction.step_s", "prediction.exposed_copy_s",
+         "prediction.schedules.overlapped_step_s", "prediction.schedules.delayed_step_s",
+         "traffic_to_opt_bound", "h2d_bytes_per_iter", "copy_wait_s_per_iter", "device_peak_bytes",
+         "device_capacity_bytes"]),
     "ps_bench_fits": (
         ["--model", "GPT2small", "--dtype", "fp32", "--batch", "8", "--device", "cuda:32GiB",
          "--steps", "5", "--baseline", "--predict", "h100"],

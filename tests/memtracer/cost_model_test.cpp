@@ -1,7 +1,8 @@
 // The GPU cost model's timeline on traces small enough to work out by hand: a demand load is
 // exposed, a prefetch hides behind compute, an eviction waits for the compute that reads its
 // chunk and holds up the in-order queue, the host Adam waits for its gradients, and the repeated
-// iteration's length is the step time.
+// iteration's length is the step time; the host Adam overlapped with backward and delayed by an
+// iteration.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -124,6 +125,88 @@ TEST(CostModel, TheHostAdamWaitsForItsGradientsAndTheReloadWaitsForTheHostAdam) 
   EXPECT_NEAR(p.compute_seconds, 3 * kMs, 1e-12);
 }
 
+Moment backward(std::vector<int64_t> chunks) {
+  Moment m = forward(std::move(chunks));
+  m.kind = MomentKind::kPreBackward;
+  return m;
+}
+
+Moment step_on_host(std::vector<int64_t> host_chunks) {
+  Moment m;
+  m.kind = MomentKind::kStep;
+  m.label = "step";
+  m.host_chunk_ids = std::move(host_chunks);
+  return m;
+}
+
+HostUpdate update(double params, int64_t ready_after, std::vector<int64_t> chunks) {
+  HostUpdate u;
+  u.params = params;
+  u.ready_after = ready_after;
+  u.chunk_ids = std::move(chunks);
+  return u;
+}
+
+TEST(CostModel, OverlappedUpdatesRunAsTheirGradientsBecomeFinalAndTheStepWaitsForTheLast) {
+  Trace trace;
+  trace.moments = {forward({0}), forward({1}), backward({1}), backward({0}), step_on_host({0, 1})};
+  // Forward 1 + 1 ms, backward 2 + 2 ms; the host Adam 1 ms per chunk index (2 ms in all).
+  const std::vector<MomentCost> costs = {
+      {1e9, 0, 0}, {1e9, 0, 0}, {2e9, 0, 0}, {2e9, 0, 0}, {0, 0, 2e6}};
+  const std::vector<HostUpdate> updates = {update(1e6, 2, {1}), update(1e6, 3, {0})};
+  const Prediction serial = predict_iteration(trace, costs, {}, kChunks, unit_model());
+  EXPECT_NEAR(serial.step_seconds, 8 * kMs, 1e-12);  // 6 ms of compute, then 2 ms of Adam
+  EXPECT_NEAR(serial.host_adam_seconds, 2 * kMs, 1e-12);
+  // kSerial ignores the updates: the same as the overload without them.
+  EXPECT_NEAR(
+      predict_iteration(trace, costs, {}, kChunks, unit_model(), StepSchedule::kSerial, updates)
+          .step_seconds,
+      serial.step_seconds, 1e-15);
+  // Chunk 1's update runs during the last backward moment (4 to 5 ms); chunk 0's after it (6 to
+  // 7 ms), and the step waits 1 ms for it.
+  const Prediction overlapped = predict_iteration(trace, costs, {}, kChunks, unit_model(),
+                                                  StepSchedule::kOverlapped, updates);
+  EXPECT_NEAR(overlapped.step_seconds, 7 * kMs, 1e-12);
+  EXPECT_NEAR(overlapped.adam_wait_seconds, 1 * kMs, 1e-12);
+  EXPECT_NEAR(overlapped.host_adam_seconds, 2 * kMs, 1e-12);
+  EXPECT_NEAR(overlapped.compute_seconds, 6 * kMs, 1e-12);  // the host Adam is not the GPU's
+  // Delayed: both updates run during the next iteration, which does not wait for them.
+  const Prediction delayed =
+      predict_iteration(trace, costs, {}, kChunks, unit_model(), StepSchedule::kDelayed, updates);
+  EXPECT_NEAR(delayed.step_seconds, 6 * kMs, 1e-12);
+  EXPECT_EQ(delayed.adam_wait_seconds, 0);
+}
+
+TEST(CostModel, AnOverlappedUpdateSendsItsChunkHomeAfterItsLastBackwardMoment) {
+  Trace trace;
+  trace.moments = {forward({0}), backward({0}), forward({1}), step_on_host({0})};
+  // Chunk 0's gradients are final after moment 1; its eviction (1 ms) and update (1 ms) then run
+  // beside moment 2 (2 ms). Serial: the eviction runs beside moment 2 too (the host is ahead of the
+  // GPU), but the update waits for the step moment.
+  const std::vector<MomentCost> costs = {{1e9, 0, 0}, {1e9, 0, 0}, {2e9, 0, 0}, {0, 0, 1e6}};
+  const std::vector<MoveEvent> moves = {move(0, 0, 1000000, true), move(3, 0, 1000000, false)};
+  const Prediction serial = predict_iteration(trace, costs, moves, kChunks, unit_model());
+  EXPECT_NEAR(serial.step_seconds, 6 * kMs, 1e-12);  // load 1, compute 4, Adam 1
+  const Prediction overlapped = predict_iteration(trace, costs, moves, kChunks, unit_model(),
+                                                  StepSchedule::kOverlapped, {update(1e6, 1, {0})});
+  EXPECT_NEAR(overlapped.step_seconds, 5 * kMs, 1e-12);  // load 1, compute 4: the rest hidden
+  EXPECT_NEAR(overlapped.adam_wait_seconds, 0, 1e-12);
+}
+
+TEST(CostModel, ADelayedUpdateLongerThanTheIterationSetsItsPace) {
+  Trace trace;
+  trace.moments = {forward({0}), backward({0}), step_on_host({0})};
+  // 1 + 1 ms of compute, the host Adam 10 ms: the load of iteration k waits for iteration k - 2's
+  // update, so the optimizer thread, busy throughout, sets the step time.
+  const std::vector<MomentCost> costs = {{1e9, 0, 0}, {1e9, 0, 0}, {0, 0, 1e7}};
+  const std::vector<MoveEvent> moves = {move(0, 0, 1000000, true), move(2, 0, 1000000, false)};
+  const Prediction delayed = predict_iteration(trace, costs, moves, kChunks, unit_model(),
+                                               StepSchedule::kDelayed, {update(1e7, 1, {0})});
+  EXPECT_NEAR(delayed.step_seconds, 10 * kMs, 1e-12);
+  const Prediction serial = predict_iteration(trace, costs, moves, kChunks, unit_model());
+  EXPECT_NEAR(serial.step_seconds, 14 * kMs, 1e-12);  // load 1, compute 2, eviction 1, Adam 10
+}
+
 TEST(CostModel, DeviceBytesCountAtTheMemoryBandwidthAndTheH100FiguresAreStated) {
   Trace trace;
   trace.moments = {forward({0})};
@@ -149,6 +232,11 @@ TEST(CostModel, BadInputIsRefusedWithWhatIsWrong) {
                 predict_iteration(trace, {{1, 0, 0}}, {move(0, 9, 1, true)}, kChunks, unit_model());
               }),
               HasSubstr("chunk 9 is moved but not in the chunk table"));
+  EXPECT_THAT(test::error_of([&] {
+                predict_iteration(trace, {{1, 0, 0}}, {}, kChunks, unit_model(),
+                                  StepSchedule::kOverlapped, {update(1, 4, {0})});
+              }),
+              HasSubstr("a host update ready after moment 4, outside the trace's 1 moments"));
   GpuCostModel broken = unit_model();
   broken.h2d_bytes_per_s = 0;
   EXPECT_THAT(test::error_of([&] { predict_iteration(trace, {{1, 0, 0}}, {}, kChunks, broken); }),

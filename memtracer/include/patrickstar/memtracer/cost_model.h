@@ -17,7 +17,10 @@
 //   bandwidth + host_adam_params / host_adam_params_per_s (the host Adam runs while the stream
 //   waits for it, as the engine's step does).
 // - The same iteration repeats: iterations are replayed until one lasts what the one before it
-//   lasted (at most 8), and its length is the step time.
+//   lasted (at most 16), and its length is the step time.
+// - Where the host Adam runs against the iteration is the StepSchedule below: inside the step
+//   moment as the engine runs it today (serial), on an optimizer thread as each chunk index's
+//   gradients become final in backward (overlapped), or during the next iteration (delayed).
 #pragma once
 
 #include <cstdint>
@@ -52,9 +55,36 @@ struct MomentCost {
   double host_adam_params = 0;
 };
 
+// How the step's host Adam is placed against the iteration's compute.
+enum class StepSchedule {
+  // Every host update inside the step moment: the GPU waits for it (the engine today).
+  kSerial,
+  // Each chunk index's host update runs on an optimizer thread (one host resource, updates in
+  // turn) as soon as its gradients are final (the moment `ready_after` is done) and its chunks are
+  // home; its chunks' moves to the host at the step are issued right after that moment instead.
+  // The step moment waits for the last update: the result is the serial step's.
+  kOverlapped,
+  // ZeRO-Offload's delayed parameter update: iteration t's host updates start after its step
+  // moment and run while iteration t+1 computes; a chunk's load in iteration t+2 waits for them
+  // (iteration t+1 computes with weights one update old). Assumes the host keeps a second
+  // gradient buffer, so the next step's gradients do not wait for the update reading the last.
+  kDelayed,
+};
+
+// One chunk index's host Adam update: `params` parameters (at the host Adam's rate), whose
+// gradients are final once moment `ready_after` is done; `chunk_ids`: the chunks it reads and
+// writes (those the step moment accesses on the host).
+struct HostUpdate {
+  double params = 0;
+  int64_t ready_after = -1;
+  std::vector<int64_t> chunk_ids;
+};
+
 struct Prediction {
   double step_seconds = 0;          // one steady iteration, end to end
-  double compute_seconds = 0;       // the moments' compute, summed
+  double compute_seconds = 0;       // the moments' compute, summed (serial: with the host Adam)
+  double host_adam_seconds = 0;     // the host Adam's work per iteration, wherever it runs
+  double adam_wait_seconds = 0;     // overlapped: the step moment waiting for the optimizer thread
   double h2d_seconds = 0;           // the copy queue busy with loads
   double d2h_seconds = 0;           // and with evictions
   double exposed_copy_seconds = 0;  // compute waiting for copies, per iteration
@@ -71,5 +101,14 @@ struct Prediction {
 Prediction predict_iteration(const Trace& trace, const std::vector<MomentCost>& costs,
                              const std::vector<MoveEvent>& moves,
                              const std::map<int64_t, ChunkInfo>& chunks, const GpuCostModel& model);
+
+// The same with the host Adam placed by `schedule`. kSerial takes the host Adam from the moments'
+// costs (MomentCost::host_adam_params) and ignores `updates`; kOverlapped and kDelayed take it
+// from `updates` and ignore the moments' host_adam_params. Throws c10::Error also for an update
+// ready after a moment outside the trace, or with a negative count of parameters.
+Prediction predict_iteration(const Trace& trace, const std::vector<MomentCost>& costs,
+                             const std::vector<MoveEvent>& moves,
+                             const std::map<int64_t, ChunkInfo>& chunks, const GpuCostModel& model,
+                             StepSchedule schedule, const std::vector<HostUpdate>& updates);
 
 }  // namespace patrickstar
