@@ -111,6 +111,9 @@ std::vector<HostUpdate> host_updates(const Engine& engine) {
 namespace {
 struct Schedules {
   Prediction serial, overlapped, delayed;
+  double gpu_alone_seconds = 0;  // the serial iteration with a free host Adam
+  // max(GPU iteration without the host Adam, host Adam alone): no schedule beats it.
+  double bound_seconds() const { return std::max(gpu_alone_seconds, serial.host_adam_seconds); }
 };
 Schedules predict_schedules(const Scheduler& scheduler, const std::vector<MomentCost>& costs,
                             const std::vector<MoveEvent>& moves,
@@ -119,10 +122,15 @@ Schedules predict_schedules(const Scheduler& scheduler, const std::vector<Moment
     return predict_iteration(scheduler.trace(), costs, moves, scheduler.chunks(), model, schedule,
                              updates);
   };
-  return {run(StepSchedule::kSerial), run(StepSchedule::kOverlapped), run(StepSchedule::kDelayed)};
+  std::vector<MomentCost> no_host = costs;
+  for (MomentCost& c : no_host) c.host_adam_params = 0;
+  const double gpu_alone =
+      predict_iteration(scheduler.trace(), no_host, moves, scheduler.chunks(), model).step_seconds;
+  return {run(StepSchedule::kSerial), run(StepSchedule::kOverlapped), run(StepSchedule::kDelayed),
+          gpu_alone};
 }
 
-void print_schedules(const char* what, const Schedules& s, double bound_seconds) {
+void print_schedules(const char* what, const Schedules& s) {
   const double ms = 1e3;
   std::printf(
       "  %s: serial %.3f ms, overlapped %.3f ms (%.2fx serial; the step waited %.3f ms "
@@ -131,7 +139,7 @@ void print_schedules(const char* what, const Schedules& s, double bound_seconds)
       what, s.serial.step_seconds * ms, s.overlapped.step_seconds * ms,
       s.overlapped.step_seconds / s.serial.step_seconds, s.overlapped.adam_wait_seconds * ms,
       s.delayed.step_seconds * ms, s.delayed.step_seconds / s.serial.step_seconds,
-      bound_seconds * ms);
+      s.bound_seconds() * ms);
 }
 
 nlohmann::json schedules_json(const Schedules& s) {
@@ -177,11 +185,6 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
   // Where the host Adam runs (memtracer/cost_model.h, StepSchedule): the engine today (serial),
   // each index's update as its gradients become final (overlapped), or during the next iteration
   // (delayed). The bound: the GPU's iteration with a free host Adam, or the host Adam alone.
-  std::vector<MomentCost> no_host = costs;
-  for (MomentCost& c : no_host) c.host_adam_params = 0;
-  const double gpu_alone =
-      predict_iteration(scheduler.trace(), no_host, moves, scheduler.chunks(), cost_model)
-          .step_seconds;
   std::printf(
       "  the step's host Adam (%zu chunk ind%s, %.3f ms at the assumed rate) serial, "
       "overlapped with backward (an optimizer thread; each index's update once its "
@@ -192,7 +195,7 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
   const std::string this_batch = seq > 0 && tokens % seq == 0
                                      ? absl::StrCat("batch ", tokens / seq, " x ", seq)
                                      : absl::StrCat(tokens, " tokens");
-  print_schedules(this_batch.c_str(), schedules, std::max(gpu_alone, p.host_adam_seconds));
+  print_schedules(this_batch.c_str(), schedules);
   nlohmann::json out = {{"gpu", cost_model.name},
                         {"step_s", p.step_seconds},
                         {"compute_s", p.compute_seconds},
@@ -203,7 +206,7 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
                         {"tflops", p.tflops},
                         {"moves", moves.size()},
                         {"host_adam_s", p.host_adam_seconds},
-                        {"gpu_alone_s", gpu_alone},
+                        {"gpu_alone_s", schedules.gpu_alone_seconds},
                         {"schedules", schedules_json(schedules)},
                         {"assumptions", cost_model.sources}};
   // The batch at which the GPU's compute matches the host Adam: compute grows with the tokens,
@@ -218,22 +221,16 @@ nlohmann::json print_gpu_prediction(const Engine& engine, torch::nn::Module& mod
     const int64_t batch =
         static_cast<int64_t>(std::ceil(p.host_adam_seconds / per_token / static_cast<double>(seq)));
     const std::vector<MomentCost> matched_costs = moment_costs(engine, model, batch * seq);
-    std::vector<MomentCost> matched_no_host = matched_costs;
-    for (MomentCost& c : matched_no_host) c.host_adam_params = 0;
-    const double matched_gpu_alone =
-        predict_iteration(scheduler.trace(), matched_no_host, moves, scheduler.chunks(), cost_model)
-            .step_seconds;
     const Schedules matched =
         predict_schedules(scheduler, matched_costs, moves, updates, cost_model);
-    print_schedules(absl::StrCat("batch ", batch, " x ", seq,
-                                 " (GPU compute = host Adam; this "
-                                 "run's moves)")
-                        .c_str(),
-                    matched, std::max(matched_gpu_alone, p.host_adam_seconds));
+    print_schedules(
+        absl::StrCat("batch ", batch, " x ", seq, " (GPU compute = host Adam; this run's moves)")
+            .c_str(),
+        matched);
     nlohmann::json m = schedules_json(matched);
     m["batch"] = batch;
     m["seq"] = seq;
-    m["gpu_alone_s"] = matched_gpu_alone;
+    m["gpu_alone_s"] = matched.gpu_alone_seconds;
     out["matched_batch"] = m;
   }
   return out;
