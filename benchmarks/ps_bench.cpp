@@ -73,6 +73,11 @@ ABSL_FLAG(bool, compare_moves, false,
           "resident, and --device with synchronous and with asynchronous moves; print the median "
           "step times as ratios to the resident run and the copy time compute waited for (on "
           "CUDA the three share GPU 0: --device cuda:<bytes> at most a third of its free memory)");
+ABSL_FLAG(bool, compare_step, false,
+          "train with the overlapped step and the serial step alternating, one engine, and print "
+          "the median iterations as ratios: overlapped / serial and overlapped / max(forward + "
+          "backward alone, step alone), both measured from the serial steps (--threads 1 leaves "
+          "the other core to the optimizer thread)");
 ABSL_FLAG(std::string, predict, "",
           "also predict the step time on a GPU (h100) from the iteration this run recorded: "
           "memtracer's cost model, its assumptions printed beside the figures");
@@ -143,6 +148,10 @@ int run() {
   if (absl::GetFlag(FLAGS_compare_moves)) {
     TORCH_CHECK(world == 1, "--compare-moves runs in one process (not under mpirun)");
     return compare_moves(config, spec, batch, seq, steps, seed);
+  }
+  if (absl::GetFlag(FLAGS_compare_step)) {
+    TORCH_CHECK(world == 1, "--compare-step runs in one process (not under mpirun)");
+    return compare_step(config, spec, batch, seq, steps, seed);
   }
 
   if (lead) std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
@@ -469,7 +478,8 @@ int run() {
     ps::write_text_file(absl::GetFlag(FLAGS_trace),
                         ps::chrome_trace_json(inspect(engine).scheduler().moves(),
                                               inspect(engine).scheduler().moment_records(),
-                                              config.device.capacity_bytes, copies));
+                                              config.device.capacity_bytes, copies,
+                                              inspect(engine).optimizer_spans()));
     std::printf("wrote %s\n", absl::GetFlag(FLAGS_trace).c_str());
   }
   if (!absl::GetFlag(FLAGS_plot).empty()) {

@@ -72,10 +72,13 @@ StepResult train_step(Model& model, Optimizer& optimizer, const at::Tensor& toke
   return StepResult{loss, optimizer.step()};
 }
 
-// --find-max-model (ps_bench_search.cpp) and --compare-moves (ps_bench_compare.cpp).
+// --find-max-model (ps_bench_search.cpp), --compare-moves (ps_bench_compare.cpp).
 int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& base, int64_t batch,
                    int64_t seq, uint64_t seed);
 int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
                   int64_t seq, int64_t steps, uint64_t seed);
+// --compare-step (ps_bench_overlap.cpp).
+int compare_step(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
+                 int64_t seq, int64_t steps, uint64_t seed);
 
 }  // namespace ps_bench

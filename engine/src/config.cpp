@@ -251,6 +251,19 @@ Config Config::from_json(const json& document) {
   // other key (stage, buckets, offload_param, pin_memory, ..., and DeepSpeed's old boolean form)
   // describes what patrickstar always does, or DeepSpeed's own machinery: accepted.
   if (const json* zero = root.find("zero_optimization"); zero != nullptr && zero->is_object()) {
+    if (const auto overlap = zero->find("overlap_step"); overlap != zero->end()) {
+      if (overlap->is_boolean()) {
+        c.overlap_step.mode = overlap->get<bool>() ? OverlapMode::kOn : OverlapMode::kOff;
+      } else if (overlap->is_string() && overlap->get<std::string>() == "auto") {
+        c.overlap_step.mode = OverlapMode::kAuto;
+      } else {
+        root.error("$.zero_optimization.overlap_step", *overlap, "\"auto\", true or false");
+      }
+    }
+    if (const auto bytes = zero->find("overlap_step_max_bytes"); bytes != zero->end()) {
+      root.read_byte_size(*bytes, "$.zero_optimization.overlap_step_max_bytes",
+                          c.overlap_step.max_bytes);
+    }
     const auto offload = zero->find("offload_optimizer");
     if (offload != zero->end() && offload->is_object()) {
       const std::string path = "$.zero_optimization.offload_optimizer";
@@ -446,6 +459,11 @@ json Config::to_json() const {
   if (!offload_optimizer.nvme_path.empty()) {
     j["zero_optimization"]["offload_optimizer"]["nvme_path"] = offload_optimizer.nvme_path;
   }
+  j["zero_optimization"]["overlap_step"] =
+      overlap_step.mode == OverlapMode::kAuto
+          ? nlohmann::json("auto")
+          : nlohmann::json(overlap_step.mode == OverlapMode::kOn);
+  j["zero_optimization"]["overlap_step_max_bytes"] = overlap_step.max_bytes;
   j["release_after_init"] = release_after_init;
   j["use_cpu_embedding"] = use_cpu_embedding;
   j["client"]["mem_tracer"] = {{"warmup_gpu_chunk_mem_ratio", mem_tracer.warmup_gpu_chunk_mem_ratio},

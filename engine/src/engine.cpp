@@ -111,6 +111,8 @@ void EngineCore::note_model_construction_peak(int64_t bytes) {
 }
 
 EngineCore::~EngineCore() {
+  cancel_early_updates();
+  overlap_.reset();  // the optimizer thread stops
   for (const auto& [module, name] : params_.module_names())
     unregister_module_handler(*module, this);
   if (!gathered_scopes_.empty()) {

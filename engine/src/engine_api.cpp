@@ -23,6 +23,9 @@ IterationReport Engine::step() { return core_->step(); }
 void Engine::zero_grad(bool set_to_none) { core_->zero_grad(set_to_none); }
 const at::Tensor& Engine::zero_grad_marker() const { return core_->zero_grad_marker(); }
 void Engine::set_lr(double lr) { core_->set_lr(lr); }
+void Engine::set_overlap_step(bool on) {
+  core_->set_overlap_step(on);
+}
 double Engine::lr() const { return core_->lr(); }
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const {
@@ -49,6 +52,9 @@ int Engine::rank() const { return core_->rank(); }
 int Engine::world_size() const { return core_->world_size(); }
 
 const ChunkStore& EngineInspector::chunks() const { return core_.chunks(); }
+std::vector<CopySpan> EngineInspector::optimizer_spans() const {
+  return core_.optimizer_spans();
+}
 const Scheduler& EngineInspector::scheduler() const { return core_.scheduler(); }
 const TraceRecorder& EngineInspector::tracer() const { return core_.tracer(); }
 MemoryTier& EngineInspector::device_tier() const { return core_.device_tier(); }

@@ -43,6 +43,7 @@
 #include "iteration_tracker.h"
 #include "model_storage.h"
 #include "param_table.h"
+#include "step_overlap.h"
 
 namespace patrickstar {
 namespace engine_detail {
@@ -72,6 +73,7 @@ class EngineCore final : public ModuleHookHandler {
   const at::Tensor& zero_grad_marker() const { return gradients_.marker; }
   void set_lr(double lr);
   double lr() const;
+  void set_overlap_step(bool on);
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
   void save_weights(const std::string& path) const;
   void save_checkpoint(const std::string& path) const;
@@ -90,7 +92,12 @@ class EngineCore final : public ModuleHookHandler {
   int world_size() const { return world_; }
 
   // What tests and benchmarks inspect (engine_inspect.h documents them).
-  const ChunkStore& chunks() const { return store(); }
+  // (Updates the overlapped step made ahead are undone first: the chunks hold what the serial
+  // step's would.)
+  const ChunkStore& chunks() const {
+    cancel_early_updates();
+    return store();
+  }
   const Scheduler& scheduler() const { return *scheduler_; }
   const TraceRecorder& tracer() const { return *recorder_; }
   MemoryTier& device_tier() const { return *storage_.device; }
@@ -99,6 +106,9 @@ class EngineCore final : public ModuleHookHandler {
   bool host_only(int64_t chunk_index) const { return storage_.host_only[chunk_index]; }
   bool owns(int64_t chunk_index) const { return store().layout().owner_rank(chunk_index) == rank_; }
   const Communicator& communicator() const { return *comm_; }
+  std::vector<CopySpan> optimizer_spans() const {
+    return overlap_ != nullptr ? overlap_->spans() : std::vector<CopySpan>{};
+  }
 
   // ModuleHookHandler (called by the doors).
   int64_t pre_forward(torch::nn::Module& module) override;
@@ -241,6 +251,31 @@ class EngineCore final : public ModuleHookHandler {
   // did (or the disk tier handles it), else why not, for the host-budget error.
   std::string place_states_on_device(int64_t shortfall);
   IterationReport run_adam();
+  // --- the overlapped step (engine_overlap.cpp) ---
+  struct RunSpan {  // a run of consecutive tensors with gradients, at one Adam step
+    int64_t begin = 0;
+    int64_t end = 0;
+    int64_t step = 0;
+  };
+  struct RunAt {  // a step run's chunk index and span
+    int64_t index = 0;
+    RunSpan span;
+  };
+  std::vector<RunSpan> run_spans(int64_t index) const;
+  // Index `index`'s Adam views of one span (its states from the disk tier: none given).
+  AdamChunk adam_views(int64_t index, const RunSpan& span, bool states_from_disk) const;
+  // At backward moment `moment`: hands every index whose chunks the trace no longer accesses
+  // before the step to the optimizer thread (when the overlap applies at all).
+  void start_early_updates(int64_t moment);
+  void start_early_update(int64_t index);
+  void undo_early_update(engine_detail::EarlyIndex& job) const;
+  // What was updated ahead for `index` (or every index) is undone: its chunks or gradients are
+  // about to be read or changed.
+  void cancel_early_update(int64_t index) const;
+  void cancel_early_updates() const;
+  // The step: each run updated ahead whose index's runs are the step's carries its update.
+  void attach_early_updates(std::vector<AdamChunk>& runs, const std::vector<RunAt>& where,
+                            const std::vector<bool>& on_device);
   // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
   // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
   // such views, finish_state_views() writes back what was written (`write`) and frees the staging.
@@ -306,7 +341,18 @@ class EngineCore final : public ModuleHookHandler {
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;
-  engine_detail::CommGroups groups_;  // per comm group: gathered, gradients, use (comm_groups.h)
+  engine_detail::CommGroups groups_;
+  // The overlapped step: the optimizer thread (null when off), each index's last moment in the
+  // trace, the indices looked at in this backward; paused after a step that clipped or skipped.
+  std::unique_ptr<engine_detail::StepOverlap> overlap_;
+  std::vector<int64_t> early_last_use_;
+  std::vector<bool> early_tried_;
+  bool early_last_use_known_ = false;
+  bool overlap_on_ = false;    // the config's key, or set_overlap_step()
+  bool overlap_auto_ = false;  // "auto": only where a core is free of compute (emulated device)
+  bool early_paused_ = false;
+  bool early_verify_ = false;            // grad() views were shown since the last step
+  mutable int64_t early_cancelled_ = 0;  // per comm group: gathered, gradients, use (comm_groups.h)
   mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
 };
 

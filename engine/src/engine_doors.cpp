@@ -137,6 +137,8 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
       add_chunk(store().chunk_of(id, ChunkKind::kGrad));
     }
   }
+  // Chunks updated ahead that this moment reads or writes (the trace said they were done).
+  for (int64_t c : chunk_ids) cancel_early_update(store().index_of(c));
   close_moment();
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);
@@ -145,6 +147,7 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
     scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
     open_moment_ = m;
     note_memory(module.label);
+    if (kind == MomentKind::kPreBackward) start_early_updates(m);
   } catch (c10::Error& e) {
     e.add_context(absl::StrCat("while making the chunks of module ", module.label,
                                " resident; chunks pinned by tensors in use: ", describe_pinned()));
@@ -173,6 +176,8 @@ void EngineCore::follow_trace(MomentKind kind, const std::string& label) {
   if (recorder_->matches_next(kind, label, &why)) return;
   // DeepSpeed's ZeRO-3 does the same with its trace: invalidate it and record again. This
   // iteration schedules as a warm-up from here; its moments become the trace at step().
+  cancel_early_updates();  // the placement they assumed is forgotten
+  early_last_use_known_ = false;
   recorder_->rewarm();
   scheduler_->drop_trace();
   adam_placement_.forget();

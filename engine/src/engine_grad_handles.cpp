@@ -103,6 +103,7 @@ void EngineCore::take_gradient_edits(bool door) {
   // every handle as they were, so the same call refuses again until the trainer does otherwise.
   std::vector<Param*> reset, zeroed, assigned;
   int64_t with_handle = 0;
+  bool edited = false;
   for (Param& p : params_) {
     if (!p.grad.tensor.defined()) continue;
     ++with_handle;
@@ -110,6 +111,7 @@ void EngineCore::take_gradient_edits(bool door) {
     const bool same_storage =
         grad.defined() && grad.has_storage() && grad.storage().is_alias_of(p.grad.tensor.storage());
     const bool written = static_cast<int64_t>(p.grad.tensor._version()) != p.grad.version;
+    edited |= written;
     if (!grad.defined()) {
       reset.push_back(&p);
     } else if (same_storage) {
@@ -131,6 +133,8 @@ void EngineCore::take_gradient_edits(bool door) {
       assigned.push_back(&p);
     }
   }
+  // Gradients changed since the optimizer thread read them: what it updated ahead is undone.
+  if (edited || !reset.empty() || !assigned.empty()) cancel_early_updates();
   std::vector<Param*> dropped = reset;  // reset, or a marker zeroed in place
   dropped.insert(dropped.end(), zeroed.begin(), zeroed.end());
   const bool whole = !dropped.empty() && static_cast<int64_t>(dropped.size()) == with_handle;

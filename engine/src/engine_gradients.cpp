@@ -11,6 +11,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 void EngineCore::backward_started() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
   if (tracker_.in_backward()) return;
+  cancel_early_updates();  // another backward adds to the gradients updated ahead
   zero_grad_if_marker_reset();
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   // A backward over a graph older than the last step (retain_graph): an iteration of its own.
@@ -68,6 +69,8 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
               "re-initialization, a penalty's value): a penalty that trains goes behind the "
               "module's door (ModuleScope), or is the optimizer's weight_decay");
   torch::NoGradGuard no_grad;
+  // A gradient for an index updated ahead (later than the trace said): that update is undone.
+  cancel_early_update(store().layout().placement(id).chunk_index);
   if (!grad_space_ && p.segments > 1) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
     // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
@@ -123,6 +126,7 @@ void EngineCore::flush_pending_gradients() {
   torch::NoGradGuard no_grad;
   for (Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
+    cancel_early_update(store().layout().placement(p.id).chunk_index);
     ensure_gathered({p.id}, /*with_grad_chunks=*/false);
     if (distributed()) {
       ++p.grads_this_backward;
@@ -167,6 +171,7 @@ void EngineCore::backward(const at::Tensor& loss) {
     }
   }
   const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
+  cancel_early_updates();    // another backward adds to the gradients updated ahead
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   tracker_.on(PhaseEvent::kBackwardBegins);
   const char* what = "patrickstar: the backward failed; the iteration was discarded (its gradients "
@@ -229,10 +234,19 @@ void EngineCore::finish_backward() {
   release_remote(/*discard=*/false);
   tracker_.on(PhaseEvent::kBackwardEnds);
   show_gradients(GradientsShown::kAfterBackward);
+  if (overlap_ != nullptr && gradients_.views_shown) {
+    // The trainer may write the gradients through the views once this returns (clipping): the
+    // optimizer thread finishes what it was given first (all of it: which updates are made ahead
+    // does not depend on timing), so it reads no gradient the trainer writes. In-place edits
+    // through .data() leave no version, so the step compares fingerprints.
+    overlap_->drain();
+    early_verify_ = true;
+  }
 }
 
 
 void EngineCore::discard_gradients() {
+  cancel_early_updates();  // the fp32 masters the half weights come back from, as they were
   torch::NoGradGuard no_grad;
   const bool restore = mixed_ && !grad_space_;
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
@@ -291,6 +305,9 @@ void EngineCore::discard_gradients() {
 }
 
 void EngineCore::drop_iteration() {
+  cancel_early_updates();  // weights and optimizer state as before the iteration
+  early_last_use_known_ = false;
+  early_verify_ = false;
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (Param& p : params_) {
     const TensorState state = store().state(p.id, ChunkKind::kParam);
@@ -315,6 +332,7 @@ void EngineCore::drop_iteration() {
 }
 
 void EngineCore::zero_grad(bool set_to_none) {
+  cancel_early_updates();
   // set_to_none false: LibTorch keeps the gradients defined (zeros), and its step updates those
   // parameters even where the next loss does not reach them.
   std::vector<char> kept;

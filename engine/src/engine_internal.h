@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -24,6 +25,15 @@
 
 namespace patrickstar {
 namespace engine_detail {
+
+// Every kind of chunk an index's Adam update reads or writes (those the store has).
+inline constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad,
+                                           ChunkKind::kParamFp32, ChunkKind::kMomentum,
+                                           ChunkKind::kVariance};
+
+// The most elements of one Adam run (an AdamChunk of the step): 4 Mi elements, undo buffers of
+// 48 MiB (56 in mixed precision) when the overlapped step updates it ahead.
+inline constexpr int64_t kAdamRunElems = int64_t{1} << 22;
 
 // Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
 // states in this order stages each chunk of a disk tier once (first-fit placement puts later small
@@ -170,6 +180,7 @@ class EngineCore::Mover final : public ChunkMover {
   bool on_device(int64_t id) override { return store_.tier(id) == Tier::kDevice; }
   bool movable(int64_t id) override { return store_.is_movable(id); }
   void to_device(int64_t id) override {
+    if (before_move) before_move(id);
     if (lazy_grads_ && store_.tier(id) == Tier::kNone && store_.kind_of(id) == ChunkKind::kGrad) {
       store_.allocate(id, Tier::kDevice);  // zeros
       return;
@@ -177,8 +188,11 @@ class EngineCore::Mover final : public ChunkMover {
     store_.move(id, Tier::kDevice);
   }
   void to_host(int64_t id) override {
+    if (before_move) before_move(id);
     if (!lazy_grads_ || store_.tier(id) != Tier::kNone) store_.move(id, Tier::kHost);
   }
+  // Called before chunk `id` moves (the overlapped step: the optimizer thread leaves its chunks).
+  std::function<void(int64_t)> before_move;
 
  private:
   ChunkStore& store_;

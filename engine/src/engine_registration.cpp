@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/embedding.h>
 
@@ -343,15 +344,39 @@ void EngineCore::register_parameters() {
   options.policy = config_.scheduler.policy;
   options.prefetch_depth = config_.scheduler.prefetch_depth;
   scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
-  if (storage_.copy_queue != nullptr) {
-    // One clock for the scheduler's moves and the copy thread's spans (chunks().copy_queue()'s
-    // set_record_spans), so that a trace shows both on one time line (no spans on CUDA).
-    const std::function<int64_t()> now_us = microseconds_since_now();
-    scheduler_->set_clock(now_us);
-    storage_.copy_queue->set_clock(now_us);
-  }
+  // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
+  // set_record_spans; none on CUDA) and the optimizer thread's, so that a trace shows them on one
+  // time line.
+  const std::function<int64_t()> now_us = microseconds_since_now();
+  scheduler_->set_clock(now_us);
+  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(now_us);
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
   mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
+  // The overlapped step's optimizer thread (started by its first job): one process, no disk tier.
+  if (!distributed() && !config_.offload_optimizer.nvme) {
+    // The undo buffers are host-tier blocks (pinned on CUDA): within its capacity, and outside the
+    // CPU allocator whose bytes the emulated device's probe measures as activations.
+    // They take only what the chunks never need: with a host capacity, what it holds beyond every
+    // chunk (evictions to the host must always find room).
+    MemoryTier* host = storage_.host.get();
+    int64_t max_bytes = config_.overlap_step.max_bytes;
+    if (host->capacity_bytes() != MemoryTier::kUnlimited) {
+      max_bytes =
+          std::clamp<int64_t>(host->capacity_bytes() - store().total_chunk_bytes(), 0, max_bytes);
+    }
+    overlap_ =
+        std::make_unique<StepOverlap>(max_bytes, [host](int64_t numel, at::ScalarType dtype) {
+          const int64_t bytes = std::max<int64_t>(1, numel * c10::elementSize(dtype));
+          void* memory = host->allocate(bytes);
+          return at::from_blob(
+              memory, {numel}, [host](void* p) { host->deallocate(p); },
+              at::TensorOptions().dtype(dtype));
+        });
+    mover_->before_move = [this](int64_t id) { overlap_->quiesce(store().index_of(id)); };
+    overlap_->set_clock(now_us);
+    overlap_on_ = config_.overlap_step.mode != OverlapMode::kOff;
+    overlap_auto_ = config_.overlap_step.mode == OverlapMode::kAuto;
+  }
 
   AdamOptions adam_options;
   adam_options.lr(config_.optimizer.lr)

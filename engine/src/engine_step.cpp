@@ -15,12 +15,6 @@
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-namespace {
-// Every kind of chunk an index's Adam update reads or writes (those the store has).
-constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kParamFp32,
-                                    ChunkKind::kMomentum, ChunkKind::kVariance};
-}  // namespace
-
 void EngineCore::decide_adam_placement() {
   const int64_t n = store().chunks_per_kind();
   // CPU embeddings update on the host: the plan covers the other chunk indices.
@@ -144,62 +138,23 @@ IterationReport EngineCore::run_adam() {
   }
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;
+  std::vector<RunAt> where;        // each run's index and span
   std::vector<DiskRun> disk_runs;  // with a disk tier, one per run
   PlacementPlan plan;
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i)) continue;  // data parallel: another rank steps it
-    const auto tensors = store().layout().tensors_in_chunk(i);
-    size_t k = 0;
-    while (k < tensors.size()) {
-      if (!params_[tensors[k]].has_grad) {
-        ++k;
-        continue;
-      }
-      const int64_t begin = store().layout().placement(tensors[k]).offset_elems;
-      int64_t end = begin;
-      // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter).
-      const int64_t adam_steps = params_[tensors[k]].adam_steps;
-      while (k < tensors.size() && params_[tensors[k]].has_grad &&
-             params_[tensors[k]].adam_steps == adam_steps &&
-             store().layout().placement(tensors[k]).offset_elems == end) {
-        end += store().layout().numel(tensors[k]);
-        ++k;
-      }
-      auto slice = [&](ChunkKind kind) {
-        return store().chunk_view(id_of(kind, i)).narrow(0, begin, end - begin);
-      };
-      AdamChunk run;
-      run.step = adam_steps + 1;
-      // States in the disk tier come to the update through the source below.
-      const bool from_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
-      if (storage_.disk != nullptr) disk_runs.push_back({i, begin, end, from_disk, mixed_});
-      run.states_from_source = from_disk;
-      if (!from_disk) {
-        run.exp_avg = slice(ChunkKind::kMomentum);
-        run.exp_avg_sq = slice(ChunkKind::kVariance);
-      }
-      if (mixed_) {
-        run.half_param_grad = slice(ChunkKind::kParam);
-        if (!from_disk) run.master = slice(ChunkKind::kParamFp32);
-        // With a gradient space the accumulated fp32 gradient feeds Adam as it is; the half slot
-        // keeps the weight and receives the new one. Data parallel without a gradient space: the
-        // fp32 sum the reduction gave this owner, likewise.
-        if (grad_space_) {
-          run.grad_fp32 = slice(ChunkKind::kGrad);
-        } else if (distributed()) {
-          const at::Tensor& sum = gradients_.reduced[static_cast<size_t>(i)];
-          TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
-                      " has gradients but was never reduced");
-          run.grad_fp32 = sum.narrow(0, begin, end - begin);
-        }
-      } else {
-        run.master = slice(ChunkKind::kParam);
-        run.grad_fp32 = slice(ChunkKind::kGrad);
-      }
-      runs.push_back(run);
+    // States in the disk tier come to the update through the source below.
+    const bool from_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
+    for (const RunSpan& span : run_spans(i)) {
+      if (storage_.disk != nullptr)
+        disk_runs.push_back({i, span.begin, span.end, from_disk, mixed_});
+      runs.push_back(adam_views(i, span, from_disk));
+      where.push_back({i, span});
       plan.on_device.push_back(on_device[i]);
     }
   }
+  // The overlapped step: runs updated ahead in backward carry their updates.
+  attach_early_updates(runs, where, on_device);
   // What an update reads is in the tier where it runs. On a GPU a chunk left in the other tier
   // fails the kernel's device check; on the emulated device both tiers are CPU memory and it would
   // run unnoticed, so the engine checks it itself.
@@ -242,6 +197,11 @@ IterationReport EngineCore::run_adam() {
   // need (with asynchronous moves, while the trainer prepares the next batch).
   if (!warmup && scheduler_->has_trace()) scheduler_->after_moment(m, *mover_);
   report.skipped = step.skipped;
+  report.early_updates_committed = step.speculative_committed;
+  report.early_updates_undone = step.speculative_undone;
+  // A step that clipped or skipped would have undone what the next backward updates ahead: the
+  // next one is serial, and the overlap resumes after a step that did neither.
+  early_paused_ = step.skipped || step.clip_coef < 1.0f;
   report.loss_scale = step.loss_scale;
   report.grad_norm = step.grad_norm;
   for (int64_t i = 0; i < n; ++i) {
@@ -334,6 +294,15 @@ IterationReport EngineCore::step() {
       report.disk_wait_seconds = storage_.disk->waited_seconds() - disk_wait_before;
     }
     adam_->set_stats_reducer(nullptr);
+    if (overlap_ != nullptr) {
+      overlap_->clear();  // every update ahead was committed or undone by the step
+      report.early_updates_cancelled = early_cancelled_;
+      report.optimizer_thread_seconds = overlap_->take_busy_seconds();
+      report.early_update_buffer_bytes = overlap_->buffer_bytes();
+    }
+    early_cancelled_ = 0;
+    early_last_use_known_ = false;  // the next backward looks at every index again
+    early_verify_ = false;
   } catch (c10::Error& e) {
     adam_->set_stats_reducer(nullptr);
     tell_the_others();
@@ -406,6 +375,7 @@ IterationReport EngineCore::step() {
 void EngineCore::set_record_timeline(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   scheduler_->set_record_timeline(on);
+  if (overlap_ != nullptr) overlap_->set_record_spans(on);
   if (storage_.copy_queue != nullptr) storage_.copy_queue->set_record_spans(on);
 }
 

@@ -15,6 +15,7 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
+  cancel_early_updates();       // the weights as they were before the backward
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check (after recovering from a dead backward or a dropped forward), changing nothing else.
   if (write_back) {

@@ -41,13 +41,15 @@ std::string bound_to_json(const TrafficBound& bound) {
 
 std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
                               const std::vector<MomentRecord>& moments, int64_t capacity_bytes,
-                              const std::vector<CopySpan>& copies) {
+                              const std::vector<CopySpan>& copies,
+                              const std::vector<CopySpan>& optimizer_thread) {
   constexpr int kPid = 1;
   constexpr int kComputeTid = 1;
   constexpr int kH2dTid = 2;
   constexpr int kD2hTid = 3;
   constexpr int kCopyTid = 4;
   constexpr int kWaitTid = 5;
+  constexpr int kOptimizerTid = 6;
   nlohmann::json events = nlohmann::json::array();
   auto thread_name = [&](int tid, const char* name) {
     events.push_back({{"name", "thread_name"},
@@ -66,6 +68,16 @@ std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
   if (!copies.empty()) {
     thread_name(kCopyTid, "copy thread");
     thread_name(kWaitTid, "compute waits for copies");
+  }
+  if (!optimizer_thread.empty()) thread_name(kOptimizerTid, "optimizer thread (host Adam ahead)");
+  for (const CopySpan& span : optimizer_thread) {
+    events.push_back({{"name", span.label},
+                      {"cat", "adam ahead"},
+                      {"ph", "X"},
+                      {"ts", span.start_us},
+                      {"dur", std::max<int64_t>(span.duration_us, 1)},
+                      {"pid", kPid},
+                      {"tid", kOptimizerTid}});
   }
   for (const CopySpan& span : copies) {
     events.push_back({{"name", span.wait ? "wait for copy " + std::to_string(span.event)

@@ -289,6 +289,9 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 
 #include <ATen/Parallel.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -443,6 +446,14 @@ void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const
     HWY_DYNAMIC_DISPATCH(HalfFromMasterRange)
     (half_param + begin, bf16, master + begin, end - begin);
   });
+}
+
+void cpu_adam_threads_on_this_thread(int threads) {
+  TORCH_CHECK(threads > 0, "cpu_adam_threads_on_this_thread: ", threads, " threads");
+  (void)at::get_num_threads();  // LibTorch's per-thread setup first, so that it does not undo this
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#endif
 }
 
 void cpu_memory_rmw(float* data, int64_t numel) {

@@ -33,6 +33,14 @@ void check_view(const at::Tensor& t, const char* what, size_t index, int64_t num
 }
 
 void check_chunk(const AdamChunk& chunk, size_t index, bool on_device) {
+  if (chunk.speculative != nullptr) {
+    TORCH_CHECK(!on_device && !chunk.states_from_source &&
+                    chunk.speculative->state == SpeculativeUpdate::State::kApplied,
+                "HybridAdam: chunk ", index, " carries a speculative update but is ",
+                on_device                  ? "placed on the device"
+                : chunk.states_from_source ? "given its states by a source"
+                                           : "not in the applied state");
+  }
   if (chunk.states_from_source) {
     // The states come later (checked then); what is here must be on the host.
     TORCH_CHECK(!on_device, "HybridAdam: chunk ", index,
@@ -210,6 +218,14 @@ HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
               options.weight_decay());
 }
 
+AdamStepConstants HybridAdam::constants_without_clipping(int64_t step) const {
+  GradMultiplier unclipped;
+  unclipped.multiplier = static_cast<float>(1.0 / loss_scaler_.scale()) * unclipped.clip_coef;
+  return make_adam_step_constants(options_.lr(), options_.beta1(), options_.beta2(), options_.eps(),
+                                  options_.weight_decay(), options_.decoupled(), step,
+                                  unclipped.multiplier);
+}
+
 void HybridAdam::set_step_count(int64_t step) {
   TORCH_CHECK(step >= 0, "HybridAdam: step count must be >= 0, got ", step);
   step_ = step;
@@ -262,7 +278,13 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   if (agree_) agree_(total);
 
   if (!total.finite()) {
-    // Overflow: no update anywhere. The half slots hold (broken) gradients; put the weights back.
+    // Overflow: no update anywhere. Updates computed ahead are undone; the half slots hold
+    // (broken) gradients; put the weights back.
+    for (const AdamChunk& chunk : chunks) {
+      if (chunk.speculative == nullptr) continue;
+      undo(chunk, *chunk.speculative);
+      ++report.speculative_undone;
+    }
     for (size_t k = 0; k < chunks.size(); ++k) {
       if (chunks[k].mixed()) {
         with_states(chunks[k], k, source, /*updates=*/false, [](const AdamChunk& c) { restore_half(c); });
@@ -293,6 +315,15 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
       cached_step = step;
     }
     const AdamStepConstants& constants = cached;
+    if (SpeculativeUpdate* ahead = chunks[k].speculative) {
+      if (same_constants(ahead->constants, constants)) {
+        commit(chunks[k], *ahead);
+        ++report.speculative_committed;
+        continue;
+      }
+      undo(chunks[k], *ahead);  // clipped, or another learning rate or loss scale since
+      ++report.speculative_undone;
+    }
     with_states(chunks[k], k, source, /*updates=*/true,
                 [&](const AdamChunk& c) { update_chunk(c, constants); });
   }

@@ -25,7 +25,7 @@ ps_build() { # ps_build <build-dir> <targets...>
 }
 ps_sanitized_test_targets() { # the test executables run under ASan + UBSan that exist in this build
   local t out=()
-  for t in chunk_tests comm_tests optimizer_tests memtracer_tests engine_tests; do
+  for t in chunk_tests comm_tests optimizer_tests overlap_tests memtracer_tests engine_tests; do
     if grep -q "^build $t:\|^build ${t}:" "$1/build.ninja" 2>/dev/null || grep -q "/$t:" "$1/build.ninja" 2>/dev/null; then
       out+=("$t")
     fi

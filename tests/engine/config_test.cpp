@@ -36,7 +36,22 @@ TEST(Config, EmptyDocumentTakesTheDocumentedDefaults) {
   EXPECT_EQ(c.device.type, DeviceType::kEmulated);
   EXPECT_EQ(c.device.capacity_bytes, DeviceConfig::kAutoCapacity);  // the engine resolves it
   EXPECT_EQ(c.scheduler.policy, EvictionPolicy::kOpt);
+  EXPECT_EQ(c.overlap_step.mode, OverlapMode::kAuto);
+  EXPECT_EQ(c.overlap_step.max_bytes, int64_t{2} << 30);
   EXPECT_TRUE(c.warnings.empty());
+}
+
+TEST(Config, OverlapStepIsAutoTrueOrFalseWithAByteBound) {
+  const Config on = Config::from_string(
+      R"({"zero_optimization": {"overlap_step": true, "overlap_step_max_bytes": "512MiB"}})");
+  EXPECT_EQ(on.overlap_step.mode, OverlapMode::kOn);
+  EXPECT_EQ(on.overlap_step.max_bytes, int64_t{512} << 20);
+  EXPECT_EQ(Config::from_json(on.to_json()).overlap_step.mode, OverlapMode::kOn);
+  const Config off = Config::from_string(R"({"zero_optimization": {"overlap_step": false}})");
+  EXPECT_EQ(off.overlap_step.mode, OverlapMode::kOff);
+  EXPECT_EQ(Config::from_json(off.to_json()).overlap_step.mode, OverlapMode::kOff);
+  EXPECT_EQ(Config::from_json(Config::from_string("{}").to_json()).overlap_step.mode,
+            OverlapMode::kAuto);
 }
 
 TEST(Config, PatrickStarStyleDocumentIsReadInFull) {
@@ -114,12 +129,14 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
        R"($.optimizer.type: expected one of "Adam", "AdamW", got "SGD")"},
       {R"({"optimizer": {"params": {"lr": "fast"}}})",
        R"($.optimizer.params.lr: expected a number >= 0, got "fast")"},
-      {R"({"optimizer": {"params": {"lr": -1}}})", "$.optimizer.params.lr: expected a number >= 0, got -1"},
+      {R"({"optimizer": {"params": {"lr": -1}}})",
+       "$.optimizer.params.lr: expected a number >= 0, got -1"},
       {R"({"optimizer": {"params": {"betas": [0.9]}}})",
        "$.optimizer.params.betas: expected an array of two numbers in [0, 1), got [0.9]"},
       {R"({"optimizer": {"params": {"betas": [0.9, 1.5]}}})",
        "$.optimizer.params.betas[1]: expected a number in [0, 1], got 1.5"},
-      {R"({"optimizer": {"params": {"eps": 0}}})", "$.optimizer.params.eps: expected a number > 0, got 0"},
+      {R"({"optimizer": {"params": {"eps": 0}}})",
+       "$.optimizer.params.eps: expected a number > 0, got 0"},
       {R"({"optimizer": {"params": {"use_hybrid_adam": 1}}})",
        "$.optimizer.params.use_hybrid_adam: expected true or false, got 1"},
       {R"({"optimizer": []})", "$.optimizer: expected an object, got []"},
@@ -133,7 +150,8 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
        "$.gradient_accumulation_steps: expected an integer from 1"},
       {R"({"default_chunk_size": "big"})",
        R"($.default_chunk_size: expected a number of elements from 1 to 1099511627776 (2^40), or "auto", got "big")"},
-      {R"({"default_chunk_size": -5})", "$.default_chunk_size: expected a number of elements from 1"},
+      {R"({"default_chunk_size": -5})",
+       "$.default_chunk_size: expected a number of elements from 1"},
       // Elements x bytes must not overflow: 2^40 is the largest size.
       {R"({"default_chunk_size": 1099511627777})",
        "$.default_chunk_size: expected a number of elements from 1 to 1099511627776"},
@@ -157,6 +175,10 @@ TEST(Config, BadDocumentsAreRejectedWithPathValueAndExpectation) {
        "contradicts $.client.scheduler.policy"},
       {R"({"client": {"device": {"type": "cuda"}, "scheduler": {"copy_delay_max_us": 50}}})",
        R"($.client.scheduler.copy_delay_max_us: 50 with $.client.device.type "cuda": injected copy delays test the emulated device's copy thread)"},
+      {R"({"zero_optimization": {"overlap_step": "sometimes"}})",
+       R"($.zero_optimization.overlap_step: expected "auto", true or false, got "sometimes")"},
+      {R"({"zero_optimization": {"overlap_step_max_bytes": -1}})",
+       "$.zero_optimization.overlap_step_max_bytes: expected a byte count"},
       {R"({"optimizer": )", "not JSON"},
       // Found by fuzz/config_fuzzer: a number beyond double's range escaped as an uncaught
       // nlohmann::json out_of_range, and a byte count above INT64_MAX wrapped to a negative one.

@@ -102,9 +102,25 @@ struct OffloadConfig {
   std::string nvme_path;
 };
 
+// "zero_optimization": {"overlap_step": "auto", "overlap_step_max_bytes": "2GiB"}: the overlapped
+// step (docs/design.md, "The overlapped step"). A chunk index's host Adam runs on an optimizer
+// thread as soon as its gradients are final in backward, undoably, and the step commits it (bit for
+// bit the serial step) or undoes it and updates the chunk itself. max_bytes bounds the undo buffers
+// (12 bytes per element, 14 in mixed precision, host-tier blocks kept between iterations; with a
+// host capacity also at most what it holds beyond every chunk); indices past it update at the step.
+// One process without a disk tier. "auto" (the default): on CUDA, and on the emulated device while
+// LibTorch's compute threads leave a core free (there the thread would otherwise take compute's
+// cores: measured slower, BENCHMARKS.md); true: always; false: every update at the step.
+enum class OverlapMode : uint8_t { kAuto, kOn, kOff };
+struct OverlapStepConfig {
+  OverlapMode mode = OverlapMode::kAuto;
+  int64_t max_bytes = int64_t{2} << 30;
+};
+
 struct Config {
   OptimizerConfig optimizer;
   OffloadConfig offload_optimizer;
+  OverlapStepConfig overlap_step;
   Fp16Config fp16;
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off

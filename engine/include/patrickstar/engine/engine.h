@@ -119,6 +119,12 @@ class Engine final {
   void set_lr(double lr);
   double lr() const;
 
+  // The overlapped step ("zero_optimization.overlap_step", "auto" by default) on (whatever the
+  // cores) or off from the next backward; off undoes what the backward in progress updated ahead.
+  // One process without a disk tier (elsewhere every update runs at the step and turning it on is
+  // an error).
+  void set_overlap_step(bool on);
+
   // fp32 weights by parameter name (the master copy), as new tensors.
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
   // Saves fp32_state_dict() as a plain LibTorch archive (torch::load(module, path) reads it into a

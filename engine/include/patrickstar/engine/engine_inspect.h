@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "patrickstar/chunk/chunk_store.h"
+#include "patrickstar/chunk/copy_queue.h"
 #include "patrickstar/chunk/memory_tier.h"
 #include "patrickstar/comm/communicator.h"
 #include "patrickstar/engine/engine.h"
@@ -21,7 +22,12 @@ class EngineInspector {
  public:
   explicit EngineInspector(const Engine& engine) : core_(*engine.core_) {}
 
+  // The chunks as the serial step leaves them: host Adam updates the overlapped step made ahead in
+  // the backward in progress are undone first (that backward's step then updates them itself).
   const ChunkStore& chunks() const;
+  // The overlapped step's optimizer thread, one span per chunk index it updated ahead, while the
+  // timeline is recorded (Engine::set_record_timeline); on the scheduler's clock.
+  std::vector<CopySpan> optimizer_spans() const;
   const Scheduler& scheduler() const;
   const TraceRecorder& tracer() const;
   MemoryTier& device_tier() const;

@@ -45,6 +45,17 @@ struct IterationReport {
   // the engine waited for the disk tier (reads not done ahead, writes still going at the end).
   double adam_seconds = 0;
   double disk_wait_seconds = 0;
+  // The overlapped step ("zero_optimization.overlap_step"): runs of tensors whose host Adam ran
+  // on the optimizer thread during backward and that the step committed as they were, or undid
+  // (clipping, an overflow, another learning rate) and recomputed; chunk indices taken back before
+  // the step (a late gradient, the trainer's gradient edits, a door); the optimizer thread's busy
+  // seconds (hidden behind backward but for what the step waited, which adam_seconds includes);
+  // the undo buffers it holds (kept between iterations).
+  int64_t early_updates_committed = 0;
+  int64_t early_updates_undone = 0;
+  int64_t early_updates_cancelled = 0;
+  double optimizer_thread_seconds = 0;
+  int64_t early_update_buffer_bytes = 0;
   // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
   // a group gather is one all-gather of the group's world_size param chunks into one buffer
   // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to

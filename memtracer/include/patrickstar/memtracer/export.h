@@ -24,10 +24,13 @@ std::string bound_to_json(const TrafficBound& bound);
 // it (thread "h2d issued" or "d2h issued": with asynchronous moves only the queueing), one "i"
 // instant per moment, a "C" counter "device memory" per moment with chunk, non-model and budget
 // bytes, and, from a copy queue's timeline (same clock as the moves), one "X" event per copy
-// (thread "copy thread") and per wait that blocked compute (thread "compute waits for copies").
+// (thread "copy thread") and per wait that blocked compute (thread "compute waits for copies"),
+// and one "X" event per chunk index the overlapped step's optimizer thread updated ahead (thread
+// "optimizer thread (host Adam ahead)").
 std::string chrome_trace_json(const std::vector<MoveEvent>& moves,
                               const std::vector<MomentRecord>& moments, int64_t capacity_bytes,
-                              const std::vector<CopySpan>& copies = {});
+                              const std::vector<CopySpan>& copies = {},
+                              const std::vector<CopySpan>& optimizer_thread = {});
 
 // SVG plot over the moment sequence: capacity, budget, chunk bytes, non-model bytes and their sum,
 // with axis labels (bytes in MiB) and a legend.

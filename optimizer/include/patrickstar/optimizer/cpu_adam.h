@@ -73,6 +73,12 @@ void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const
 // same SIMD target and thread split as the kernels above (one read and one write per element).
 void cpu_memory_rmw(float* data, int64_t numel);
 
+// How many threads the kernels split a chunk over when called from the calling thread (LibTorch's
+// OpenMP pool sizes itself per thread): an optimizer thread that runs beside the training thread
+// takes its own share of the cores. Results do not depend on it (the update is element-wise; a
+// gradient's statistics do, which is why the step computes them on one thread).
+void cpu_adam_threads_on_this_thread(int threads);
+
 // Name of the Highway target the dispatcher picked on this CPU (e.g. "AVX3", "AVX2", "NEON").
 const char* cpu_adam_simd_target();
 

@@ -25,6 +25,7 @@
 #include "patrickstar/optimizer/cpu_adam.h"
 #include "patrickstar/optimizer/loss_scaler.h"
 #include "patrickstar/optimizer/placement.h"
+#include "patrickstar/optimizer/speculative_update.h"
 
 namespace patrickstar {
 
@@ -72,6 +73,11 @@ struct AdamChunk {
   // bias corrections. 0: the optimizer's own count of steps taken, plus one.
   int64_t step = 0;
 
+  // This chunk's update computed ahead (speculative_update.h), applied and undoable: step()
+  // commits it when its constants are the step's own, else undoes it and updates the chunk itself
+  // (on overflow it undoes it). Host chunks only, states in memory.
+  SpeculativeUpdate* speculative = nullptr;
+
   bool mixed() const { return half_param_grad.defined(); }
   // Bytes the update touches: master, momentum, variance (+ the gradient slot).
   int64_t state_bytes() const;
@@ -112,6 +118,10 @@ struct StepReport {
   double grad_norm = 0.0;   // unscaled global norm (inf/NaN when skipped)
   float clip_coef = 1.0f;
   PlacementReport placement;  // where the chunks ran (all zero when skipped)
+  // Chunks whose update was computed ahead: committed as they were, or undone (and recomputed,
+  // unless the step was skipped).
+  int64_t speculative_committed = 0;
+  int64_t speculative_undone = 0;
 };
 
 class HybridAdam {
@@ -134,6 +144,10 @@ class HybridAdam {
   const AdamOptions& options() const { return options_; }
   void set_lr(double lr) { options_.lr(lr); }
   int64_t step_count() const { return step_; }
+  // The constants of Adam step `step` (1-based) as step() will make them when the gradients are
+  // not clipped (clip coefficient 1) and the loss scale stays what it is now: what a speculative
+  // update computes with.
+  AdamStepConstants constants_without_clipping(int64_t step) const;
   void set_step_count(int64_t step);  // for checkpoints
   // Data parallel: each process steps its own shard of the chunks. `agree` is called with this
   // shard's gradient statistics before anything is decided and must replace them with the global
