@@ -111,7 +111,12 @@ void EngineCore::note_model_construction_peak(int64_t bytes) {
 }
 
 EngineCore::~EngineCore() {
-  cancel_early_updates();
+  try {
+    cancel_early_updates();  // the model gets the weights of its last step
+  } catch (const std::exception& e) {
+    TORCH_WARN("patrickstar: undoing the updates made ahead failed while the engine goes: ",
+               e.what());
+  }
   overlap_.reset();  // the optimizer thread stops
   for (const auto& [module, name] : params_.module_names())
     unregister_module_handler(*module, this);

@@ -243,6 +243,9 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
                 " without a gradient space the gradients sit where the half weights were; call "
                 "step() or zero_grad() first");
     ensure_gathered(info.params, /*with_grad_chunks=*/false);
+    // It reads the weights: updates made ahead in the backward before are undone (in fp32 the
+    // parameter is the master the optimizer thread updates in place).
+    for (TensorId id : info.params) cancel_early_update(store().layout().placement(id).chunk_index);
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;

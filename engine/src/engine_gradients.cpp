@@ -308,6 +308,8 @@ void EngineCore::drop_iteration() {
   cancel_early_updates();  // weights and optimizer state as before the iteration
   early_last_use_known_ = false;
   early_verify_ = false;
+  early_cancelled_ = 0;  // the next iteration's report counts its own
+  if (overlap_ != nullptr) overlap_->take_busy_seconds();
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (Param& p : params_) {
     const TensorState state = store().state(p.id, ChunkKind::kParam);

@@ -178,7 +178,8 @@ void StepOverlap::run() {
         speculate(job->inputs[k], run.update.constants, run.update);
       }
     } catch (...) {
-      // A run left pending is updated by the step itself; those applied are undoable as usual.
+      // speculate() left the run that threw as it was (pending): the step updates it itself, and
+      // the rest of the job's runs likewise; those applied are undoable as usual.
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

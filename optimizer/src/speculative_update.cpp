@@ -35,19 +35,49 @@ uint64_t gradient_fingerprint(const at::Tensor& t) {
   const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
   const auto size = static_cast<size_t>(t.numel()) * t.element_size();
   const size_t words = size / 8;
+  // splitmix64's finalizer: a bijection of 64-bit words, far from linear, so that structured edits
+  // (every float scaled by a power of two, signs flipped in pairs) do not cancel in the sum.
+  auto mix = [](uint64_t word, size_t k) {
+    uint64_t z = word + 0x9E3779B97F4A7C15ULL * (static_cast<uint64_t>(k) + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  };
   uint64_t sum = 0;
   for (size_t k = 0; k < words; ++k) {
     uint64_t word;
     std::memcpy(&word, bytes + 8 * k, 8);
-    sum += word * (2 * static_cast<uint64_t>(k) + 1);
+    sum += mix(word, k);
   }
   if (size % 8 != 0) {
     uint64_t word = 0;
     std::memcpy(&word, bytes + 8 * words, size % 8);
-    sum += word * (2 * static_cast<uint64_t>(words) + 1);
+    sum += mix(word, words);
   }
   return sum;
 }
+
+namespace {
+// The update itself, in place (the undo log taken).
+void apply(const AdamChunk& chunk, const AdamStepConstants& constants, SpeculativeUpdate& update) {
+  if (chunk.mixed() && chunk.grad_fp32.defined()) {
+    // A gradient space: the fp32 update, then the half weight from the new master (as step()).
+    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+    if (!update.new_half.defined() || update.new_half.numel() != chunk.master.numel() ||
+        update.new_half.scalar_type() != chunk.half_param_grad.scalar_type()) {
+      update.new_half = at::empty({chunk.master.numel()}, chunk.half_param_grad.options());
+    }
+    restore_half_from_master(update.new_half, chunk.master);
+  } else if (chunk.mixed()) {
+    // The half slot holds the gradient: the kernel reads it from a copy and leaves the new half
+    // weight there.
+    copy_into(update.new_half, chunk.half_param_grad);
+    adam_step_mixed(update.new_half, chunk.master, chunk.exp_avg, chunk.exp_avg_sq, constants);
+  } else {
+    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+  }
+}
+}  // namespace
 
 bool same_constants(const AdamStepConstants& a, const AdamStepConstants& b) {
   static_assert(sizeof(AdamStepConstants) == 10 * sizeof(float), "AdamStepConstants has padding");
@@ -70,21 +100,14 @@ void speculate(const AdamChunk& chunk, const AdamStepConstants& constants,
   copy_into(update.old_master, chunk.master);
   copy_into(update.old_exp_avg, chunk.exp_avg);
   copy_into(update.old_exp_avg_sq, chunk.exp_avg_sq);
-  if (chunk.mixed() && chunk.grad_fp32.defined()) {
-    // A gradient space: the fp32 update, then the half weight from the new master (as step()).
-    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
-    if (!update.new_half.defined() || update.new_half.numel() != chunk.master.numel() ||
-        update.new_half.scalar_type() != chunk.half_param_grad.scalar_type()) {
-      update.new_half = at::empty({chunk.master.numel()}, chunk.half_param_grad.options());
-    }
-    restore_half_from_master(update.new_half, chunk.master);
-  } else if (chunk.mixed()) {
-    // The half slot holds the gradient: the kernel reads it from a copy and leaves the new half
-    // weight there.
-    copy_into(update.new_half, chunk.half_param_grad);
-    adam_step_mixed(update.new_half, chunk.master, chunk.exp_avg, chunk.exp_avg_sq, constants);
-  } else {
-    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+  try {  // a throw leaves the chunk as it was and the update pending
+    apply(chunk, constants, update);
+  } catch (...) {
+    // Nothing half-applied: the old values go back and the update stays pending.
+    chunk.master.view({-1}).copy_(update.old_master);
+    chunk.exp_avg.view({-1}).copy_(update.old_exp_avg);
+    chunk.exp_avg_sq.view({-1}).copy_(update.old_exp_avg_sq);
+    throw;
   }
   update.constants = constants;
   update.state = SpeculativeUpdate::State::kApplied;

@@ -38,6 +38,7 @@ enum class Trainer {
   kClipsItself,   // LibTorch's clip_grad_norm_ on the parameters between backward and step
   kTwoBackwards,  // two forward/backward passes add up before each step
   kSetsLr,        // set_lr between backward and step
+  kEvaluates,     // an evaluation forward (no grad) between backward and step
 };
 
 TrainingRun train(const std::string& extra, bool overlap, int steps,
@@ -70,6 +71,13 @@ TrainingRun train(const std::string& extra, bool overlap, int steps,
     if (trainer == Trainer::kClipsItself)
       torch::nn::utils::clip_grad_norm_(model->parameters(), 0.05);
     if (trainer == Trainer::kSetsLr) engine.set_lr(3e-3 * (1.0 - 0.05 * s));
+    if (trainer == Trainer::kEvaluates) {
+      // Its loss is part of the record: it must see the weights of the last step, not ahead.
+      torch::NoGradGuard no_grad;
+      auto batch = on_test_device(batch_of_step(s + 7));
+      auto active = engine.activate();
+      loss += 1000 * model->loss(batch.tokens, batch.targets).item<double>();
+    }
     const IterationReport report = engine.step();
     run.losses.push_back(loss);
     run.committed += report.early_updates_committed;
@@ -158,6 +166,9 @@ INSTANTIATE_TEST_SUITE_P(
              R"({"fp16": {"enabled": true, "initial_scale_power": 20, "hysteresis": 1,
                           "loss_scale_window": 2}})",
              Trainer::kPlain, /*commits=*/true, /*undoes=*/true},
+        // An evaluation forward between backward and step reads the weights: taken back first.
+        Case{"fp32_evaluates_before_step", "{}", Trainer::kEvaluates, /*commits=*/false,
+             /*undoes=*/true},
         // A learning rate set between backward and step (a schedule): undone, recomputed.
         Case{"fp32_lr_schedule", "{}", Trainer::kSetsLr, /*commits=*/false, /*undoes=*/true},
         Case{"bf16_checkpointed", R"({"bf16": {"enabled": true}, "checkpointed": true})"},

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -155,6 +156,27 @@ TEST(StepOverlap, ClippingUndoesExactlyAndTheThreadStopsWithWorkQueued) {
       overlap.submit(std::move(next));
     }
   }
+}
+
+TEST(StepOverlap, TheFingerprintSeesEveryEditOfTheGradient) {
+  // A run of 4 Mi floats (2^21 words), the step's largest: scaling by a power of two, two signs
+  // flipped, one element changed by one unit in the last place, each changes the fingerprint.
+  torch::manual_seed(5);
+  const at::Tensor grad = torch::randn({int64_t{1} << 22});
+  const uint64_t before = gradient_fingerprint(grad);
+  EXPECT_EQ(gradient_fingerprint(grad.clone()), before);
+  EXPECT_NE(gradient_fingerprint(grad * 0.5), before);
+  EXPECT_NE(gradient_fingerprint(grad * 2), before);
+  at::Tensor flipped = grad.clone();
+  flipped[1] = -flipped[1];
+  flipped[3] = -flipped[3];
+  EXPECT_NE(gradient_fingerprint(flipped), before);
+  at::Tensor nudged = grad.clone();
+  nudged[12345] = std::nextafter(nudged[12345].item<float>(), 1e9f);
+  EXPECT_NE(gradient_fingerprint(nudged), before);
+  // bf16 (2-byte elements, a tail shorter than a word).
+  const at::Tensor half = torch::randn({1001}).to(at::kBFloat16);
+  EXPECT_NE(gradient_fingerprint(half * 0.5), gradient_fingerprint(half));
 }
 
 TEST(StepOverlap, TheMemoryBoundRefusesWhatWouldPassIt) {

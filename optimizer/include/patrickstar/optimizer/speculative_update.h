@@ -49,10 +49,10 @@ struct SpeculativeUpdate {
   double seconds = 0;  // how long speculate() took
 };
 
-// A 64-bit fingerprint of a contiguous CPU tensor's bytes: the sum mod 2^64 of each 8-byte word
-// (the tail zero-padded) times an odd number that depends on its position. Any change of a single
-// word changes it (an odd factor is invertible mod 2^64); several changes leave it equal with
-// probability about 2^-64.
+// A 64-bit fingerprint of a contiguous CPU tensor's bytes: the sum mod 2^64 of a bijective mix
+// (splitmix64's finalizer) of each 8-byte word (the tail zero-padded) plus a multiple of its
+// position. Any change of a single word changes it; the mix is far from linear, so structured
+// edits (every element scaled by a power of two, signs flipped in pairs) do not cancel out.
 uint64_t gradient_fingerprint(const at::Tensor& t);
 
 // Exact float equality, field by field in their bits (what decides that a speculative update is
