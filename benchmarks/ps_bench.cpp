@@ -73,6 +73,12 @@ ABSL_FLAG(bool, compare_moves, false,
           "resident, and --device with synchronous and with asynchronous moves; print the median "
           "step times as ratios to the resident run and the copy time compute waited for (on "
           "CUDA the three share GPU 0: --device cuda:<bytes> at most a third of its free memory)");
+ABSL_FLAG(bool, compare_delayed, false,
+          "train two engines on the same data, one with the delayed parameter update "
+          "(zero_optimization.delayed_param_update, warm-up 2) and one updating at its step, in "
+          "alternating blocks of 4 steps, and print the median iterations as ratios: delayed / "
+          "serial and delayed / max(forward + backward alone, step alone), from the serial engine "
+          "(--threads 1 leaves the other core to the update's thread; memory: two engines)");
 ABSL_FLAG(bool, compare_step, false,
           "train with the overlapped step and the serial step alternating, one engine, and print "
           "the median iterations as ratios: overlapped / serial and overlapped / max(forward + "
@@ -148,6 +154,10 @@ int run() {
   if (absl::GetFlag(FLAGS_compare_moves)) {
     TORCH_CHECK(world == 1, "--compare-moves runs in one process (not under mpirun)");
     return compare_moves(config, spec, batch, seq, steps, seed);
+  }
+  if (absl::GetFlag(FLAGS_compare_delayed)) {
+    TORCH_CHECK(world == 1, "--compare-delayed runs in one process (not under mpirun)");
+    return compare_delayed(config, spec, batch, seq, steps, seed);
   }
   if (absl::GetFlag(FLAGS_compare_step)) {
     TORCH_CHECK(world == 1, "--compare-step runs in one process (not under mpirun)");
@@ -465,10 +475,7 @@ int run() {
   if (out.contains("per_rank")) {
     for (const auto& r : out["per_rank"]) std::printf("rank %s\n", r.dump().c_str());
   }
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
-    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
-  }
+  write_json_if_asked(out);
   if (!absl::GetFlag(FLAGS_trace).empty()) {
     std::vector<ps::CopySpan> copies;
     if (ps::CopyEngine* queue = inspect(engine).chunks().copy_queue(); queue != nullptr) {

@@ -57,6 +57,25 @@ double max_relative_difference(const std::vector<double>& a, const std::vector<d
 
 std::string mib(double bytes) { return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0)); }
 
+void write_json_if_asked(const nlohmann::json& out) {
+  const std::string path = absl::GetFlag(FLAGS_json);
+  if (path.empty()) return;
+  ps::write_text_file(path, out.dump(2) + "\n");
+  std::printf("wrote %s\n", path.c_str());
+}
+
+nlohmann::json run_header(const ps::models::GptSpec& spec, const ps::Config& config, int64_t batch,
+                          int64_t seq) {
+  nlohmann::json out;
+  out["model"] = spec.name;
+  out["params"] = spec.parameter_count();
+  out["dtype"] = std::string(ps::to_string(config.precision()));
+  out["batch"] = batch;
+  out["seq"] = seq;
+  out["intra_op_threads"] = torch::get_num_threads();
+  return out;
+}
+
 // A line of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
 int64_t proc_status_bytes(const std::string& key) {
   std::ifstream status("/proc/self/status");

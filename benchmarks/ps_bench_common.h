@@ -33,6 +33,12 @@ double median(std::vector<double> v);
 double mean(const std::vector<double>& v);
 double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b);
 std::string mib(double bytes);  // "12.34 MiB"
+// The figures every comparison's JSON starts with: model, params, dtype, batch, seq, intra-op
+// threads.
+// Writes `out` to the file --json names (if any) and says so.
+void write_json_if_asked(const nlohmann::json& out);
+nlohmann::json run_header(const ps::models::GptSpec& spec, const ps::Config& config, int64_t batch,
+                          int64_t seq);
 // A line of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
 int64_t proc_status_bytes(const std::string& key);
 nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
@@ -80,5 +86,8 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
 // --compare-step (ps_bench_overlap.cpp).
 int compare_step(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
                  int64_t seq, int64_t steps, uint64_t seed);
+// --compare-delayed (ps_bench_delayed.cpp).
+int compare_delayed(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
+                    int64_t seq, int64_t steps, uint64_t seed);
 
 }  // namespace ps_bench

@@ -108,16 +108,10 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
     std::fflush(stdout);
   }
   const double rounds = static_cast<double>(steps) - static_cast<double>(first_steady);
-  nlohmann::json out;
-  out["model"] = spec.name;
-  out["params"] = spec.parameter_count();
-  out["dtype"] = std::string(ps::to_string(base.precision()));
-  out["batch"] = batch;
-  out["seq"] = seq;
+  nlohmann::json out = run_header(spec, base, batch, seq);
   out["rounds"] = steps;
   out["steady_rounds"] = rounds;
   out["device_capacity_bytes"] = base.device.capacity_bytes;
-  out["intra_op_threads"] = torch::get_num_threads();
   const double resident = median(modes[0].times);
   for (const Mode& m : modes) {
     const double step = median(m.times);
@@ -142,10 +136,7 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
   std::printf("async losses equal sync bit for bit: %s; moved vs resident losses: max relative "
               "difference %.3g\n",
               modes[2].losses == modes[1].losses ? "yes" : "NO", worst);
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
-    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
-  }
+  write_json_if_asked(out);
   TORCH_CHECK(modes[2].losses == modes[1].losses,
               "compare-moves: asynchronous moves changed the losses");
   return 0;

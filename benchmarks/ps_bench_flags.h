@@ -32,6 +32,7 @@ ABSL_DECLARE_FLAG(std::string, search_policies);
 ABSL_DECLARE_FLAG(int64_t, search_steps);
 ABSL_DECLARE_FLAG(bool, compare_moves);
 ABSL_DECLARE_FLAG(bool, compare_step);
+ABSL_DECLARE_FLAG(bool, compare_delayed);
 ABSL_DECLARE_FLAG(std::string, predict);
 ABSL_DECLARE_FLAG(bool, check_flags);
 ABSL_DECLARE_FLAG(int64_t, threads);

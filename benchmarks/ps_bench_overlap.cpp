@@ -86,14 +86,8 @@ int compare_step(const ps::Config& base, const ps::models::GptSpec& spec, int64_
   std::printf("  runs committed %lld, undone %lld, indices taken back %lld; undo buffers %s\n",
               static_cast<long long>(committed), static_cast<long long>(undone),
               static_cast<long long>(cancelled), mib(static_cast<double>(buffer_bytes)).c_str());
-  nlohmann::json out;
-  out["model"] = spec.name;
-  out["params"] = spec.parameter_count();
-  out["dtype"] = std::string(ps::to_string(base.precision()));
-  out["batch"] = batch;
-  out["seq"] = seq;
+  nlohmann::json out = run_header(spec, base, batch, seq);
   out["steps"] = steps;
-  out["intra_op_threads"] = torch::get_num_threads();
   out["serial_s"] = sr;
   out["serial_forward_backward_s"] = fb;
   out["serial_step_s"] = st;
@@ -106,10 +100,7 @@ int compare_step(const ps::Config& base, const ps::models::GptSpec& spec, int64_
   out["runs_undone"] = undone;
   out["indices_taken_back"] = cancelled;
   out["undo_buffer_bytes"] = buffer_bytes;
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    ps::write_text_file(absl::GetFlag(FLAGS_json), out.dump(2) + "\n");
-    std::printf("wrote %s\n", absl::GetFlag(FLAGS_json).c_str());
-  }
+  write_json_if_asked(out);
   return 0;
 }
 

@@ -264,6 +264,22 @@ Config Config::from_json(const json& document) {
       root.read_byte_size(*bytes, "$.zero_optimization.overlap_step_max_bytes",
                           c.overlap_step.max_bytes);
     }
+    if (const auto delayed = zero->find("delayed_param_update"); delayed != zero->end()) {
+      if (delayed->is_boolean()) {
+        c.delayed_update.enabled = delayed->get<bool>();
+      } else {
+        root.error("$.zero_optimization.delayed_param_update", *delayed, "true or false");
+      }
+    }
+    if (const auto warmup = zero->find("delayed_param_update_warmup_steps");
+        warmup != zero->end()) {
+      if (warmup->is_number_integer() && warmup->get<int64_t>() >= 0) {
+        c.delayed_update.warmup_steps = warmup->get<int64_t>();
+      } else {
+        root.error("$.zero_optimization.delayed_param_update_warmup_steps", *warmup,
+                   "a whole number of steps, 0 or more");
+      }
+    }
     const auto offload = zero->find("offload_optimizer");
     if (offload != zero->end() && offload->is_object()) {
       const std::string path = "$.zero_optimization.offload_optimizer";
@@ -394,6 +410,30 @@ Config Config::from_json(const json& document) {
     }
     c.scheduler.policy = EvictionPolicy::kStatic;
   }
+  if (c.delayed_update.enabled) {
+    const std::string key = "$.zero_optimization.delayed_param_update: true";
+    if (c.fp16.enabled) {
+      errors.push_back(key +
+                       " with $.fp16.enabled: fp16's loss scale would be decided a step "
+                       "late (the delayed update runs in fp32 or bf16)");
+    }
+    if (c.offload_optimizer.nvme) {
+      errors.push_back(key +
+                       " with the disk tier ($.zero_optimization.offload_optimizer.device "
+                       "\"nvme\"): the delayed update keeps every optimizer state in memory");
+    }
+    if (c.overlap_step.mode == OverlapMode::kOn) {
+      errors.push_back(key +
+                       " with $.zero_optimization.overlap_step: true: the update runs during "
+                       "the next iteration instead of in backward; set one of them");
+    }
+  }
+  if (c.overlap_step.mode == OverlapMode::kOn && c.offload_optimizer.nvme) {
+    errors.push_back(
+        "$.zero_optimization.overlap_step: true with the disk tier "
+        "($.zero_optimization.offload_optimizer.device \"nvme\"): the overlapped step "
+        "runs without a disk tier; set it to \"auto\" or false");
+  }
   if (c.device.type == DeviceType::kCuda && c.scheduler.copy_delay_max_us > 0) {
     errors.push_back(absl::StrCat(
         "$.client.scheduler.copy_delay_max_us: ", c.scheduler.copy_delay_max_us,
@@ -464,6 +504,8 @@ json Config::to_json() const {
           ? nlohmann::json("auto")
           : nlohmann::json(overlap_step.mode == OverlapMode::kOn);
   j["zero_optimization"]["overlap_step_max_bytes"] = overlap_step.max_bytes;
+  j["zero_optimization"]["delayed_param_update"] = delayed_update.enabled;
+  j["zero_optimization"]["delayed_param_update_warmup_steps"] = delayed_update.warmup_steps;
   j["release_after_init"] = release_after_init;
   j["use_cpu_embedding"] = use_cpu_embedding;
   j["client"]["mem_tracer"] = {{"warmup_gpu_chunk_mem_ratio", mem_tracer.warmup_gpu_chunk_mem_ratio},

@@ -113,11 +113,15 @@ void EngineCore::note_model_construction_peak(int64_t bytes) {
 EngineCore::~EngineCore() {
   try {
     cancel_early_updates();  // the model gets the weights of its last step
+    land_delayed_update();   // and of the delayed update in flight
   } catch (const std::exception& e) {
-    TORCH_WARN("patrickstar: undoing the updates made ahead failed while the engine goes: ",
-               e.what());
+    TORCH_WARN(
+        "patrickstar: settling the optimizer thread's updates failed while the engine "
+        "goes: ",
+        e.what());
   }
   overlap_.reset();  // the optimizer thread stops
+  delayed_.reset();
   for (const auto& [module, name] : params_.module_names())
     unregister_module_handler(*module, this);
   if (!gathered_scopes_.empty()) {

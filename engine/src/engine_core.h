@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -38,6 +39,7 @@
 
 #include "adam_placement.h"
 #include "comm_groups.h"
+#include "delayed_update.h"
 #include "gradient_state.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
@@ -94,8 +96,10 @@ class EngineCore final : public ModuleHookHandler {
   // What tests and benchmarks inspect (engine_inspect.h documents them).
   // (Updates the overlapped step made ahead are undone first: the chunks hold what the serial
   // step's would.)
+  // (A delayed update in flight is written in first: the chunks hold the weights it makes.)
   const ChunkStore& chunks() const {
     cancel_early_updates();
+    settle_delayed_update();
     return store();
   }
   const Scheduler& scheduler() const { return *scheduler_; }
@@ -276,6 +280,25 @@ class EngineCore final : public ModuleHookHandler {
   // The step: each run updated ahead whose index's runs are the step's carries its update.
   void attach_early_updates(std::vector<AdamChunk>& runs, const std::vector<RunAt>& where,
                             const std::vector<bool>& on_device);
+  // --- the delayed update (engine_delayed.cpp) ---
+  // This step's update is handed to the delayed update's thread (past its warm-up steps, in the
+  // steady state).
+  bool delayed_due() const;
+  // The step's part: copies what the next forward and backward overwrite, puts the weights back
+  // in the half slots that held gradients, and hands over the update of `views` (this step's runs,
+  // at `where`; the update in flight was landed before they were made).
+  void hand_over_delayed_update(const std::vector<AdamChunk>& views,
+                                const std::vector<RunAt>& where);
+  // Takes the update in flight, if any, and writes the weights it made into the parameters, except
+  // the half slots that hold this iteration's gradients (they get theirs at the step); its report
+  // waits in delayed_taken_ for the next step's. The step calls it first; so does anything that
+  // reads or replaces the weights or the optimizer state outside training.
+  void land_delayed_update();
+  void settle_delayed_update() const;  // the same, for the const readers (the state functions)
+  // Writes the weights of the update `taken` made (fp32: from its buffers; mixed: each half weight
+  // rounded from its fp32 master, skipping half slots that hold gradients when `skip_gradients`).
+  void write_delayed_weights(const engine_detail::DelayedJob& taken, bool skip_gradients);
+  void write_half_weights(int64_t index, int64_t begin, int64_t end, bool skip_gradients);
   // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
   // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
   // such views, finish_state_views() writes back what was written (`write`) and frees the staging.
@@ -352,7 +375,12 @@ class EngineCore final : public ModuleHookHandler {
   bool overlap_auto_ = false;  // "auto": only where a core is free of compute (emulated device)
   bool early_paused_ = false;
   bool early_verify_ = false;            // grad() views were shown since the last step
-  mutable int64_t early_cancelled_ = 0;  // per comm group: gathered, gradients, use (comm_groups.h)
+  mutable int64_t early_cancelled_ = 0;
+  // The delayed update (null unless zero_optimization.delayed_param_update): its thread and
+  // buffers, and the report of the update the last step() took.
+  std::unique_ptr<engine_detail::DelayedUpdate> delayed_;
+  std::optional<StepReport>
+      delayed_taken_;  // per comm group: gathered, gradients, use (comm_groups.h)
   mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
 };
 

@@ -246,6 +246,7 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
     // It reads the weights: updates made ahead in the backward before are undone (in fp32 the
     // parameter is the master the optimizer thread updates in place).
     for (TensorId id : info.params) cancel_early_update(store().layout().placement(id).chunk_index);
+    land_delayed_update();  // and the delayed update in flight is written in
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;

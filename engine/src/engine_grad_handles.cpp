@@ -187,6 +187,7 @@ void EngineCore::drop_gradient(Param& p) {
       store().view(p.id, ChunkKind::kGrad).zero_();
     }
   } else if (p.has_grad && owns(store().layout().placement(p.id).chunk_index)) {
+    land_delayed_update();  // the master it comes back from, written by the update in flight
     store().view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
   }
   p.has_grad = false;

@@ -1,5 +1,7 @@
 #include "engine_core.h"
 
+#include <algorithm>
+
 #include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
 
@@ -249,6 +251,12 @@ void EngineCore::discard_gradients() {
   cancel_early_updates();  // the fp32 masters the half weights come back from, as they were
   torch::NoGradGuard no_grad;
   const bool restore = mixed_ && !grad_space_;
+  // The delayed update in flight writes those masters: where half slots hold gradients it is
+  // written in first, so that every weight is its (not only the restored ones).
+  if (restore &&
+      std::any_of(params_.begin(), params_.end(), [](const Param& p) { return p.has_grad; })) {
+    land_delayed_update();
+  }
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
   release_remote(/*discard=*/true);
   for (at::Tensor& sum : gradients_.reduced) sum.reset();

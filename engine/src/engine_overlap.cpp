@@ -172,9 +172,14 @@ void EngineCore::set_overlap_step(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   if (on) {
     TORCH_CHECK(overlap_ != nullptr,
-                "patrickstar: set_overlap_step(true): the overlapped step runs "
-                "in one process without a disk tier; here (",
-                distributed() ? "data parallel" : "a disk tier", ") every update runs at the step");
+                "patrickstar: set_overlap_step(true): the overlapped step runs in one process "
+                "without a disk tier or the delayed update; here (",
+                distributed()         ? "data parallel"
+                : delayed_ != nullptr ? "zero_optimization.delayed_param_update"
+                                      : "a disk tier",
+                ") ",
+                delayed_ != nullptr ? "updates run during the next iteration"
+                                    : "every update runs at the step");
   } else {
     cancel_early_updates();
   }

@@ -352,26 +352,43 @@ void EngineCore::register_parameters() {
   if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(now_us);
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
   mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
-  // The overlapped step's optimizer thread (started by its first job): one process, no disk tier.
-  if (!distributed() && !config_.offload_optimizer.nvme) {
-    // The undo buffers are host-tier blocks (pinned on CUDA): within its capacity, and outside the
-    // CPU allocator whose bytes the emulated device's probe measures as activations.
-    // They take only what the chunks never need: with a host capacity, what it holds beyond every
-    // chunk (evictions to the host must always find room).
-    MemoryTier* host = storage_.host.get();
+  // The optimizer threads' buffers are host-tier blocks (pinned on CUDA): within its capacity, and
+  // outside the CPU allocator whose bytes the emulated device's probe measures as activations.
+  MemoryTier* host = storage_.host.get();
+  auto host_blocks = [host](int64_t numel, at::ScalarType dtype) {
+    const int64_t bytes = std::max<int64_t>(1, numel * c10::elementSize(dtype));
+    void* memory = host->allocate(bytes);
+    return at::from_blob(
+        memory, {numel}, [host](void* p) { host->deallocate(p); },
+        at::TensorOptions().dtype(dtype));
+  };
+  TORCH_CHECK(
+      !(config_.overlap_step.mode == OverlapMode::kOn && distributed()),
+      "patrickstar: zero_optimization.overlap_step is true, but the overlapped step runs in "
+      "one process and this is data parallel over ",
+      world_,
+      " processes; set it to "
+      "\"auto\" or false");
+  if (config_.delayed_update.enabled) {
+    TORCH_CHECK(!distributed(),
+                "patrickstar: zero_optimization.delayed_param_update runs in one "
+                "process; this is data parallel over ",
+                world_, " processes");
+    delayed_ = std::make_unique<DelayedUpdate>(host_blocks);
+    // A chunk move waits for the update in flight where it reads or writes the chunk (the states).
+    mover_->before_move = [this](int64_t id) {
+      if (delayed_->pending() && is_state_kind(store().kind_of(id))) delayed_->join();
+    };
+  } else if (!distributed() && !config_.offload_optimizer.nvme) {
+    // The overlapped step's optimizer thread (started by its first job): one process, no disk
+    // tier. The undo buffers take only what the chunks never need: with a host capacity, what it
+    // holds beyond every chunk (evictions to the host must always find room).
     int64_t max_bytes = config_.overlap_step.max_bytes;
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       max_bytes =
           std::clamp<int64_t>(host->capacity_bytes() - store().total_chunk_bytes(), 0, max_bytes);
     }
-    overlap_ =
-        std::make_unique<StepOverlap>(max_bytes, [host](int64_t numel, at::ScalarType dtype) {
-          const int64_t bytes = std::max<int64_t>(1, numel * c10::elementSize(dtype));
-          void* memory = host->allocate(bytes);
-          return at::from_blob(
-              memory, {numel}, [host](void* p) { host->deallocate(p); },
-              at::TensorOptions().dtype(dtype));
-        });
+    overlap_ = std::make_unique<StepOverlap>(max_bytes, host_blocks);
     mover_->before_move = [this](int64_t id) { overlap_->quiesce(store().index_of(id)); };
     overlap_->set_clock(now_us);
     overlap_on_ = config_.overlap_step.mode != OverlapMode::kOff;

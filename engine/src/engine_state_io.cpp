@@ -19,7 +19,8 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() const {
-  cancel_early_updates();  // the states as they were before the backward
+  cancel_early_updates();   // the states as they were before the backward
+  settle_delayed_update();  // with the delayed update in flight written in
   std::vector<std::pair<std::string, at::Tensor>> out;
   const ChunkKind master = master_kind();
   if (!distributed()) {
@@ -69,7 +70,8 @@ void write_module(const torch::nn::Module& module, const std::string& prefix,
 }  // namespace
 
 void EngineCore::save_weights(const std::string& path) const {
-  cancel_early_updates();  // the states as they were before the backward
+  cancel_early_updates();   // the states as they were before the backward
+  settle_delayed_update();  // with the delayed update in flight written in
   std::map<std::string, at::Tensor> values;
   for (auto& [name, t] : fp32_state_dict()) values.emplace(name, t);
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
@@ -92,7 +94,8 @@ std::string shard_path(const std::string& path, int rank, int world) {
 }  // namespace
 
 void EngineCore::save_checkpoint(const std::string& path) const {
-  cancel_early_updates();  // the states as they were before the backward
+  cancel_early_updates();   // the states as they were before the backward
+  settle_delayed_update();  // with the delayed update in flight written in
   TORCH_CHECK(tracker_.between_iterations(), "patrickstar: save_checkpoint() in the middle of an "
               "iteration; call it after step()");
   CheckpointContents c;
@@ -132,7 +135,8 @@ void EngineCore::save_checkpoint(const std::string& path) const {
 }
 
 void EngineCore::load_checkpoint(const std::string& path_given) {
-  cancel_early_updates();  // the states as they were before the backward
+  cancel_early_updates();   // the states as they were before the backward
+  settle_delayed_update();  // with the delayed update in flight written in
   const std::string path = shard_path(path_given, rank_, world_);
   zero_grad_if_marker_reset();
   TORCH_CHECK(tracker_.between_iterations(), "patrickstar: load_checkpoint() in the middle of an "

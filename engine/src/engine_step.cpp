@@ -24,6 +24,13 @@ void EngineCore::decide_adam_placement() {
   for (int64_t i = 0; i < n; ++i) {
     if (storage_.host_only[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
     if (adam_placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
+      TORCH_CHECK(delayed_ == nullptr,
+                  "patrickstar: zero_optimization.delayed_param_update runs "
+                  "every Adam on the host, but the host budget could not hold the optimizer states "
+                  "of chunk index ",
+                  i,
+                  ", which live on the device; give the host more memory or "
+                  "turn the delayed update off");
       resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kParam, i));
       if (grad_space_)
         resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kGrad, i));
@@ -46,8 +53,9 @@ void EngineCore::decide_adam_placement() {
       static_cast<double>(usable_device_bytes(config_) - peak_non_model - resident_model_bytes -
                           metrics_.registration().device_state_bytes) *
       config_.mem_tracer.margin_use_ratio);
+  // (The delayed update runs every Adam on its host thread.)
   const bool hybrid = config_.optimizer.use_hybrid_adam &&
-                      config_.scheduler.policy != EvictionPolicy::kStatic;
+                      config_.scheduler.policy != EvictionPolicy::kStatic && delayed_ == nullptr;
   const PlacementPlan plan =
       hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
   std::vector<bool> on_device(static_cast<size_t>(n), false);
@@ -136,6 +144,10 @@ IterationReport EngineCore::run_adam() {
     }
     p.has_grad = true;
   }
+  // The delayed update in flight (the last step's) writes its weights in first; its report is
+  // this step's. Past the warm-up, this step's update is handed over in its turn.
+  land_delayed_update();
+  const bool delayed_now = !warmup && delayed_due();
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;
   std::vector<RunAt> where;        // each run's index and span
@@ -190,8 +202,18 @@ IterationReport EngineCore::run_adam() {
                           [this] { note_memory("step (disk tier: states staged)"); });
     step = adam_->step(runs, plan, &source);
     source.finish();  // every write behind done: the files hold the new states
+  } else if (delayed_now) {
+    hand_over_delayed_update(runs, where);
+    step = delayed_taken_.value_or(StepReport());
   } else {
     step = adam_->step(runs, plan);
+  }
+  delayed_taken_.reset();
+  if (delayed_ != nullptr) {
+    report.update_delayed = delayed_now;
+    report.optimizer_thread_seconds = delayed_->take_busy_seconds();
+    report.delayed_update_wait_seconds = delayed_->take_waited_seconds();
+    report.delayed_update_buffer_bytes = delayed_->buffer_bytes();
   }
   // The step's compute is done: the scheduler may load what the next iteration's first moments
   // need (with asynchronous moves, while the trainer prepares the next batch).
@@ -221,6 +243,7 @@ IterationReport EngineCore::run_adam() {
 void EngineCore::set_lr(double lr) {
   TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: set_lr(", lr,
               "): the learning rate must be finite and not negative");
+  if (delayed_ != nullptr) delayed_->join();  // the update in flight reads the options
   adam_->set_lr(lr);
 }
 
@@ -326,7 +349,7 @@ IterationReport EngineCore::step() {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     if (p.has_grad) {
-      if (!report.skipped) ++p.adam_steps;
+      if (!report.skipped && !report.update_delayed) ++p.adam_steps;  // (delayed: at hand-over)
       p.grad.consumed = !grad_space_;  // the half slot holds the new weight now
     }
     p.has_grad = false;

@@ -16,6 +16,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
   cancel_early_updates();       // the weights as they were before the backward
+  settle_delayed_update();      // with the delayed update in flight written in
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check (after recovering from a dead backward or a dropped forward), changing nothing else.
   if (write_back) {

@@ -117,10 +117,26 @@ struct OverlapStepConfig {
   int64_t max_bytes = int64_t{2} << 30;
 };
 
+// "zero_optimization": {"delayed_param_update": true, "delayed_param_update_warmup_steps": 10}:
+// the delayed parameter update, opt-in (docs/design.md, "The delayed update"). After warmup_steps
+// ordinary steps, step() hands the update of this iteration's gradients to the optimizer thread and
+// returns; the next forward and backward run on the weights from before it (one step stale, as
+// ZeRO-Offload's DPU), and the next step() writes its result into the weights before handing over
+// the next. Every Adam runs on the host. Anything that reads or replaces the weights outside
+// training (an evaluation forward, GatheredParameters, the state and checkpoint functions) writes
+// the pending update in first. One process, fp32 or bf16 (fp16's loss scale would be decided a
+// step late), no disk tier, and not with "overlap_step": true. The default of 10 warm-up steps is
+// our choice.
+struct DelayedUpdateConfig {
+  bool enabled = false;
+  int64_t warmup_steps = 10;
+};
+
 struct Config {
   OptimizerConfig optimizer;
   OffloadConfig offload_optimizer;
   OverlapStepConfig overlap_step;
+  DelayedUpdateConfig delayed_update;
   Fp16Config fp16;
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off

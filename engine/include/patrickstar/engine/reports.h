@@ -56,6 +56,15 @@ struct IterationReport {
   int64_t early_updates_cancelled = 0;
   double optimizer_thread_seconds = 0;
   int64_t early_update_buffer_bytes = 0;
+  // The delayed update ("zero_optimization.delayed_param_update"), past its warm-up: this step's
+  // update was handed to the optimizer thread and runs during the next iteration. skipped,
+  // grad_norm and loss_scale are then those of the update this step took (the last step's, which
+  // optimizer_thread_seconds also counts); delayed_update_wait_seconds is how long the step waited
+  // for it (what the next forward and backward did not hide); delayed_update_buffer_bytes the
+  // copies it keeps (gradients; in fp32 also the weights).
+  bool update_delayed = false;
+  double delayed_update_wait_seconds = 0;
+  int64_t delayed_update_buffer_bytes = 0;
   // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
   // a group gather is one all-gather of the group's world_size param chunks into one buffer
   // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to

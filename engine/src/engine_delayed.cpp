@@ -1,0 +1,151 @@
+// The delayed parameter update's engine side (docs/design.md, "The delayed update"): handing a
+// step's update to its thread (delayed_update.h), and writing the weights it made into the
+// parameters when the next step, or a reader of the weights, takes it.
+#include "engine_core.h"
+
+#include <algorithm>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "patrickstar/optimizer/cpu_adam.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+bool EngineCore::delayed_due() const {
+  return delayed_ != nullptr && iteration_ >= config_.delayed_update.warmup_steps &&
+         scheduler_->has_trace();
+}
+
+void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
+                                          const std::vector<RunAt>& where) {
+  torch::NoGradGuard no_grad;
+  TORCH_CHECK(!delayed_->pending(),
+              "patrickstar: internal: the delayed update in flight was not "
+              "taken before the step");
+  // The buffers first: a tier that cannot give them fails the step before anything changes.
+  // Two per run: the gradient's copy, and the fp32 weight's (fp32) or the new half weight
+  // HybridAdam writes and the engine does not read (mixed precision with a gradient space).
+  std::vector<at::Tensor> grads(views.size()), others(views.size());
+  for (size_t k = 0; k < views.size(); ++k) {
+    const AdamChunk& v = views[k];
+    const at::Tensor& grad = v.grad_fp32.defined() ? v.grad_fp32 : v.half_param_grad;
+    grads[k] = delayed_->buffer(2 * k, grad.numel(), grad.scalar_type());
+    if (!mixed_) {
+      others[k] = delayed_->buffer(2 * k + 1, v.master.numel(), at::kFloat);
+    } else if (v.grad_fp32.defined()) {
+      others[k] =
+          delayed_->buffer(2 * k + 1, v.half_param_grad.numel(), v.half_param_grad.scalar_type());
+    }
+  }
+  DelayedJob job;
+  for (size_t k = 0; k < views.size(); ++k) {
+    const AdamChunk& v = views[k];
+    AdamChunk run = v;
+    run.speculative = nullptr;
+    if (!mixed_) {
+      // fp32: the parameter is the master the next forward reads; the update gets its own.
+      others[k].copy_(v.master);
+      grads[k].copy_(v.grad_fp32);
+      run.master = others[k];
+      run.grad_fp32 = grads[k];
+    } else if (v.grad_fp32.defined()) {
+      grads[k].copy_(v.grad_fp32);
+      run.grad_fp32 = grads[k];
+      run.half_param_grad = others[k];
+    } else {
+      grads[k].copy_(v.half_param_grad);
+      run.half_param_grad = grads[k];
+    }
+    job.runs.push_back(std::move(run));
+    job.where.push_back({where[k].index, where[k].span.begin, where[k].span.end});
+  }
+  // The half slots that held this iteration's gradients get their weights back (rounded from the
+  // fp32 masters, which the last update made): the next forward reads them.
+  if (mixed_ && !grad_space_) {
+    for (const RunAt& at : where) {
+      write_half_weights(at.index, at.span.begin, at.span.end, /*skip_gradients=*/false);
+    }
+  }
+  // Their Adam step counts advance now (the next runs are made from them); an update that turns
+  // out skipped (non-finite gradients) takes its back when landed.
+  for (Param& p : params_) {
+    if (!p.has_grad || !owns(store().layout().placement(p.id).chunk_index)) continue;
+    job.params.push_back(p.id);
+    ++p.adam_steps;
+  }
+  // The thread's host-Adam threads: on a GPU the host's cores are its; on the emulated device
+  // compute keeps its threads and the update takes the cores left (at least one).
+  const int compute = at::get_num_threads();
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int threads =
+      config_.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
+  HybridAdam* adam = adam_.get();
+  delayed_->launch(
+      std::move(job), [adam](const DelayedJob& j) { return adam->step(j.runs); }, threads);
+}
+
+void EngineCore::land_delayed_update() {
+  if (delayed_ == nullptr || !delayed_->pending()) return;
+  torch::NoGradGuard no_grad;
+  auto [job, report] = delayed_->take();
+  if (report.skipped) {
+    for (int64_t id : job.params) --params_[id].adam_steps;
+  }
+  write_delayed_weights(job, /*skip_gradients=*/true);
+  delayed_taken_ = report;
+}
+
+void EngineCore::settle_delayed_update() const {
+  // Writing in the update in flight changes what the next forward reads, not the training state
+  // the const callers promise to keep (the step would write it first anyway).
+  const_cast<EngineCore*>(this)->land_delayed_update();  // NOLINT: see above
+}
+
+void EngineCore::write_delayed_weights(const DelayedJob& taken, bool skip_gradients) {
+  for (size_t k = 0; k < taken.where.size(); ++k) {
+    const DelayedRun& r = taken.where[k];
+    if (mixed_) {
+      write_half_weights(r.index, r.begin, r.end, skip_gradients);
+      continue;
+    }
+    const ChunkId c = store().chunk_id(ChunkKind::kParam, r.index);
+    store().wait_ready(c);
+    store().chunk_view(c).narrow(0, r.begin, r.end - r.begin).copy_(taken.runs[k].master);
+  }
+}
+
+void EngineCore::write_half_weights(int64_t index, int64_t begin, int64_t end,
+                                    bool skip_gradients) {
+  const Layout& layout = store().layout();
+  const ChunkId half_id = store().chunk_id(ChunkKind::kParam, index);
+  const ChunkId master_id = store().chunk_id(ChunkKind::kParamFp32, index);
+  store().wait_ready(half_id);
+  store().wait_ready(master_id);
+  const at::Tensor half = store().chunk_view(half_id);
+  const at::Tensor master = store().chunk_view(master_id);
+  for (TensorId t : layout.tensors_in_chunk(index)) {
+    // A slot holding this iteration's gradient keeps it (the step writes its weight).
+    if (skip_gradients && !grad_space_ && params_[t].has_grad) continue;
+    const int64_t first = std::max(begin, layout.placement(t).offset_elems);
+    const int64_t last = std::min(end, layout.placement(t).offset_elems + layout.numel(t));
+    if (first >= last) continue;
+    const at::Tensor h = half.narrow(0, first, last - first);
+    const at::Tensor m = master.narrow(0, first, last - first);
+    if (h.device().is_cpu()) {
+      restore_half_from_master(h, m);
+    } else {  // a GPU's chunk: rounded on the host as the step rounds it, then copied
+      at::Tensor rounded = at::empty({last - first}, h.options().device(at::kCPU));
+      restore_half_from_master(rounded, m);
+      h.copy_(rounded);
+    }
+  }
+}
+
+}  // namespace patrickstar
