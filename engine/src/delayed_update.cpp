@@ -32,14 +32,19 @@ void DelayedUpdate::launch(DelayedJob job, Work work, int threads) {
   TORCH_CHECK(!pending_, "patrickstar: internal: a delayed update is already in flight");
   job_ = std::move(job);
   error_ = nullptr;
+  try {
+    running_ = std::async(std::launch::async, [this, work = std::move(work), threads] {
+      cpu_adam_threads_on_this_thread(threads);
+      const auto start = std::chrono::steady_clock::now();
+      StepReport report = work(job_);
+      seconds_ = seconds_since(start);
+      return report;
+    });
+  } catch (...) {  // no thread: nothing pending
+    job_ = DelayedJob();
+    throw;
+  }
   pending_ = true;
-  running_ = std::async(std::launch::async, [this, work = std::move(work), threads] {
-    cpu_adam_threads_on_this_thread(threads);
-    const auto start = std::chrono::steady_clock::now();
-    StepReport report = work(job_);
-    seconds_ = seconds_since(start);
-    return report;
-  });
 }
 
 void DelayedUpdate::join() {
@@ -54,14 +59,18 @@ void DelayedUpdate::join() {
   busy_seconds_ += seconds_;
 }
 
-std::pair<DelayedJob, StepReport> DelayedUpdate::take() {
+std::pair<const DelayedJob*, StepReport> DelayedUpdate::result() {
   TORCH_CHECK(pending_, "patrickstar: internal: no delayed update to take");
   join();
+  if (error_ != nullptr) std::rethrow_exception(error_);
+  return {&job_, result_};
+}
+
+void DelayedUpdate::done() {
+  join();
   pending_ = false;
-  std::pair<DelayedJob, StepReport> taken{std::move(job_), result_};
   job_ = DelayedJob();
-  if (error_ != nullptr) std::rethrow_exception(std::exchange(error_, nullptr));
-  return taken;
+  error_ = nullptr;
 }
 
 int64_t DelayedUpdate::buffer_bytes() const {

@@ -47,7 +47,7 @@ class DelayedUpdate {
   DelayedUpdate& operator=(const DelayedUpdate&) = delete;
 
   // Buffer `k` for the next update: the one kept from an earlier update when it has this size and
-  // dtype (the update in flight may still use it: fill it only after take()).
+  // dtype (the update in flight may still use it: fill it only after done()).
   at::Tensor buffer(size_t k, int64_t numel, at::ScalarType dtype);
   // Starts `work(job)` on the thread, with `threads` host-Adam threads. None may be pending.
   void launch(DelayedJob job, Work work, int threads);
@@ -55,8 +55,14 @@ class DelayedUpdate {
   bool pending() const { return pending_; }
   // Waits until the thread is done with the update in flight (its result stays pending).
   void join();
-  // Waits, then hands over the update and its report; rethrows what the update threw.
-  std::pair<DelayedJob, StepReport> take();
+  // Waits; then the update and its report (rethrows what the update threw, the update still
+  // pending). The update stays pending until done(): a caller that fails to write its results
+  // in can retry.
+  std::pair<const DelayedJob*, StepReport> result();
+  // The update in flight is taken: not pending any more, its buffers free for the next.
+  void done();
+  // The update in flight (valid while pending()).
+  const DelayedJob& job() const { return job_; }
   int64_t buffer_bytes() const;
   double take_busy_seconds();    // the thread's seconds on updates taken since the last call
   double take_waited_seconds();  // the training thread's seconds in join() since the last call

@@ -21,6 +21,10 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
     return absl::StrCat("; with ", world_, " ranks no optimizer state is placed on the device at "
                         "registration (one process only)");
   }
+  if (config_.delayed_update.enabled) {
+    return "; zero_optimization.delayed_param_update runs every Adam on the host, so every "
+           "optimizer state stays there";
+  }
   if (config_.scheduler.policy == EvictionPolicy::kStatic) {
     return "; the static policy keeps every optimizer state on the host (the opt and lru policies "
            "place what the host cannot hold on the device)";

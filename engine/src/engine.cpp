@@ -113,7 +113,7 @@ void EngineCore::note_model_construction_peak(int64_t bytes) {
 EngineCore::~EngineCore() {
   try {
     cancel_early_updates();  // the model gets the weights of its last step
-    land_delayed_update();   // and of the delayed update in flight
+    land_delayed_update(/*even_mid_iteration=*/true);  // and of the delayed update in flight
   } catch (const std::exception& e) {
     TORCH_WARN(
         "patrickstar: settling the optimizer thread's updates failed while the engine "

@@ -293,7 +293,9 @@ class EngineCore final : public ModuleHookHandler {
   // the half slots that hold this iteration's gradients (they get theirs at the step); its report
   // waits in delayed_taken_ for the next step's. The step calls it first; so does anything that
   // reads or replaces the weights or the optimizer state outside training.
-  void land_delayed_update();
+  // In the middle of a forward and its backward it only waits for the update (the weights stay
+  // those the forward began with), unless `even_mid_iteration` (the engine's end).
+  void land_delayed_update(bool even_mid_iteration = false);
   void settle_delayed_update() const;  // the same, for the const readers (the state functions)
   // Writes the weights of the update `taken` made (fp32: from its buffers; mixed: each half weight
   // rounded from its fp32 master, skipping half slots that hold gradients when `skip_gradients`).
@@ -375,12 +377,11 @@ class EngineCore final : public ModuleHookHandler {
   bool overlap_auto_ = false;  // "auto": only where a core is free of compute (emulated device)
   bool early_paused_ = false;
   bool early_verify_ = false;            // grad() views were shown since the last step
-  mutable int64_t early_cancelled_ = 0;
+  mutable int64_t early_cancelled_ = 0;  // indices taken back since the last step
   // The delayed update (null unless zero_optimization.delayed_param_update): its thread and
-  // buffers, and the report of the update the last step() took.
+  // buffers, and the report of the update landed since the last step (for the step's report).
   std::unique_ptr<engine_detail::DelayedUpdate> delayed_;
-  std::optional<StepReport>
-      delayed_taken_;  // per comm group: gathered, gradients, use (comm_groups.h)
+  std::optional<StepReport> delayed_taken_;
   mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
 };
 

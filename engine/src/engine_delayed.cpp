@@ -73,13 +73,11 @@ void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
       write_half_weights(at.index, at.span.begin, at.span.end, /*skip_gradients=*/false);
     }
   }
-  // Their Adam step counts advance now (the next runs are made from them); an update that turns
-  // out skipped (non-finite gradients) takes its back when landed.
-  for (Param& p : params_) {
-    if (!p.has_grad || !owns(store().layout().placement(p.id).chunk_index)) continue;
-    job.params.push_back(p.id);
-    ++p.adam_steps;
+  for (const Param& p : params_) {
+    if (p.has_grad && owns(store().layout().placement(p.id).chunk_index))
+      job.params.push_back(p.id);
   }
+  const std::vector<int64_t> stepped = job.params;
   // The thread's host-Adam threads: on a GPU the host's cores are its; on the emulated device
   // compute keeps its threads and the update takes the cores left (at least one).
   const int compute = at::get_num_threads();
@@ -89,17 +87,40 @@ void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
   HybridAdam* adam = adam_.get();
   delayed_->launch(
       std::move(job), [adam](const DelayedJob& j) { return adam->step(j.runs); }, threads);
+  // Their Adam step counts advance now (the next runs are made from them); an update that turns
+  // out skipped (non-finite gradients) takes its back when landed.
+  for (int64_t id : stepped) ++params_[id].adam_steps;
 }
 
-void EngineCore::land_delayed_update() {
+void EngineCore::land_delayed_update(bool even_mid_iteration) {
   if (delayed_ == nullptr || !delayed_->pending()) return;
-  torch::NoGradGuard no_grad;
-  auto [job, report] = delayed_->take();
-  if (report.skipped) {
-    for (int64_t id : job.params) --params_[id].adam_steps;
+  // A forward whose backward is still to come, or that backward, reads the weights it began with:
+  // the update stays in flight (waited for, so that its chunks hold still) and the step lands it.
+  const Phase phase = tracker_.phase();
+  if (!even_mid_iteration && (phase == Phase::kForward || phase == Phase::kBackward)) {
+    delayed_->join();
+    return;
   }
-  write_delayed_weights(job, /*skip_gradients=*/true);
-  delayed_taken_ = report;
+  torch::NoGradGuard no_grad;
+  std::pair<const DelayedJob*, StepReport> taken;
+  try {
+    taken = delayed_->result();
+  } catch (...) {
+    // It failed on its thread: the states of the chunks it was updating may be partly updated.
+    for (int64_t id : delayed_->job().params) --params_[id].adam_steps;
+    delayed_->done();
+    TORCH_WARN(
+        "patrickstar: the delayed update failed on its thread; the optimizer states of the "
+        "chunks it was updating may be partly updated");
+    throw;
+  }
+  // (A throw here leaves it pending: the next caller writes it in again.)
+  write_delayed_weights(*taken.first, /*skip_gradients=*/true);
+  if (taken.second.skipped) {
+    for (int64_t id : taken.first->params) --params_[id].adam_steps;
+  }
+  delayed_taken_ = taken.second;
+  delayed_->done();
 }
 
 void EngineCore::settle_delayed_update() const {

@@ -374,6 +374,21 @@ void EngineCore::register_parameters() {
                 "patrickstar: zero_optimization.delayed_param_update runs in one "
                 "process; this is data parallel over ",
                 world_, " processes");
+    // Its copies (of the gradients; in fp32 also of the weights) take what the host holds beyond
+    // every chunk: evictions to the host must always find room.
+    int64_t elements = 0;
+    for (const Param& p : params_) elements += store().layout().numel(p.id);
+    const int64_t copies = elements * (!mixed_ ? 8 : grad_space_ ? 6 : 2);
+    if (host->capacity_bytes() != MemoryTier::kUnlimited) {
+      const int64_t room = host->capacity_bytes() - store().total_chunk_bytes();
+      TORCH_CHECK(copies <= room,
+                  "patrickstar: zero_optimization.delayed_param_update keeps "
+                  "copies of ",
+                  copies, " bytes (", !mixed_ ? "the gradients and weights" : "the gradients",
+                  ") in host memory, but the host tier holds only ", std::max<int64_t>(room, 0),
+                  " bytes beyond the model's chunks; raise "
+                  "host_capacity_bytes or turn the delayed update off");
+    }
     delayed_ = std::make_unique<DelayedUpdate>(host_blocks);
     // A chunk move waits for the update in flight where it reads or writes the chunk (the states).
     mover_->before_move = [this](int64_t id) {

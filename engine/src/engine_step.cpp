@@ -316,7 +316,8 @@ IterationReport EngineCore::step() {
       report.disk_written_bytes = storage_.disk->files().bytes_written() - disk_written_before;
       report.disk_wait_seconds = storage_.disk->waited_seconds() - disk_wait_before;
     }
-    adam_->set_stats_reducer(nullptr);
+    // (Only data parallel sets one; the delayed update's thread may be reading it otherwise.)
+    if (distributed()) adam_->set_stats_reducer(nullptr);
     if (overlap_ != nullptr) {
       overlap_->clear();  // every update ahead was committed or undone by the step
       report.early_updates_cancelled = early_cancelled_;
@@ -327,7 +328,7 @@ IterationReport EngineCore::step() {
     early_last_use_known_ = false;  // the next backward looks at every index again
     early_verify_ = false;
   } catch (c10::Error& e) {
-    adam_->set_stats_reducer(nullptr);
+    if (distributed()) adam_->set_stats_reducer(nullptr);
     tell_the_others();
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
     drop_iteration();
@@ -335,7 +336,7 @@ IterationReport EngineCore::step() {
                   "(weights and optimizer state unchanged) and the next forward starts a new one");
     throw;
   } catch (...) {
-    adam_->set_stats_reducer(nullptr);
+    if (distributed()) adam_->set_stats_reducer(nullptr);
     tell_the_others();
     drop_iteration();
     throw;

@@ -29,8 +29,14 @@ using test::small_device;
 
 class DelayedParamUpdate : public test::OnTestDevice {};
 
+double evaluate(Net& model) {
+  torch::NoGradGuard no_grad;
+  return compute_loss(model, 99).item<double>();
+}
+
 struct Trajectory {
   std::vector<double> losses;
+  std::vector<double> metrics;      // an evaluation between each training forward and its backward
   std::vector<at::Tensor> weights;  // after the last update
 };
 
@@ -59,6 +65,7 @@ Trajectory reference(int steps, int delay_from, double max_norm = 0.0) {
   for (int s = 0; s < steps; ++s) {
     forward->zero_grad();
     at::Tensor loss = compute_loss(forward, s);
+    t.metrics.push_back(evaluate(forward));
     loss.backward();
     t.losses.push_back(loss.item<double>());
     auto from = forward->parameters();
@@ -312,11 +319,6 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
-double evaluate(Net& model) {
-  torch::NoGradGuard no_grad;
-  return compute_loss(model, 99).item<double>();
-}
-
 TEST_F(DelayedParamUpdate, AnEvaluationReadsTheWeightsOfTheLastStep) {
   // Each evaluation writes the update in flight in before it reads the weights, so the next
   // forward reads them too: with one after every step, training is plain LibTorch Adam's.
@@ -340,6 +342,38 @@ TEST_F(DelayedParamUpdate, AnEvaluationReadsTheWeightsOfTheLastStep) {
     const double wanted = evaluate(plain);
     EXPECT_NEAR(evaluate(net), wanted, 1e-6 * wanted) << "step " << s;
   }
+}
+
+TEST_F(DelayedParamUpdate, AnEvaluationBetweenAForwardAndItsBackwardLeavesTheUpdateInFlight) {
+  // A metric computed between the training forward and its backward reads the weights that
+  // forward read: writing the update in there would give the backward other weights than its
+  // activations came from. Training stays the stale reference's.
+  constexpr int kSteps = 6;
+  const Trajectory expected = reference(kSteps, 1);
+  Net net = seeded_net();
+  auto [model, optimizer] = initialize_engine([&] { return net; }, 0, delayed_config(1));
+  for (int s = 0; s < kSteps; ++s) {
+    optimizer.zero_grad();
+    at::Tensor loss = compute_loss(net, s);
+    const double metric = evaluate(net);
+    loss.backward();
+    optimizer.step();
+    EXPECT_NEAR(loss.item<double>(), expected.losses[s], 1e-6 * expected.losses[s]) << "step " << s;
+    EXPECT_NEAR(metric, expected.metrics[s], 1e-6 * expected.metrics[s]) << "step " << s;
+  }
+}
+
+TEST_F(DelayedParamUpdate, CopiesTheHostCannotHoldAreRefusedAtTheStart) {
+  // Net: 676 elements in two chunks of 600; fp32 keeps parameter, gradient, momentum and variance
+  // chunks (19200 bytes); the update's copies would take 676 x 8 = 5408 more.
+  Net net = seeded_net();
+  const std::string error = error_of([&] {
+    initialize_engine(
+        [&] { return net; }, 0,
+        delayed_config(1, R"({"client": {"device": {"host_capacity_bytes": 20000}}})"));
+  });
+  EXPECT_THAT(error, ::testing::HasSubstr("copies of 5408 bytes"));
+  EXPECT_THAT(error, ::testing::HasSubstr("only 800 bytes beyond the model's chunks"));
 }
 
 TEST_F(DelayedParamUpdate, TheStateDictHoldsTheUpdateInFlight) {

@@ -1,7 +1,7 @@
 // The delayed update's thread (engine/src/delayed_update.h) on its own: an update handed over runs
-// while the training thread goes on, and what take() returns is bit for bit HybridAdam's serial
-// step; buffers kept between updates; an update that throws reports it at take(). Built and run
-// under ThreadSanitizer too (scripts/test), with one OpenMP thread per thread.
+// while the training thread goes on, and what result() gives is bit for bit HybridAdam's serial
+// step; buffers kept between updates; an update that throws reports it at result() until done().
+// Built and run under ThreadSanitizer too (scripts/test), with one OpenMP thread per thread.
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -75,12 +75,15 @@ TEST(DelayedUpdate, TheThreadsUpdateIsTheSerialStepBitForBit) {
     for (States& r : reference) r.grad.mul_(1.5);
     if (step == 1) delayed.join();  // joined first: the result stays pending
     EXPECT_TRUE(delayed.pending());
-    auto [taken, report] = delayed.take();
+    auto [taken, report] = delayed.result();
+    EXPECT_TRUE(delayed.pending());  // until done(): a caller that fails to write it in retries
+    const std::vector<int64_t> params = taken->params;
+    delayed.done();
     EXPECT_FALSE(delayed.pending());
     EXPECT_EQ(report.grad_norm, expected.grad_norm);
     EXPECT_EQ(report.clip_coef, expected.clip_coef);
     EXPECT_LT(report.clip_coef, 1.0f) << "the clipping must be active";
-    EXPECT_EQ(taken.params, std::vector<int64_t>{7});
+    EXPECT_EQ(params, std::vector<int64_t>{7});
     for (size_t k = 0; k < ours.size(); ++k) {
       EXPECT_TRUE(torch::equal(ours[k].master, reference[k].master)) << "step " << step;
       EXPECT_TRUE(torch::equal(ours[k].exp_avg_sq, reference[k].exp_avg_sq)) << "step " << step;
@@ -91,17 +94,21 @@ TEST(DelayedUpdate, TheThreadsUpdateIsTheSerialStepBitForBit) {
   EXPECT_EQ(delayed.take_busy_seconds(), 0.0);
 }
 
-TEST(DelayedUpdate, WhatTheUpdateThrowsReachesTake) {
+TEST(DelayedUpdate, WhatTheUpdateThrowsReachesResultUntilDone) {
   DelayedUpdate delayed(plain);
   delayed.launch(
       DelayedJob(),
       [](const DelayedJob&) -> StepReport { throw std::runtime_error("the update failed"); }, 1);
-  EXPECT_THROW(delayed.take(), std::runtime_error);
+  EXPECT_THROW(delayed.result(), std::runtime_error);
+  EXPECT_TRUE(delayed.pending());
+  EXPECT_THROW(delayed.result(), std::runtime_error);  // as often as asked
+  delayed.done();
   EXPECT_FALSE(delayed.pending());
   // The next update runs.
   delayed.launch(
       DelayedJob(), [](const DelayedJob&) { return StepReport(); }, 1);
-  EXPECT_NO_THROW(delayed.take());
+  EXPECT_NO_THROW(delayed.result());
+  delayed.done();
 }
 
 }  // namespace

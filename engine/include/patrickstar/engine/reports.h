@@ -58,10 +58,12 @@ struct IterationReport {
   int64_t early_update_buffer_bytes = 0;
   // The delayed update ("zero_optimization.delayed_param_update"), past its warm-up: this step's
   // update was handed to the optimizer thread and runs during the next iteration. skipped,
-  // grad_norm and loss_scale are then those of the update this step took (the last step's, which
-  // optimizer_thread_seconds also counts); delayed_update_wait_seconds is how long the step waited
-  // for it (what the next forward and backward did not hide); delayed_update_buffer_bytes the
-  // copies it keeps (gradients; in fp32 also the weights).
+  // grad_norm and loss_scale are then those of the update written in since the last step (the
+  // last step's, whose thread seconds optimizer_thread_seconds counts; defaults on the first
+  // delayed step, which had none); delayed_update_wait_seconds is how long the training thread
+  // waited for it since the last step (at this step, or earlier where something read the weights:
+  // what the forward and backward did not hide); delayed_update_buffer_bytes the copies it keeps
+  // (gradients; in fp32 also the weights).
   bool update_delayed = false;
   double delayed_update_wait_seconds = 0;
   int64_t delayed_update_buffer_bytes = 0;
