@@ -272,6 +272,10 @@ class EngineCore final : public ModuleHookHandler {
   // before the step to the optimizer thread (when the overlap applies at all).
   void start_early_updates(int64_t moment);
   void start_early_update(int64_t index);
+  // Host-Adam kernel threads for an optimizer thread (the overlapped step's, the delayed update's):
+  // on a GPU the host's cores are its; on the emulated device compute keeps its threads and the
+  // optimizer thread takes the cores left (at least one).
+  int optimizer_thread_kernels() const;
   void undo_early_update(engine_detail::EarlyIndex& job) const;
   // What was updated ahead for `index` (or every index) is undone: its chunks or gradients are
   // about to be read or changed.

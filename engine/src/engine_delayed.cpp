@@ -4,9 +4,7 @@
 #include "engine_core.h"
 
 #include <algorithm>
-#include <thread>
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -78,15 +76,10 @@ void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
       job.params.push_back(p.id);
   }
   const std::vector<int64_t> stepped = job.params;
-  // The thread's host-Adam threads: on a GPU the host's cores are its; on the emulated device
-  // compute keeps its threads and the update takes the cores left (at least one).
-  const int compute = at::get_num_threads();
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int threads =
-      config_.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
   HybridAdam* adam = adam_.get();
   delayed_->launch(
-      std::move(job), [adam](const DelayedJob& j) { return adam->step(j.runs); }, threads);
+      std::move(job), [adam](const DelayedJob& j) { return adam->step(j.runs); },
+      optimizer_thread_kernels());
   // Their Adam step counts advance now (the next runs are made from them); an update that turns
   // out skipped (non-finite gradients) takes its back when landed.
   for (int64_t id : stepped) ++params_[id].adam_steps;

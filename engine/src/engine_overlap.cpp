@@ -138,11 +138,7 @@ void EngineCore::start_early_update(int64_t i) {
   }
   auto job = std::make_unique<EarlyIndex>();
   job->index = i;
-  // The kernels' threads: on a GPU the host's cores are the optimizer thread's; on the emulated
-  // device compute keeps its threads and the thread takes the cores left (at least one).
-  const int compute = at::get_num_threads();
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  job->threads = config_.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
+  job->threads = optimizer_thread_kernels();
   // The runs whose undo buffers fit the bound, in order (the rest update at the step).
   std::vector<RunSpan> ahead;
   int64_t bytes = 0;
@@ -166,6 +162,12 @@ void EngineCore::start_early_update(int64_t i) {
   for (ChunkId c : chunks) store().wait_ready(c);
   for (const RunSpan& span : ahead) job->inputs.push_back(adam_views(i, span, false));
   if (overlap_->prepare(*job)) overlap_->submit(std::move(job));
+}
+
+int EngineCore::optimizer_thread_kernels() const {
+  const int compute = at::get_num_threads();
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return config_.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
 }
 
 void EngineCore::set_overlap_step(bool on) {
