@@ -56,6 +56,10 @@ void EngineCore::broadcast_initial_state(
 }
 
 void EngineCore::gather_group(int64_t group) {
+  // The overlapped step: this rank's chunk of the group updated ahead (a frozen parameter read
+  // again in this backward, an evaluation before the step) is undone first, so that every rank
+  // receives the weights of before the step.
+  cancel_early_update(groups_.index(group, rank_));
   // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
   // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
   // the other ranks' chunks, freed with the last of them (release_group).

@@ -82,11 +82,10 @@ AdamChunk EngineCore::adam_views(int64_t i, const RunSpan& span, bool states_fro
 }
 
 void EngineCore::start_early_updates(int64_t moment) {
-  // One process, states in memory, a steady state whose trace says when each index is done, and
-  // the backward the step follows.
-  if (overlap_ == nullptr || !overlap_on_ || early_paused_ || distributed() ||
-      storage_.disk != nullptr || !scheduler_->has_trace() || !adam_placement_.decided() ||
-      retraced_this_iteration_) {
+  // States in memory, a steady state whose trace says when each index is done, and the backward
+  // the step follows.
+  if (overlap_ == nullptr || !overlap_on_ || early_paused_ || storage_.disk != nullptr ||
+      !scheduler_->has_trace() || !adam_placement_.decided() || retraced_this_iteration_) {
     return;
   }
   if (overlap_auto_ && config_.device.type != DeviceType::kCuda &&
@@ -113,6 +112,9 @@ void EngineCore::start_early_updates(int64_t moment) {
   for (int64_t i = 0; i < n; ++i) {
     const auto k = static_cast<size_t>(i);
     if (early_tried_[k] || early_last_use_[k] < 0 || early_last_use_[k] >= moment) continue;
+    // Data parallel: an owner's gradients are final once its comm group is reduced (a group whose
+    // gradients of this backward still wait for the others' indices is looked at again later).
+    if (distributed() && groups_.has_gradients(store().layout().comm_group(i))) continue;
     early_tried_[k] = true;
     start_early_update(i);
   }
@@ -174,16 +176,15 @@ void EngineCore::set_overlap_step(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   if (on) {
     TORCH_CHECK(overlap_ != nullptr,
-                "patrickstar: set_overlap_step(true): the overlapped step runs in one process "
-                "without a disk tier or the delayed update; here (",
-                distributed()         ? "data parallel"
-                : delayed_ != nullptr ? "zero_optimization.delayed_param_update"
-                                      : "a disk tier",
+                "patrickstar: set_overlap_step(true): the overlapped step runs without a disk "
+                "tier or the delayed update; here (",
+                delayed_ != nullptr ? "zero_optimization.delayed_param_update" : "a disk tier",
                 ") ",
                 delayed_ != nullptr ? "updates run during the next iteration"
                                     : "every update runs at the step");
-  } else {
+  } else if (overlap_ != nullptr) {
     cancel_early_updates();
+    overlap_->release_kept();  // its undo buffers go back to the host tier
   }
   overlap_on_ = on;
   overlap_auto_ = false;

@@ -362,13 +362,6 @@ void EngineCore::register_parameters() {
         memory, {numel}, [host](void* p) { host->deallocate(p); },
         at::TensorOptions().dtype(dtype));
   };
-  TORCH_CHECK(
-      !(config_.overlap_step.mode == OverlapMode::kOn && distributed()),
-      "patrickstar: zero_optimization.overlap_step is true, but the overlapped step runs in "
-      "one process and this is data parallel over ",
-      world_,
-      " processes; set it to "
-      "\"auto\" or false");
   if (config_.delayed_update.enabled) {
     TORCH_CHECK(!distributed(),
                 "patrickstar: zero_optimization.delayed_param_update runs in one "
@@ -394,10 +387,10 @@ void EngineCore::register_parameters() {
     mover_->before_move = [this](int64_t id) {
       if (delayed_->pending() && is_state_kind(store().kind_of(id))) delayed_->join();
     };
-  } else if (!distributed() && !config_.offload_optimizer.nvme) {
-    // The overlapped step's optimizer thread (started by its first job): one process, no disk
-    // tier. The undo buffers take only what the chunks never need: with a host capacity, what it
-    // holds beyond every chunk (evictions to the host must always find room).
+  } else if (!config_.offload_optimizer.nvme) {
+    // The overlapped step's optimizer thread (started by its first job): no disk tier. The undo
+    // buffers take only what the chunks never need: with a host capacity, what it holds beyond
+    // every chunk (evictions to the host must always find room).
     int64_t max_bytes = config_.overlap_step.max_bytes;
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       max_bytes =

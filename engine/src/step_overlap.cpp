@@ -138,6 +138,13 @@ void StepOverlap::clear() {
   while (!records_.empty()) erase(records_.begin()->first);
 }
 
+void StepOverlap::release_kept() {
+  for (const auto& [index, buffers] : kept_) {
+    for (const SpeculativeUpdate& u : buffers) buffer_bytes_ -= bytes_of(u);
+  }
+  kept_.clear();
+}
+
 double StepOverlap::take_busy_seconds() {
   std::lock_guard<std::mutex> lock(mutex_);
   const double seconds = busy_seconds_;

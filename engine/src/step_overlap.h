@@ -78,6 +78,8 @@ class StepOverlap {
   // Forgets `index`'s record, keeping its buffers for the next iteration.
   void erase(int64_t index);
   void clear();
+  // Frees the buffers kept for indices not in flight (the overlap turned off).
+  void release_kept();
   // Buffers held (records and kept), and the thread's busy seconds since the last call.
   int64_t buffer_bytes() const { return buffer_bytes_; }
   double take_busy_seconds();

@@ -19,6 +19,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "distributed/ranks.h"
 #include "engine/gpt_training.h"
 #include "engine/small_net.h"
 #include "patrickstar/engine/engine_inspect.h"
@@ -31,18 +32,8 @@ namespace {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
-std::shared_ptr<Communicator> comm() {
-  static std::shared_ptr<Communicator> instance = communicator_from_env();
-  return instance;
-}
 int ranks() { return comm()->world_size(); }
 int me() { return comm()->rank(); }
-
-// This rank's rows of a global batch (the global batch divides evenly: 4 rows, 1, 2 or 4 ranks).
-at::Tensor my_rows(const at::Tensor& global) {
-  const int64_t rows = global.size(0) / ranks();
-  return global.narrow(0, me() * rows, rows);
-}
 
 // The mean over ranks of a per-rank value (each rank's loss is the mean over its rows).
 double mean_over_ranks(double value) {

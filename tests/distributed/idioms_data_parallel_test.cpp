@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/ranks.h"
 #include "engine/small_net.h"
 #include "error_message.h"
 #include "patrickstar/comm/communicator.h"
@@ -18,17 +19,6 @@ namespace patrickstar {
 namespace {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
-
-std::shared_ptr<Communicator> comm() {
-  static std::shared_ptr<Communicator> instance = communicator_from_env();
-  return instance;
-}
-
-// This rank's rows of a global batch of 8.
-at::Tensor my_rows(const at::Tensor& global) {
-  const int64_t rows = global.size(0) / comm()->world_size();
-  return global.narrow(0, comm()->rank() * rows, rows);
-}
 
 at::Tensor loss_on_my_rows(Net& net, int step) {
   return torch::mse_loss(net->forward(my_rows(input_of(step))).to(at::kFloat),

@@ -203,9 +203,12 @@ TEST(OverlapStepReport, TheReportAndTheTimelineShowTheOptimizerThread) {
                                               inspect(engine).scheduler().moment_records(),
                                               engine.config().device.capacity_bytes, {}, spans);
   EXPECT_NE(trace.find("optimizer thread (host Adam ahead)"), std::string::npos);
-  // Off from the next backward: nothing is updated ahead; on again: it is.
+  // Off from the next backward: nothing is updated ahead, and the undo buffers are given back; on
+  // again: it is.
   engine.set_overlap_step(false);
-  EXPECT_EQ(train_step(engine, model, 2).early_updates_committed, 0);
+  const IterationReport off = train_step(engine, model, 2);
+  EXPECT_EQ(off.early_updates_committed, 0);
+  EXPECT_EQ(off.early_update_buffer_bytes, 0);
   engine.set_overlap_step(true);
   EXPECT_GT(train_step(engine, model, 3).early_updates_committed, 0);
 }

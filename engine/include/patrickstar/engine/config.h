@@ -108,7 +108,8 @@ struct OffloadConfig {
 // bit the serial step) or undoes it and updates the chunk itself. max_bytes bounds the undo buffers
 // (12 bytes per element, 14 in mixed precision, host-tier blocks kept between iterations; with a
 // host capacity also at most what it holds beyond every chunk); indices past it update at the step.
-// One process without a disk tier. "auto" (the default): on CUDA, and on the emulated device while
+// Not with a disk tier; with data parallel, by each index's owner once its comm group is reduced.
+// "auto" (the default): on CUDA, and on the emulated device while
 // LibTorch's compute threads leave a core free (there the thread would otherwise take compute's
 // cores: measured slower, BENCHMARKS.md); true: always; false: every update at the step.
 enum class OverlapMode : uint8_t { kAuto, kOn, kOff };

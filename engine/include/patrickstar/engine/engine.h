@@ -121,8 +121,8 @@ class Engine final {
 
   // The overlapped step ("zero_optimization.overlap_step", "auto" by default) on (whatever the
   // cores) or off from the next backward; off undoes what the backward in progress updated ahead.
-  // One process without a disk tier (elsewhere every update runs at the step and turning it on is
-  // an error).
+  // Not with a disk tier or the delayed update (there every update runs at the step, or in the next
+  // iteration, and turning it on is an error).
   void set_overlap_step(bool on);
 
   // fp32 weights by parameter name (the master copy), as new tensors.
