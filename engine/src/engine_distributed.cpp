@@ -179,6 +179,10 @@ void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
 
 void EngineCore::reduce_group(int64_t group) {
   torch::NoGradGuard no_grad;
+  // The overlapped step: this rank's index of the group updated ahead before this reduction (its
+  // gradients came in an earlier backward of the iteration, none in this one) is undone first: the
+  // reduction writes what the update reads.
+  cancel_early_update(groups_.index(group, rank_));
   {
     ScopeTimer timer(collective_seconds_);
     for (int owner = 0; owner < world_; ++owner) {

@@ -113,7 +113,8 @@ void EngineCore::start_early_updates(int64_t moment) {
     const auto k = static_cast<size_t>(i);
     if (early_tried_[k] || early_last_use_[k] < 0 || early_last_use_[k] >= moment) continue;
     // Data parallel: an owner's gradients are final once its comm group is reduced (a group whose
-    // gradients of this backward still wait for the others' indices is looked at again later).
+    // gradients of this backward still wait for the others' indices is looked at again later; one
+    // reduced only at the end of backward undoes what went ahead: reduce_group).
     if (distributed() && groups_.has_gradients(store().layout().comm_group(i))) continue;
     early_tried_[k] = true;
     start_early_update(i);
