@@ -27,13 +27,17 @@ int64_t bytes_of(const SpeculativeUpdate& u) {
   }
   return bytes;
 }
+
+int64_t bytes_of(const std::vector<SpeculativeUpdate>& updates) {
+  int64_t bytes = 0;
+  for (const SpeculativeUpdate& u : updates) bytes += bytes_of(u);
+  return bytes;
+}
 }  // namespace
 
 bool StepOverlap::fits(int64_t index, int64_t bytes) const {
-  int64_t kept_bytes = 0;
-  if (auto it = kept_.find(index); it != kept_.end()) {
-    for (const SpeculativeUpdate& u : it->second) kept_bytes += bytes_of(u);
-  }
+  const auto it = kept_.find(index);
+  const int64_t kept_bytes = it != kept_.end() ? bytes_of(it->second) : 0;
   return buffer_bytes_ - kept_bytes + bytes <= max_bytes_;
 }
 
@@ -44,9 +48,7 @@ bool StepOverlap::prepare(EarlyIndex& job) {
     kept = std::move(it->second);
     kept_.erase(it);
   }
-  int64_t kept_bytes = 0;
-  for (const SpeculativeUpdate& u : kept) kept_bytes += bytes_of(u);
-  buffer_bytes_ -= kept_bytes;  // counted again below for what this job keeps
+  buffer_bytes_ -= bytes_of(kept);  // counted again below for what this job keeps
   auto give_up = [&] {
     for (EarlyRun& run : job.runs) run.update = SpeculativeUpdate{};
     return false;
@@ -139,9 +141,7 @@ void StepOverlap::clear() {
 }
 
 void StepOverlap::release_kept() {
-  for (const auto& [index, buffers] : kept_) {
-    for (const SpeculativeUpdate& u : buffers) buffer_bytes_ -= bytes_of(u);
-  }
+  for (const auto& [index, buffers] : kept_) buffer_bytes_ -= bytes_of(buffers);
   kept_.clear();
 }
 
