@@ -43,6 +43,9 @@ ABSL_FLAG(int64_t, batch, 4, "sequences per step");
 ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length)");
 ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
 ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
+ABSL_FLAG(std::string, state_dtype, "",
+          "Adam's momentum and variance: fp32 or bf16 (optimizer.params.state_dtype; default: the "
+          "config's, else fp32)");
 ABSL_FLAG(std::string, device, "",
           "emulated:<bytes> (e.g. emulated:64MiB), cuda, or cuda:<bytes> (a cap below the GPU's "
           "memory; cuda alone: the config's capacity_bytes, by default what GPU 0 has free)");
@@ -277,6 +280,7 @@ int run() {
                 mib(static_cast<double>(r.d2h_bytes)).c_str(),
                 static_cast<long long>(r.adam.chunks_device),
                 static_cast<long long>(r.adam.chunks_host), r.skipped ? "  (overflow: skipped)" : "");
+    if (!r.overlap_step_decision.empty()) std::printf("    %s\n", r.overlap_step_decision.c_str());
     if (reg.disk_bytes > 0) {
       std::printf("    forward+backward %.3f s, step %.3f s (disk: read %s, written %s, waited %.3f s)\n",
                   t - r.adam_seconds, r.adam_seconds, mib(static_cast<double>(r.disk_read_bytes)).c_str(),
@@ -325,6 +329,7 @@ int run() {
   out["model"] = spec.name;
   out["params"] = reg.params;
   out["dtype"] = std::string(ps::to_string(config.precision()));
+  out["state_dtype"] = std::string(ps::to_string(config.optimizer.state_dtype));
   out["checkpoint_activations"] = spec.checkpoint_activations;
   out["batch"] = batch;
   out["seq"] = seq;

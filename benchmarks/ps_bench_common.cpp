@@ -141,6 +141,12 @@ ps::Config build_config() {
     j["fp16"]["enabled"] = dtype == "fp16";
     j["bf16"]["enabled"] = dtype == "bf16";
   }
+  const std::string state_dtype = absl::GetFlag(FLAGS_state_dtype);
+  if (!state_dtype.empty()) {
+    TORCH_CHECK(state_dtype == "fp32" || state_dtype == "bf16",
+                "--state-dtype: expected fp32 or bf16, got \"", state_dtype, "\"");
+    j["optimizer"]["params"]["state_dtype"] = state_dtype;
+  }
   const std::string device = absl::GetFlag(FLAGS_device);
   if (!device.empty()) {
     if (device == "cuda" || device.rfind("cuda:", 0) == 0) {

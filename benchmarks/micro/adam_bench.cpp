@@ -1,6 +1,8 @@
 // Host Adam micro-benchmarks (ps_micro), 64M parameters each, wall-clock time (multi-threaded):
 //   BM_CpuAdam_Mixed:        our kernel, bf16 param/grad slot + fp32 master/m/v (28 bytes/param).
 //   BM_CpuAdam_Fp32:         our kernel, all fp32 with a separate gradient (28 bytes/param).
+//   BM_CpuAdam_Mixed_Bf16States, BM_CpuAdam_Fp32_Bf16States: the same with momentum and variance
+//                            in bf16 ("state_dtype": "bf16"): 20 bytes/param.
 //   BM_AtenFusedAdamW_Mixed: ATen's CPU _fused_adamw_ on the fp32 master plus the two casts the
 //   same
 //                            mixed work needs (bf16 grad -> fp32, fp32 master -> bf16 weight).
@@ -28,45 +30,63 @@ constexpr int64_t kParams = 64LL << 20;
 constexpr int64_t kBytesPerParam = 28;
 constexpr double kLr = 1e-3, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kWeightDecay = 0.01;
 
-void finish(benchmark::State& state) {
+void finish(benchmark::State& state, int64_t bytes_per_param = kBytesPerParam) {
   const auto params = static_cast<int64_t>(state.iterations()) * kParams;
   state.SetItemsProcessed(params);
-  state.SetBytesProcessed(params * kBytesPerParam);
+  state.SetBytesProcessed(params * bytes_per_param);
   state.counters["threads"] = at::get_num_threads();
 }
 
 struct MixedBuffers {
+  explicit MixedBuffers(at::ScalarType states = at::kFloat)
+      : exp_avg(torch::zeros({kParams}, states)), exp_avg_sq(torch::zeros({kParams}, states)) {}
   at::Tensor half = torch::randn({kParams}).to(torch::kBFloat16);
   at::Tensor master = torch::randn({kParams});
-  at::Tensor exp_avg = torch::zeros({kParams});
-  at::Tensor exp_avg_sq = torch::zeros({kParams});
+  at::Tensor exp_avg;
+  at::Tensor exp_avg_sq;
 };
 
-void BM_CpuAdam_Mixed(benchmark::State& state) {
-  MixedBuffers b;
+// 2 + 2 (gradient in, weight out) + 8 (master) + 2 * 2 * state bytes.
+void cpu_adam_mixed_bench(benchmark::State& state, at::ScalarType states) {
+  MixedBuffers b(states);
   int64_t step = 0;
   for (auto _ : state) {
     const auto c = make_adam_step_constants(kLr, kBeta1, kBeta2, kEps, kWeightDecay, true, ++step);
     adam_step_mixed(b.half, b.master, b.exp_avg, b.exp_avg_sq, c);
     benchmark::ClobberMemory();
   }
-  finish(state);
+  finish(state, 12 + 4 * static_cast<int64_t>(c10::elementSize(states)));
   state.SetLabel(std::string("simd=") + cpu_adam_simd_target());
 }
 
-void BM_CpuAdam_Fp32(benchmark::State& state) {
+void BM_CpuAdam_Mixed(benchmark::State& state) {
+  cpu_adam_mixed_bench(state, at::kFloat);
+}
+void BM_CpuAdam_Mixed_Bf16States(benchmark::State& state) {
+  cpu_adam_mixed_bench(state, at::kBFloat16);
+}
+
+// 8 (param) + 4 (gradient) + 2 * 2 * state bytes.
+void cpu_adam_fp32_bench(benchmark::State& state, at::ScalarType states) {
   auto param = torch::randn({kParams});
   auto grad = torch::randn({kParams});
-  auto exp_avg = torch::zeros({kParams});
-  auto exp_avg_sq = torch::zeros({kParams});
+  auto exp_avg = torch::zeros({kParams}, states);
+  auto exp_avg_sq = torch::zeros({kParams}, states);
   int64_t step = 0;
   for (auto _ : state) {
     const auto c = make_adam_step_constants(kLr, kBeta1, kBeta2, kEps, kWeightDecay, true, ++step);
     adam_step_fp32(param, grad, exp_avg, exp_avg_sq, c);
     benchmark::ClobberMemory();
   }
-  finish(state);
+  finish(state, 12 + 4 * static_cast<int64_t>(c10::elementSize(states)));
   state.SetLabel(std::string("simd=") + cpu_adam_simd_target());
+}
+
+void BM_CpuAdam_Fp32(benchmark::State& state) {
+  cpu_adam_fp32_bench(state, at::kFloat);
+}
+void BM_CpuAdam_Fp32_Bf16States(benchmark::State& state) {
+  cpu_adam_fp32_bench(state, at::kBFloat16);
 }
 
 void BM_AtenFusedAdamW_Mixed(benchmark::State& state) {
@@ -129,6 +149,8 @@ void BM_MemoryRMW(benchmark::State& state) {
 BENCHMARK(BM_MemoryRMW)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CpuAdam_Mixed)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CpuAdam_Fp32)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CpuAdam_Mixed_Bf16States)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CpuAdam_Fp32_Bf16States)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AtenFusedAdamW_Mixed)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AtenFusedAdamW_Fp32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TorchOptimAdamW)->Unit(benchmark::kMillisecond)->UseRealTime();

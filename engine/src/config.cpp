@@ -201,6 +201,9 @@ std::string_view to_string(Precision precision) {
 std::string_view to_string(DeviceType type) {
   return type == DeviceType::kEmulated ? "emulated" : "cuda";
 }
+std::string_view to_string(StateDtype dtype) {
+  return dtype == StateDtype::kFp32 ? "fp32" : "bf16";
+}
 
 int64_t parse_byte_size(std::string_view text, std::string_view what) {
   // Debian's Abseil has its own string_view type, not std::string_view.
@@ -327,6 +330,8 @@ Config Config::from_json(const json& document) {
     params.number("eps", c.optimizer.eps, 0, kMax, /*open_min=*/true);
     params.number("weight_decay", c.optimizer.weight_decay, 0, kMax);
     params.boolean("use_hybrid_adam", c.optimizer.use_hybrid_adam);
+    params.choice("state_dtype", c.optimizer.state_dtype,
+                  {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}});
     params.finish();
     opt.finish();
   }
@@ -479,7 +484,8 @@ json Config::to_json() const {
                       {"betas", {optimizer.beta1, optimizer.beta2}},
                       {"eps", optimizer.eps},
                       {"weight_decay", optimizer.weight_decay},
-                      {"use_hybrid_adam", optimizer.use_hybrid_adam}}}};
+                      {"use_hybrid_adam", optimizer.use_hybrid_adam},
+                      {"state_dtype", std::string(to_string(optimizer.state_dtype))}}}};
   j["fp16"] = {{"enabled", fp16.enabled},
                {"loss_scale", fp16.loss_scale},
                {"initial_scale_power", fp16.initial_scale_power},

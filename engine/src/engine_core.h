@@ -10,6 +10,7 @@
 // threads).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -44,6 +45,7 @@
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
 #include "model_storage.h"
+#include "overlap_trial.h"
 #include "param_table.h"
 #include "step_overlap.h"
 
@@ -272,6 +274,17 @@ class EngineCore final : public ModuleHookHandler {
   // before the step to the optimizer thread (when the overlap applies at all).
   void start_early_updates(int64_t moment);
   void start_early_update(int64_t index);
+  // "auto" on the emulated device overlaps only where a core is free of compute (always on CUDA).
+  bool auto_overlap_may_run() const;
+  // Whether the overlap applies to a backward now: on, not paused, no disk tier, a steady iteration
+  // with its Adam placement decided (and under "auto" a core for it). A backward may update ahead
+  // when it does and, under "auto", the trial's way is the overlapped one.
+  bool overlap_applies() const;
+  bool early_updates_may_start() const;
+  // The end of step(): under "auto", gives the trial this iteration's wall time (step end to step
+  // end; `measurable`: overlap_applies() held for its backward, so it ran the trial's way) and puts
+  // a decision made into `report`.
+  void end_overlap_trial_iteration(bool measurable, IterationReport& report);
   // Host-Adam kernel threads for an optimizer thread (the overlapped step's, the delayed update's):
   // on a GPU the host's cores are its; on the emulated device compute keeps its threads and the
   // optimizer thread takes the cores left (at least one).
@@ -328,7 +341,10 @@ class EngineCore final : public ModuleHookHandler {
            (mixed_ && kind == ChunkKind::kParamFp32);
   }
   int64_t state_bytes(int64_t index) const {
-    return store().chunk_bytes(store().chunk_id(ChunkKind::kMomentum, index)) * (mixed_ ? 3 : 2);
+    int64_t bytes = 0;
+    for (ChunkKind kind : state_kinds())
+      bytes += store().chunk_bytes(store().chunk_id(kind, index));
+    return bytes;
   }
   bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
   // The registered parameters and the modules whose doors open over them (param_table.h).
@@ -378,7 +394,9 @@ class EngineCore final : public ModuleHookHandler {
   std::vector<bool> early_tried_;
   bool early_last_use_known_ = false;
   bool overlap_on_ = false;    // the config's key, or set_overlap_step()
-  bool overlap_auto_ = false;  // "auto": only where a core is free of compute (emulated device)
+  bool overlap_auto_ = false;  // "auto": measured (overlap_trial_), where a core is free of compute
+  engine_detail::OverlapTrial overlap_trial_;
+  std::optional<std::chrono::steady_clock::time_point> last_step_end_;  // the trial's clock
   bool early_paused_ = false;
   bool early_verify_ = false;            // grad() views were shown since the last step
   mutable int64_t early_cancelled_ = 0;  // indices taken back since the last step

@@ -96,6 +96,10 @@ inline void repoint(const c10::Storage& storage, void* data) {
 inline at::Tensor host_copy(const at::Tensor& t) {
   return t.to(at::kCPU, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
+// A host copy in fp32 (bf16 optimizer states widen exactly).
+inline at::Tensor fp32_copy(const at::Tensor& t) {
+  return t.to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+}
 
 // The device tier `config` asks for: the emulated device (CPU memory with a hard capacity) or,
 // in builds with CUDA, a GPU's (compute_device.cpp).

@@ -84,14 +84,7 @@ AdamChunk EngineCore::adam_views(int64_t i, const RunSpan& span, bool states_fro
 void EngineCore::start_early_updates(int64_t moment) {
   // States in memory, a steady state whose trace says when each index is done, and the backward
   // the step follows.
-  if (overlap_ == nullptr || !overlap_on_ || early_paused_ || storage_.disk != nullptr ||
-      !scheduler_->has_trace() || !adam_placement_.decided() || retraced_this_iteration_) {
-    return;
-  }
-  if (overlap_auto_ && config_.device.type != DeviceType::kCuda &&
-      static_cast<int>(std::thread::hardware_concurrency()) <= at::get_num_threads()) {
-    return;  // every core computes: the thread would take compute's cores
-  }
+  if (!early_updates_may_start()) return;
   if (config_.gradient_accumulation_steps > 1 &&
       tracker_.backwards_since_step() + 1 != config_.gradient_accumulation_steps) {
     return;
@@ -121,6 +114,37 @@ void EngineCore::start_early_updates(int64_t moment) {
   }
 }
 
+bool EngineCore::auto_overlap_may_run() const {
+  // On the emulated device, where every core computes the thread would take compute's cores.
+  return config_.device.type == DeviceType::kCuda ||
+         static_cast<int>(std::thread::hardware_concurrency()) > at::get_num_threads();
+}
+
+bool EngineCore::overlap_applies() const {
+  return overlap_ != nullptr && overlap_on_ && !early_paused_ && storage_.disk == nullptr &&
+         scheduler_->has_trace() && adam_placement_.decided() && !retraced_this_iteration_ &&
+         (!overlap_auto_ || auto_overlap_may_run());
+}
+
+bool EngineCore::early_updates_may_start() const {
+  return overlap_applies() && (!overlap_auto_ || overlap_trial_.overlap_now());
+}
+
+void EngineCore::end_overlap_trial_iteration(bool measurable, IterationReport& report) {
+  const auto now = std::chrono::steady_clock::now();
+  const std::optional<std::chrono::steady_clock::time_point> start = last_step_end_;
+  last_step_end_ = now;
+  if (!overlap_auto_ || overlap_ == nullptr || !start.has_value()) return;
+  // An iteration that clipped or skipped says nothing about the ways (its updates ahead were
+  // undone, and the next backward is serial).
+  const bool counted = measurable && !report.skipped && !early_paused_;
+  report.overlap_step_decision =
+      overlap_trial_.end_iteration(counted, std::chrono::duration<double>(now - *start).count());
+  if (overlap_trial_.decided() && !overlap_trial_.overlap_now()) {
+    overlap_->release_kept();  // serial for good: the undo buffers go back to the host tier
+  }
+}
+
 void EngineCore::start_early_update(int64_t i) {
   if (!owns(i) || storage_.host_only[i] || adam_placement_.on_device()[static_cast<size_t>(i)]) {
     return;
@@ -146,7 +170,8 @@ void EngineCore::start_early_update(int64_t i) {
   std::vector<RunSpan> ahead;
   int64_t bytes = 0;
   for (const RunSpan& span : spans) {
-    const int64_t run_bytes = (span.end - span.begin) * (3 * 4 + (mixed_ ? 2 : 0));
+    const int64_t moment_bytes = chunk_element_bytes(store().dtype(ChunkKind::kMomentum));
+    const int64_t run_bytes = (span.end - span.begin) * (4 + 2 * moment_bytes + (mixed_ ? 2 : 0));
     if (!overlap_->fits(i, bytes + run_bytes)) break;
     bytes += run_bytes;
     ahead.push_back(span);

@@ -118,8 +118,10 @@ void EngineCore::register_parameters() {
   const at::ScalarType half = param_dtype(config_.precision());
   std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
   if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
-  kinds.push_back({ChunkKind::kMomentum, at::kFloat});
-  kinds.push_back({ChunkKind::kVariance, at::kFloat});
+  const at::ScalarType moments =
+      config_.optimizer.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat;
+  kinds.push_back({ChunkKind::kMomentum, moments});
+  kinds.push_back({ChunkKind::kVariance, moments});
   if (grad_space_) kinds.push_back({ChunkKind::kGrad, at::kFloat});
   const int64_t host_capacity = config_.device.host_capacity_bytes > 0
                                     ? config_.device.host_capacity_bytes

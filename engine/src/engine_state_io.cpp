@@ -113,9 +113,11 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   for (TensorId id : tensors_in_chunk_order(store().layout())) {
     const Param& p = params_[id];
     if (!owns(store().layout().placement(p.id).chunk_index)) continue;  // another rank's shard
+    // bf16 states are written widened to fp32 (exact): a checkpoint loads with either state_dtype
+    // (fp32 states into a bf16 engine are rounded to nearest even as they load).
     c.params[p.id] = {host_copy(state_view(p.id, master)),
-                      host_copy(state_view(p.id, ChunkKind::kMomentum)),
-                      host_copy(state_view(p.id, ChunkKind::kVariance))};
+                      fp32_copy(state_view(p.id, ChunkKind::kMomentum)),
+                      fp32_copy(state_view(p.id, ChunkKind::kVariance))};
   }
   finish_state_views();
   std::string error;

@@ -300,6 +300,10 @@ IterationReport EngineCore::step() {
     if (distributed() && !agreed) agree(-1e300);
   };
   IterationReport report;
+  // Before the step decides anything (the Adam placement, the next pause): what this iteration's
+  // backward could do.
+  const bool overlap_applied = overlap_applies();
+  const bool early_allowed = early_updates_may_start();
   const int64_t disk_read_before =
       storage_.disk != nullptr ? storage_.disk->files().bytes_read() : 0;
   const int64_t disk_written_before =
@@ -388,6 +392,8 @@ IterationReport EngineCore::step() {
   }
   report.non_model_peak_bytes =
       std::max(report.non_model_peak_bytes, recorder_->current_trace().tail_non_model_bytes);
+  report.early_updates_allowed = early_allowed;
+  end_overlap_trial_iteration(overlap_applied, report);
   metrics_.keep(report);
 
   ++iteration_;

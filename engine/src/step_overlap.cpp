@@ -69,8 +69,9 @@ bool StepOverlap::prepare(EarlyIndex& job) {
       SpeculativeUpdate old = k < kept.size() ? std::move(kept[k]) : SpeculativeUpdate{};
       const int64_t numel = input.master.numel();
       buffer(u.old_master, std::move(old.old_master), numel, at::kFloat);
-      buffer(u.old_exp_avg, std::move(old.old_exp_avg), numel, at::kFloat);
-      buffer(u.old_exp_avg_sq, std::move(old.old_exp_avg_sq), numel, at::kFloat);
+      const at::ScalarType moments = input.exp_avg.scalar_type();  // fp32, or bf16 states
+      buffer(u.old_exp_avg, std::move(old.old_exp_avg), numel, moments);
+      buffer(u.old_exp_avg_sq, std::move(old.old_exp_avg_sq), numel, moments);
       if (input.mixed()) {
         buffer(u.new_half, std::move(old.new_half), numel, input.half_param_grad.scalar_type());
       }

@@ -133,23 +133,37 @@ HWY_INLINE void StoreFp16(DF df, VF f, uint16_t* HWY_RESTRICT dst) {
 #endif
 }
 
+// Momentum and variance as stored: fp32, or bf16 bits (rounded once per step, see adam_rule.h).
+HWY_INLINE VF LoadState(DF df, const float* HWY_RESTRICT s) {
+  return hn::LoadU(df, s);
+}
+HWY_INLINE VF LoadState(DF df, const uint16_t* HWY_RESTRICT s) {
+  return LoadBf16(df, s);
+}
+HWY_INLINE void StoreState(DF df, VF f, float* HWY_RESTRICT s) {
+  hn::StoreU(f, df, s);
+}
+HWY_INLINE void StoreState(DF df, VF f, uint16_t* HWY_RESTRICT s) {
+  StoreBf16(df, f, s);
+}
+
 // ---- Adam over a range. Full vectors, then the tail through the same vector code on a zero-padded
 // stack copy (so every element gets the identical instruction sequence). ----
 
-template <bool kBf16>
+template <bool kBf16, typename S>
 HWY_INLINE void MixedVectors(DF df, uint16_t* HWY_RESTRICT half, float* HWY_RESTRICT p,
-                             float* HWY_RESTRICT m, float* HWY_RESTRICT v, size_t n,
+                             S* HWY_RESTRICT m, S* HWY_RESTRICT v, size_t n,
                              const AdamStepConstants& c) {
   const size_t lanes = hn::Lanes(df);
   for (size_t i = 0; i < n; i += lanes) {
     VF pv = hn::LoadU(df, p + i);
-    VF mv = hn::LoadU(df, m + i);
-    VF vv = hn::LoadU(df, v + i);
+    VF mv = LoadState(df, m + i);
+    VF vv = LoadState(df, v + i);
     const VF g = kBf16 ? LoadBf16(df, half + i) : LoadFp16(df, half + i);
     AdamVec(df, pv, mv, vv, g, c);
     hn::StoreU(pv, df, p + i);
-    hn::StoreU(mv, df, m + i);
-    hn::StoreU(vv, df, v + i);
+    StoreState(df, mv, m + i);
+    StoreState(df, vv, v + i);
     if (kBf16) {
       StoreBf16(df, pv, half + i);
     } else {
@@ -158,9 +172,10 @@ HWY_INLINE void MixedVectors(DF df, uint16_t* HWY_RESTRICT half, float* HWY_REST
   }
 }
 
-void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRICT p,
-                    float* HWY_RESTRICT m, float* HWY_RESTRICT v, int64_t numel,
-                    const AdamStepConstants& c) {
+template <typename S>
+HWY_INLINE void MixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRICT p,
+                           S* HWY_RESTRICT m, S* HWY_RESTRICT v, int64_t numel,
+                           const AdamStepConstants& c) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const size_t n = static_cast<size_t>(numel);
@@ -174,7 +189,7 @@ void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRI
   if (tail == 0) return;
   PaddedTail(
       body, tail,
-      [&](uint16_t* th, float* tp, float* tm, float* tv) {
+      [&](uint16_t* th, float* tp, S* tm, S* tv) {
         if (bf16) {
           MixedVectors<true>(df, th, tp, tm, tv, lanes, c);
         } else {
@@ -184,23 +199,37 @@ void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRI
       half, p, m, v);
 }
 
+void AdamMixedRange(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRICT p,
+                    float* HWY_RESTRICT m, float* HWY_RESTRICT v, int64_t numel,
+                    const AdamStepConstants& c) {
+  MixedRange(half, bf16, p, m, v, numel, c);
+}
+
+void AdamMixedRangeBf16States(uint16_t* HWY_RESTRICT half, int32_t bf16, float* HWY_RESTRICT p,
+                              uint16_t* HWY_RESTRICT m, uint16_t* HWY_RESTRICT v, int64_t numel,
+                              const AdamStepConstants& c) {
+  MixedRange(half, bf16, p, m, v, numel, c);
+}
+
+template <typename S>
 HWY_INLINE void Fp32Vectors(DF df, float* HWY_RESTRICT p, const float* HWY_RESTRICT g,
-                            float* HWY_RESTRICT m, float* HWY_RESTRICT v, size_t n,
+                            S* HWY_RESTRICT m, S* HWY_RESTRICT v, size_t n,
                             const AdamStepConstants& c) {
   const size_t lanes = hn::Lanes(df);
   for (size_t i = 0; i < n; i += lanes) {
     VF pv = hn::LoadU(df, p + i);
-    VF mv = hn::LoadU(df, m + i);
-    VF vv = hn::LoadU(df, v + i);
+    VF mv = LoadState(df, m + i);
+    VF vv = LoadState(df, v + i);
     AdamVec(df, pv, mv, vv, hn::LoadU(df, g + i), c);
     hn::StoreU(pv, df, p + i);
-    hn::StoreU(mv, df, m + i);
-    hn::StoreU(vv, df, v + i);
+    StoreState(df, mv, m + i);
+    StoreState(df, vv, v + i);
   }
 }
 
-void AdamFp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, float* HWY_RESTRICT m,
-                   float* HWY_RESTRICT v, int64_t numel, const AdamStepConstants& c) {
+template <typename S>
+HWY_INLINE void Fp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, S* HWY_RESTRICT m,
+                          S* HWY_RESTRICT v, int64_t numel, const AdamStepConstants& c) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   const size_t n = static_cast<size_t>(numel);
@@ -210,8 +239,19 @@ void AdamFp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, float* HW
   if (tail == 0) return;
   PaddedTail(
       body, tail,
-      [&](float* tp, float* tg, float* tm, float* tv) { Fp32Vectors(df, tp, tg, tm, tv, lanes, c); },
+      [&](float* tp, const float* tg, S* tm, S* tv) { Fp32Vectors(df, tp, tg, tm, tv, lanes, c); },
       p, g, m, v);
+}
+
+void AdamFp32Range(float* HWY_RESTRICT p, const float* HWY_RESTRICT g, float* HWY_RESTRICT m,
+                   float* HWY_RESTRICT v, int64_t numel, const AdamStepConstants& c) {
+  Fp32Range(p, g, m, v, numel, c);
+}
+
+void AdamFp32RangeBf16States(float* HWY_RESTRICT p, const float* HWY_RESTRICT g,
+                             uint16_t* HWY_RESTRICT m, uint16_t* HWY_RESTRICT v, int64_t numel,
+                             const AdamStepConstants& c) {
+  Fp32Range(p, g, m, v, numel, c);
 }
 
 // ---- squared norm in double: Lanes(dd) elements per step, two accumulators ----
@@ -302,6 +342,8 @@ namespace patrickstar {
 
 HWY_EXPORT(AdamMixedRange);
 HWY_EXPORT(AdamFp32Range);
+HWY_EXPORT(AdamMixedRangeBf16States);
+HWY_EXPORT(AdamFp32RangeBf16States);
 HWY_EXPORT(SumSquaresRange);
 HWY_EXPORT(HalfFromMasterRange);
 HWY_EXPORT(AddOneRange);
@@ -404,6 +446,21 @@ void check_fp32(const at::Tensor& t, const char* what, int64_t numel) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
 }
 
+// Momentum and variance: both float32 or both bfloat16. Returns whether they are bfloat16.
+bool check_states(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t numel) {
+  check_cpu_contiguous(exp_avg, "exp_avg", numel);
+  check_cpu_contiguous(exp_avg_sq, "exp_avg_sq", numel);
+  const auto dtype = exp_avg.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && exp_avg_sq.scalar_type() == dtype,
+              "exp_avg and exp_avg_sq must both be float32 or both bfloat16, got ", dtype, " and ",
+              exp_avg_sq.scalar_type());
+  return dtype == at::kBFloat16;
+}
+
+uint16_t* bf16_bits(const at::Tensor& t) {
+  return static_cast<uint16_t*>(t.data_ptr());
+}
+
 }  // namespace
 
 const char* cpu_adam_simd_target() {
@@ -426,6 +483,26 @@ void cpu_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_a
   ensure_dispatch_ready();
   for_each_block(numel, [&](int64_t begin, int64_t end) {
     HWY_DYNAMIC_DISPATCH(AdamFp32Range)
+    (param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin, constants);
+  });
+}
+
+void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, uint16_t* exp_avg,
+                    uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants) {
+  ensure_dispatch_ready();
+  const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(AdamMixedRangeBf16States)
+    (half_param_grad + begin, bf16, master + begin, exp_avg + begin, exp_avg_sq + begin,
+     end - begin, constants);
+  });
+}
+
+void cpu_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                   int64_t numel, const AdamStepConstants& constants) {
+  ensure_dispatch_ready();
+  for_each_block(numel, [&](int64_t begin, int64_t end) {
+    HWY_DYNAMIC_DISPATCH(AdamFp32RangeBf16States)
     (param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin, constants);
   });
 }
@@ -470,11 +547,14 @@ void adam_step_mixed(const at::Tensor& half_param_grad, const at::Tensor& master
   const HalfFormat format = half_format_of(half_param_grad, "half_param_grad");
   check_cpu_contiguous(half_param_grad, "half_param_grad", numel);
   check_fp32(master, "master", numel);
-  check_fp32(exp_avg, "exp_avg", numel);
-  check_fp32(exp_avg_sq, "exp_avg_sq", numel);
-  cpu_adam_mixed(static_cast<uint16_t*>(half_param_grad.data_ptr()), format,
-                 master.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                 numel, constants);
+  auto* half = static_cast<uint16_t*>(half_param_grad.data_ptr());
+  if (check_states(exp_avg, exp_avg_sq, numel)) {
+    cpu_adam_mixed(half, format, master.data_ptr<float>(), bf16_bits(exp_avg),
+                   bf16_bits(exp_avg_sq), numel, constants);
+  } else {
+    cpu_adam_mixed(half, format, master.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                   exp_avg_sq.data_ptr<float>(), numel, constants);
+  }
 }
 
 void adam_step_fp32(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -482,10 +562,13 @@ void adam_step_fp32(const at::Tensor& param, const at::Tensor& grad, const at::T
   const int64_t numel = param.numel();
   check_fp32(param, "param", numel);
   check_fp32(grad, "grad", numel);
-  check_fp32(exp_avg, "exp_avg", numel);
-  check_fp32(exp_avg_sq, "exp_avg_sq", numel);
-  cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                exp_avg_sq.data_ptr<float>(), numel, constants);
+  if (check_states(exp_avg, exp_avg_sq, numel)) {
+    cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), bf16_bits(exp_avg),
+                  bf16_bits(exp_avg_sq), numel, constants);
+  } else {
+    cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                  exp_avg_sq.data_ptr<float>(), numel, constants);
+  }
 }
 
 GradStats grad_stats(const at::Tensor& grad) {

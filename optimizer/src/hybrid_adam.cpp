@@ -59,9 +59,12 @@ void check_chunk(const AdamChunk& chunk, size_t index, bool on_device) {
   check_view(chunk.master, "master", index, numel, device);
   check_view(chunk.exp_avg, "exp_avg", index, numel, device);
   check_view(chunk.exp_avg_sq, "exp_avg_sq", index, numel, device);
+  const auto states = chunk.exp_avg.scalar_type();
   TORCH_CHECK(
-      chunk.exp_avg.scalar_type() == at::kFloat && chunk.exp_avg_sq.scalar_type() == at::kFloat,
-      "HybridAdam: chunk ", index, ": exp_avg and exp_avg_sq must be float32");
+      (states == at::kFloat || states == at::kBFloat16) && chunk.exp_avg_sq.scalar_type() == states,
+      "HybridAdam: chunk ", index,
+      ": exp_avg and exp_avg_sq must both be float32 or both bfloat16, got ", states, " and ",
+      chunk.exp_avg_sq.scalar_type());
   if (chunk.mixed()) {
     check_view(chunk.half_param_grad, "half_param_grad", index, numel, device);
     const auto dtype = chunk.half_param_grad.scalar_type();
@@ -130,35 +133,37 @@ void restore_half(const AdamChunk& chunk) {
   }
 }
 
-void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
-  const bool cpu = chunk.master.device().is_cpu();
-  if (chunk.mixed() && chunk.grad_fp32.defined()) {
-    // An fp32 gradient (a gradient space): the fp32 update, then the half weight from the master.
-    if (cpu) {
-      adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
-    } else {
-      cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(),
-                     chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
-                     chunk.master.numel(), constants, stream_for(chunk.master));
-    }
-    restore_half(chunk);
-  } else if (chunk.mixed()) {
-    if (cpu) {
-      adam_step_mixed(chunk.half_param_grad, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
-                      constants);
-    } else {
-      cuda_adam_mixed(static_cast<uint16_t*>(chunk.half_param_grad.data_ptr()),
-                      format_of(chunk.half_param_grad), chunk.master.data_ptr<float>(),
-                      chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
-                      chunk.master.numel(), constants, stream_for(chunk.master));
-    }
-  } else if (cpu) {
-    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+// The CUDA kernel for the chunk's state dtype (float32 or bf16 bits).
+template <typename S>
+void cuda_update(const AdamChunk& chunk, const AdamStepConstants& constants) {
+  auto* m = static_cast<S*>(chunk.exp_avg.data_ptr());
+  auto* v = static_cast<S*>(chunk.exp_avg_sq.data_ptr());
+  void* stream = stream_for(chunk.master);
+  if (chunk.mixed() && !chunk.grad_fp32.defined()) {
+    cuda_adam_mixed(static_cast<uint16_t*>(chunk.half_param_grad.data_ptr()),
+                    format_of(chunk.half_param_grad), chunk.master.data_ptr<float>(), m, v,
+                    chunk.master.numel(), constants, stream);
   } else {
-    cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(),
-                   chunk.exp_avg.data_ptr<float>(), chunk.exp_avg_sq.data_ptr<float>(),
-                   chunk.master.numel(), constants, stream_for(chunk.master));
+    cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(), m, v,
+                   chunk.master.numel(), constants, stream);
   }
+}
+
+void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
+  if (!chunk.master.device().is_cpu()) {
+    if (chunk.exp_avg.scalar_type() == at::kBFloat16) {
+      cuda_update<uint16_t>(chunk, constants);
+    } else {
+      cuda_update<float>(chunk, constants);
+    }
+  } else if (chunk.mixed() && !chunk.grad_fp32.defined()) {
+    adam_step_mixed(chunk.half_param_grad, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
+                    constants);
+  } else {
+    adam_step_fp32(chunk.master, chunk.grad_fp32, chunk.exp_avg, chunk.exp_avg_sq, constants);
+  }
+  // An fp32 gradient in mixed precision (a gradient space): the half weight from the new master.
+  if (chunk.mixed() && chunk.grad_fp32.defined()) restore_half(chunk);
 }
 
 }  // namespace
@@ -170,7 +175,7 @@ int64_t AdamChunk::state_bytes() const {
   // The gradient read (2 or 4 bytes), plus the half weight written when the gradient is fp32.
   const int64_t grad_bytes = grad_fp32.defined() ? 4 : 2;
   const int64_t half_bytes = half_param_grad.defined() && grad_fp32.defined() ? 2 : 0;
-  return numel * (3 * 4 + grad_bytes + half_bytes);
+  return numel * (4 + 2 * moment_bytes() + grad_bytes + half_bytes);
 }
 
 GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,

@@ -86,7 +86,7 @@ bool same_constants(const AdamStepConstants& a, const AdamStepConstants& b) {
 
 int64_t speculative_bytes(const AdamChunk& chunk) {
   const int64_t numel = chunk.master.numel();
-  return numel * (3 * 4 + (chunk.mixed() ? 2 : 0));
+  return numel * (4 + 2 * chunk.moment_bytes() + (chunk.mixed() ? 2 : 0));
 }
 
 void speculate(const AdamChunk& chunk, const AdamStepConstants& constants,

@@ -72,8 +72,12 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
       {"bf16, moves every iteration", R"({"bf16": {"enabled": true}})", 240000},
       {"bf16, gradient accumulation (fp32 gradient space)",
        R"({"bf16": {"enabled": true}, "gradient_accumulation_steps": 2})", 480000},
-      {"bf16, a device that takes every Adam (the states come home)", R"({"bf16": {"enabled": true}})",
-       0},
+      {"bf16, a device that takes every Adam (the states come home)",
+       R"({"bf16": {"enabled": true}})", 0},
+      {"bf16 with bf16 optimizer states (2-byte moments in the files)",
+       R"({"bf16": {"enabled": true}, "optimizer": {"params": {"state_dtype": "bf16"}}})", 240000},
+      {"fp32 with bf16 optimizer states", R"({"optimizer": {"params": {"state_dtype": "bf16"}}})",
+       -1},
       {"fp16 overflowing (half weights restored from the masters on disk)",
        R"({"fp16": {"enabled": true, "initial_scale_power": 100}})", 240000},
   };
@@ -93,13 +97,15 @@ TEST(DiskTier, TrainingEqualsTheInMemoryRunBitForBit) {
     auto disk_engine = std::make_unique<Engine>(disk_model.ptr(), disk_config);
     const RegistrationReport& r = disk_engine->registration();
     // Master (mixed precision), momentum and variance of every chunk index: 12 or 8 bytes per
-    // element of each index's capacity (the last index is cut to what it holds).
+    // element of each index's capacity (8 or 4 with bf16 states; the last index is cut to what it
+    // holds).
     int64_t capacity_elems = 0;
     for (const Chunk& c : inspect(*disk_engine).chunks().chunks(ChunkKind::kMomentum)) {
       capacity_elems += c.capacity_elems;
     }
     EXPECT_LT(capacity_elems, r.chunk_elems * r.chunks_per_kind);
-    EXPECT_EQ(r.disk_bytes, (mixed ? 12 : 8) * capacity_elems);
+    const int64_t moment_bytes = memory_config.optimizer.state_dtype == StateDtype::kBf16 ? 2 : 4;
+    EXPECT_EQ(r.disk_bytes, ((mixed ? 4 : 0) + 2 * moment_bytes) * capacity_elems);
     EXPECT_EQ(r.model_data_bytes, memory_engine->registration().model_data_bytes);
     EXPECT_EQ(static_cast<int64_t>(folder.files().size()), (mixed ? 3 : 2) * r.chunks_per_kind);
     // The host holds only the rest of the model data (the states' payloads are freed).

@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "error_message.h"
@@ -178,6 +179,9 @@ INSTANTIATE_TEST_SUITE_P(
         // A device with room for some optimizer states: hybrid Adam, some indices on the device.
         Case{"fp32_hybrid", R"({"hybrid_room": 2000000})", Trainer::kPlain, /*commits=*/true,
              /*undoes=*/false, /*hybrid=*/true},
+        Case{"fp32_bf16_states", R"({"optimizer": {"params": {"state_dtype": "bf16"}}})"},
+        Case{"bf16_bf16_states",
+             R"({"bf16": {"enabled": true}, "optimizer": {"params": {"state_dtype": "bf16"}}})"},
         Case{"overlap_memory_bound",
              R"({"zero_optimization": {"overlap_step_max_bytes": 700000}})"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -225,6 +229,64 @@ TEST(OverlapStepReport, TheDiskTierUpdatesAtTheStepAndSaysSoWhenAskedToOverlap) 
   EXPECT_THAT(error_of([&] { engine.set_overlap_step(true); }),
               ::testing::HasSubstr("every update runs at the step"));
   engine.set_overlap_step(false);  // off is always fine
+}
+
+}  // namespace
+}  // namespace patrickstar
+
+namespace patrickstar {
+namespace {
+
+// "auto" measures: after the warm-up the steady iterations alternate, overlapped first, three each
+// way; the iteration that decides says so in its report, and from then on every iteration runs the
+// way kept. Which way wins depends on this machine, so the test checks the protocol, and that a
+// serial decision gives the undo buffers back. One compute thread leaves a core for the optimizer
+// thread (without a free core "auto" never overlaps on the emulated device).
+TEST(OverlapStepAuto, MeasuresBothWaysThenKeepsTheFaster) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: auto never overlaps here";
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), tight_config());
+  ASSERT_EQ(engine.config().overlap_step.mode, OverlapMode::kAuto);
+  std::vector<IterationReport> reports;
+  for (int s = 0; s < 14; ++s) reports.push_back(train_step(engine, model, s));
+  at::set_num_threads(threads);
+
+  std::vector<size_t> decided;
+  for (size_t i = 0; i < reports.size(); ++i) {
+    if (!reports[i].overlap_step_decision.empty()) decided.push_back(i);
+  }
+  ASSERT_EQ(decided.size(), 1u) << "one decision";
+  const size_t d = decided[0];
+  const std::string& line = reports[d].overlap_step_decision;
+  std::printf("iteration %zu: %s\n", d, line.c_str());
+  ASSERT_GE(d, 6u);
+  ASSERT_LT(d + 1, reports.size()) << "an iteration after the decision";
+  EXPECT_FALSE(reports[0].early_updates_allowed) << "the warm-up";
+  for (size_t i = 0; i + 6 <= d; ++i) {
+    EXPECT_FALSE(reports[i].early_updates_allowed) << "iteration " << i << ", before the trial";
+  }
+  for (size_t k = 0; k < 6; ++k) {
+    const IterationReport& r = reports[d - 5 + k];
+    EXPECT_EQ(r.early_updates_allowed, k % 2 == 0) << "trial iteration " << k;
+    if (!r.early_updates_allowed) {
+      EXPECT_EQ(r.early_updates_committed, 0) << "trial iteration " << k;
+    }
+  }
+  const bool kept = line.find("\"auto\": overlapped") != std::string::npos;
+  EXPECT_TRUE(kept || line.find("\"auto\": serial") != std::string::npos) << line;
+  for (size_t i = d + 1; i < reports.size(); ++i) {
+    EXPECT_EQ(reports[i].early_updates_allowed, kept) << "iteration " << i;
+    if (!kept) {
+      EXPECT_EQ(reports[i].early_updates_committed, 0) << "iteration " << i;
+      EXPECT_EQ(reports[i].early_update_buffer_bytes, 0) << "iteration " << i;
+    }
+  }
+  // The overlapped trial iterations did update ahead.
+  int64_t committed = 0;
+  for (size_t k = 0; k < 6; k += 2) committed += reports[d - 5 + k].early_updates_committed;
+  EXPECT_GT(committed, 0);
 }
 
 }  // namespace

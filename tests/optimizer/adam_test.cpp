@@ -240,6 +240,119 @@ TEST(CpuAdam, EverySimdTargetEqualsScalarRuleBitwise) {
   }
 }
 
+// bf16 states ("state_dtype": "bf16"): on every SIMD target, the kernels (mixed bf16/fp16 and fp32
+// gradients) are adam_update_stored() of adam_rule.h bit for bit: widen, update in fp32, round the
+// stored moments to nearest even, including the padded tail. The states must really be rounded: the
+// result differs from the fp32-state update.
+TEST(CpuAdam, Bf16StatesEverySimdTargetEqualsScalarRuleBitwise) {
+  ASSERT_FALSE(hwy::SupportedAndGeneratedTargets().empty());
+  const int64_t numel = 4099;  // not a multiple of any vector width
+  torch::manual_seed(11);
+  const auto init = torch::randn({numel});
+  const auto grads = torch::randn({numel}).mul_(512.0);
+  const auto m0 = torch::randn({numel}).mul_(0.1).to(torch::kBFloat16);
+  const auto v0 = torch::rand({numel}).mul_(0.01).to(torch::kBFloat16);
+  for (const bool decoupled : {false, true}) {
+    const auto c = make_adam_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, decoupled, 3, 1.0 / 512);
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+      auto p = init.clone(), m = m0.clone(), v = v0.clone();
+      const auto half_grad = grads.to(dtype);
+      const auto g = half_grad.to(torch::kFloat);
+      auto* pp = p.data_ptr<float>();
+      auto* mp = static_cast<uint16_t*>(m.data_ptr());
+      auto* vp = static_cast<uint16_t*>(v.data_ptr());
+      const auto* gp = g.data_ptr<float>();
+      for (int64_t i = 0; i < numel; ++i) adam_update_stored(pp[i], mp[i], vp[i], gp[i], c);
+      // The fp32-state update from the same (widened) states: the rounding must show.
+      auto p32 = init.clone(), m32 = m0.to(torch::kFloat), v32 = v0.to(torch::kFloat);
+      adam_step_fp32(p32, g, m32, v32, c);
+      EXPECT_TRUE(bit_equal(p32, p)) << "the weight moves with the unrounded moments";
+      EXPECT_FALSE(bit_equal(m32, m.to(torch::kFloat))) << "the stored momentum is rounded";
+      EXPECT_TRUE(bit_equal(m32.to(torch::kBFloat16), m)) << "to nearest even, as c10::BFloat16";
+      EXPECT_TRUE(bit_equal(v32.to(torch::kBFloat16), v));
+
+      for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+        hwy::SetSupportedTargetsForTest(target);
+        const std::string where = std::string(cpu_adam_simd_target()) + " " +
+                                  (dtype == torch::kHalf ? "fp16" : "bf16") +
+                                  (decoupled ? " AdamW" : " Adam") + ", bf16 states";
+        auto kp = init.clone(), km = m0.clone(), kv = v0.clone();
+        auto slot = half_grad.clone();
+        adam_step_mixed(slot, kp, km, kv, c);
+        EXPECT_TRUE(bit_equal(kp, p)) << where;
+        EXPECT_TRUE(bit_equal(km, m)) << where;
+        EXPECT_TRUE(bit_equal(kv, v)) << where;
+        EXPECT_TRUE(bit_equal(slot, p.to(dtype))) << where;
+        auto fp = init.clone(), fm = m0.clone(), fv = v0.clone();
+        adam_step_fp32(fp, g, fm, fv, c);
+        EXPECT_TRUE(bit_equal(fp, p)) << where << " fp32";
+        EXPECT_TRUE(bit_equal(fm, m)) << where << " fp32";
+        EXPECT_TRUE(bit_equal(fv, v)) << where << " fp32";
+      }
+      hwy::SetSupportedTargetsForTest(0);
+    }
+  }
+}
+
+// bf16 states against plain LibTorch ops that round the same way: torch::optim's op sequence on
+// fp32 copies of the bf16 moments (square root correctly rounded, as above), the weight updated
+// from the fp32 moments, then the moments stored with .to(kBFloat16). Bit for bit over 20 steps
+// where ATen's kernels are vectorized; with its baseline kernels (two roundings for a * b + c) an
+// fp32 moment one ulp off can round to the neighbouring bf16 value, so there the bound is 2^-7
+// relative on the moments and 1e-4 on the weights (a flipped moment moves its weight by up to 2^-8
+// of one update).
+TEST(CpuAdam, Bf16StatesMatchTorchOpsThatRoundTheSameWay) {
+  const std::string capability = at::get_cpu_capability();
+  const bool vectorized = capability != "DEFAULT" && capability != "NO AVX";
+  const int64_t numel = 100003;
+  double worst = 0;
+  for (const bool decoupled : {false, true}) {
+    torch::manual_seed(99);
+    auto p_ref = torch::randn({numel});
+    auto m_ref = torch::zeros({numel}, torch::kBFloat16);
+    auto v_ref = torch::zeros({numel}, torch::kBFloat16);
+    auto p = p_ref.clone(), m = m_ref.clone(), v = v_ref.clone();
+    for (int step = 1; step <= kSteps; ++step) {
+      const auto grad = torch::randn({numel});
+      const double bias_correction1 = 1 - std::pow(kBeta1, step);
+      const double bias_correction2 = 1 - std::pow(kBeta2, step);
+      auto g = grad;
+      if (decoupled) {
+        p_ref.mul_(1 - kLr * kWeightDecay);
+      } else {
+        g = grad.add(p_ref, kWeightDecay);
+      }
+      auto m32 = m_ref.to(torch::kFloat).mul_(kBeta1).add_(g, 1 - kBeta1);
+      auto v32 = v_ref.to(torch::kFloat).mul_(kBeta2).addcmul_(g, g, 1 - kBeta2);
+      const auto exact_sqrt = v32.to(torch::kDouble).sqrt().to(torch::kFloat);
+      const auto denom = (exact_sqrt / std::sqrt(bias_correction2)).add_(kEps);
+      p_ref.addcdiv_(m32, denom, -kLr / bias_correction1);
+      m_ref = m32.to(torch::kBFloat16);
+      v_ref = v32.to(torch::kBFloat16);
+
+      adam_step_fp32(
+          p, grad, m, v,
+          make_adam_step_constants(kLr, kBeta1, kBeta2, kEps, kWeightDecay, decoupled, step));
+      const std::string where = "step " + std::to_string(step) + (decoupled ? " AdamW" : " Adam");
+      ASSERT_EQ(m.scalar_type(), torch::kBFloat16) << where;
+      if (vectorized) {
+        ASSERT_TRUE(bit_equal(m, m_ref)) << where;
+        ASSERT_TRUE(bit_equal(v, v_ref)) << where;
+        ASSERT_TRUE(bit_equal(p, p_ref))
+            << where << ": " << testing::count_bit_diffs(p, p_ref) << " differ";
+      } else {
+        ASSERT_LE(max_norm_rel_diff(m.to(torch::kFloat), m_ref.to(torch::kFloat)), 1.0 / 128)
+            << where;
+        ASSERT_LE(max_norm_rel_diff(v.to(torch::kFloat), v_ref.to(torch::kFloat)), 1.0 / 128)
+            << where;
+        ASSERT_LE(max_norm_rel_diff(p, p_ref), 1e-4) << where;
+        worst = std::max(worst, max_norm_rel_diff(p, p_ref));
+      }
+    }
+  }
+  if (!vectorized) std::printf("baseline ATen kernels: weights within %.3g\n", worst);
+}
+
 TEST(CpuAdam, RejectsMismatchedViews) {
   auto master = torch::zeros({8});
   auto m = torch::zeros({8});
@@ -249,6 +362,12 @@ TEST(CpuAdam, RejectsMismatchedViews) {
   EXPECT_THROW(adam_step_mixed(half, master, m, v, c), c10::Error);
   EXPECT_THROW(adam_step_mixed(half.to(torch::kFloat), master, m, m.clone(), c), c10::Error);
   EXPECT_THROW(adam_step_fp32(master, torch::zeros({16}).slice(0, 0, 16, 2), m, m.clone(), c),
+               c10::Error);
+  // States of two dtypes, or of one the kernels do not store.
+  const auto m16 = torch::zeros({8}, torch::kBFloat16);
+  EXPECT_THROW(adam_step_mixed(half, master, m16, m.clone(), c), c10::Error);
+  EXPECT_THROW(adam_step_fp32(master, m.clone(), m.clone(), m16, c), c10::Error);
+  EXPECT_THROW(adam_step_fp32(master, m.clone(), m.to(torch::kHalf), m.to(torch::kHalf), c),
                c10::Error);
 }
 

@@ -24,10 +24,13 @@ namespace patrickstar {
 enum class OptimizerType { kAdam, kAdamW };
 enum class Precision { kFp32, kBf16, kFp16 };
 enum class DeviceType { kEmulated, kCuda };
+// How Adam's momentum and variance are stored ("optimizer.params.state_dtype").
+enum class StateDtype { kFp32, kBf16 };
 
 std::string_view to_string(OptimizerType type);
 std::string_view to_string(Precision precision);
 std::string_view to_string(DeviceType type);
+std::string_view to_string(StateDtype dtype);
 
 // "optimizer": {"type": "Adam"|"AdamW", "params": {...}}. Adam adds weight_decay * w to the gradient
 // (L2), AdamW decays the weight itself, as torch.optim does.
@@ -39,6 +42,11 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool use_hybrid_adam = true;  // Adam on the device for the chunks that fit there, host for the rest
+  // "state_dtype": "fp32" | "bf16". bf16 stores momentum and variance in 2 bytes each (mixed
+  // precision: 10 bytes of model data per parameter instead of 14; fp32: 12 instead of 16); the
+  // fp32 master stays, the update runs in fp32 and the stored moments are rounded to nearest even
+  // once per step, on the host and on the device alike.
+  StateDtype state_dtype = StateDtype::kFp32;
 };
 
 // "fp16": DeepSpeed's loss-scaling keys. loss_scale 0 means dynamic, starting at 2^initial_scale_power.
@@ -109,9 +117,11 @@ struct OffloadConfig {
 // (12 bytes per element, 14 in mixed precision, host-tier blocks kept between iterations; with a
 // host capacity also at most what it holds beyond every chunk); indices past it update at the step.
 // Not with a disk tier; with data parallel, by each index's owner once its comm group is reduced.
-// "auto" (the default): on CUDA, and on the emulated device while
-// LibTorch's compute threads leave a core free (there the thread would otherwise take compute's
-// cores: measured slower, BENCHMARKS.md); true: always; false: every update at the step.
+// "auto" (the default): measured. After the warm-up three overlapped and three serial iterations
+// alternate and the way with the lower median iteration stays (docs/design.md, "The overlapped
+// step"); on the emulated device only while LibTorch's compute threads leave a core free (there the
+// thread would otherwise take compute's cores: measured slower, BENCHMARKS.md). true: always;
+// false: every update at the step.
 enum class OverlapMode : uint8_t { kAuto, kOn, kOff };
 struct OverlapStepConfig {
   OverlapMode mode = OverlapMode::kAuto;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "patrickstar/optimizer/placement.h"
 
@@ -56,6 +57,12 @@ struct IterationReport {
   int64_t early_updates_cancelled = 0;
   double optimizer_thread_seconds = 0;
   int64_t early_update_buffer_bytes = 0;
+  // Whether this iteration's backward could update ahead (the overlap on and not paused; under
+  // "auto", the way its trial measured in this iteration, or the one it kept), and, on the
+  // iteration where "auto" decided, the decision with its measurements (docs/design.md, "The
+  // overlapped step"); else empty.
+  bool early_updates_allowed = false;
+  std::string overlap_step_decision;
   // The delayed update ("zero_optimization.delayed_param_update"), past its warm-up: this step's
   // update was handed to the optimizer thread and runs during the next iteration. skipped,
   // grad_norm and loss_scale are then those of the update written in since the last step (the

@@ -27,6 +27,12 @@ void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master
                      void* stream);
 void cuda_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                     int64_t numel, const AdamStepConstants& constants, void* stream);
+// Momentum and variance stored in bf16 (raw bits), as the host kernels of the same signature.
+void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, uint16_t* exp_avg,
+                     uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
+                     void* stream);
+void cuda_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                    int64_t numel, const AdamStepConstants& constants, void* stream);
 void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
                                    int64_t numel, void* stream);
 

@@ -140,4 +140,33 @@ PS_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
   return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
 }
 
+// ---- Stored optimizer states: fp32, or bf16 ("state_dtype": "bf16", 2 bytes each for momentum and
+// variance). A bf16 state is widened to fp32 (exact), the update runs in fp32 exactly as
+// adam_update(), the weight moves with the unrounded fp32 moments, and only the stored moments are
+// rounded to bf16, once per step, to nearest even (c10::BFloat16's rule). ----
+
+PS_HOST_DEVICE inline float state_to_float(float s) {
+  return s;
+}
+PS_HOST_DEVICE inline float state_to_float(uint16_t s) {
+  return bf16_to_float(s);
+}
+PS_HOST_DEVICE inline void store_state(float& s, float f) {
+  s = f;
+}
+PS_HOST_DEVICE inline void store_state(uint16_t& s, float f) {
+  s = float_to_bf16(f);
+}
+
+// adam_update() on stored states of type S (float, or uint16_t holding bf16 bits).
+template <typename S>
+PS_HOST_DEVICE inline void adam_update_stored(float& p, S& m, S& v, float raw_grad,
+                                              const AdamStepConstants& c) {
+  float mf = state_to_float(m);
+  float vf = state_to_float(v);
+  adam_update(p, mf, vf, raw_grad, c);
+  store_state(m, mf);
+  store_state(v, vf);
+}
+
 }  // namespace patrickstar

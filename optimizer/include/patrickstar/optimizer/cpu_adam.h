@@ -60,6 +60,13 @@ void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master,
 void cpu_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                    int64_t numel, const AdamStepConstants& constants);
 
+// The same two with momentum and variance stored in bf16 (raw bits): adam_update_stored() of
+// adam_rule.h per element (the update in fp32, the stored moments rounded to nearest even once).
+void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, uint16_t* exp_avg,
+                    uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants);
+void cpu_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                   int64_t numel, const AdamStepConstants& constants);
+
 // One read of the gradient: its squared norm (non-finite if any element is).
 GradStats cpu_grad_stats_half(const uint16_t* grad, HalfFormat format, int64_t numel);
 GradStats cpu_grad_stats_fp32(const float* grad, int64_t numel);
@@ -84,8 +91,8 @@ const char* cpu_adam_simd_target();
 
 // ---- at::Tensor wrappers: check dtype/device/contiguity/sizes, then call the kernels above ----
 
-// half_param_grad: kBFloat16 or kHalf; master/exp_avg/exp_avg_sq: kFloat; all CPU, contiguous,
-// same numel.
+// half_param_grad: kBFloat16 or kHalf; master: kFloat; exp_avg/exp_avg_sq: both kFloat or both
+// kBFloat16 (bf16 states, see above); all CPU, contiguous, same numel.
 void adam_step_mixed(const at::Tensor& half_param_grad, const at::Tensor& master,
                      const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                      const AdamStepConstants& constants);

@@ -52,6 +52,8 @@ struct AdamOptions {
 };
 
 // One chunk's views (contiguous, same numel; the engine passes the used part of each payload).
+// exp_avg and exp_avg_sq are both fp32, or both bf16 ("state_dtype": "bf16": the update computed
+// in fp32 and the stored moments rounded once per step, adam_update_stored() of adam_rule.h).
 // Mixed precision: half_param_grad (bf16/fp16) holds the gradient on entry and the new half weight
 // on return; grad_fp32 is undefined. Mixed precision with a gradient space: grad_fp32 holds the
 // gradient (it reaches the update in fp32, never rounded to half) and half_param_grad receives the
@@ -79,6 +81,10 @@ struct AdamChunk {
   SpeculativeUpdate* speculative = nullptr;
 
   bool mixed() const { return half_param_grad.defined(); }
+  // Bytes of one element of momentum (and of variance): 4 (fp32), or 2 (bf16 states).
+  int64_t moment_bytes() const {
+    return exp_avg.defined() && exp_avg.scalar_type() == at::kBFloat16 ? 2 : 4;
+  }
   // Bytes the update touches: master, momentum, variance (+ the gradient slot).
   int64_t state_bytes() const;
 };
