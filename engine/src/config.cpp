@@ -205,6 +205,29 @@ std::string_view to_string(StateDtype dtype) {
   return dtype == StateDtype::kFp32 ? "fp32" : "bf16";
 }
 
+std::string bf16_state_problem(const OptimizerConfig& optimizer) {
+  if (optimizer.state_dtype != StateDtype::kBf16) return "";
+  // Rounded to nearest, a bf16 moment moves only when a step changes it by more than half a bf16
+  // step below or above it: 2^-9 to 2^-8 of its value. A step moves it by (1 - beta) of the way
+  // to the new gradient term at most, so with 1 - beta <= 2^-8 it may never decay (with beta2
+  // 0.999 the variance would stick at its largest value, silently).
+  std::string problem;
+  for (const auto& [name, beta] : {std::pair<const char*, double>{"beta1", optimizer.beta1},
+                                   std::pair<const char*, double>{"beta2", optimizer.beta2}}) {
+    if (1.0 - beta > kBf16StateMinDecay) continue;
+    absl::StrAppend(&problem, problem.empty() ? "" : "\n  ", "$.optimizer.params.betas: ", name,
+                    " ", beta,
+                    " with $.optimizer.params.state_dtype \"bf16\": a moment stored in bf16 "
+                    "(rounded to nearest) moves only when a step changes it by more than half a "
+                    "bf16 step, 2^-9 to 2^-8 of its value, and with this beta a step changes it by "
+                    "at most ",
+                    1.0 - beta,
+                    " of it: it could never decay. Use betas below 0.99609375 (1 - 2^-8; e.g. "
+                    "[0.9, 0.95]) or \"state_dtype\": \"fp32\"");
+  }
+  return problem;
+}
+
 int64_t parse_byte_size(std::string_view text, std::string_view what) {
   // Debian's Abseil has its own string_view type, not std::string_view.
   std::string s(absl::StripAsciiWhitespace(absl::string_view(text.data(), text.size())));
@@ -432,6 +455,9 @@ Config Config::from_json(const json& document) {
                        " with $.zero_optimization.overlap_step: true: the update runs during "
                        "the next iteration instead of in backward; set one of them");
     }
+  }
+  if (std::string problem = bf16_state_problem(c.optimizer); !problem.empty()) {
+    errors.push_back(std::move(problem));
   }
   if (c.overlap_step.mode == OverlapMode::kOn && c.offload_optimizer.nvme) {
     errors.push_back(

@@ -40,6 +40,9 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
               config_.scheduler.copy_delay_max_us,
               ": injected copy delays test the emulated device's copy thread; on device type "
               "\"cuda\" copies run on a CUDA stream (set it to 0)");
+  // The same for bf16 optimizer states and betas they cannot hold.
+  const std::string bf16_states = bf16_state_problem(config_.optimizer);
+  TORCH_CHECK(bf16_states.empty(), "patrickstar::Engine: ", bf16_states);
   const std::string unavailable = device_unavailable_reason(config_);
   TORCH_CHECK(unavailable.empty(), "patrickstar::Engine: device type \"cuda\": ", unavailable,
               "; the emulated device trains on any machine (\"client\": {\"device\": {\"type\": "

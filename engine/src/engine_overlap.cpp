@@ -137,7 +137,8 @@ void EngineCore::end_overlap_trial_iteration(bool measurable, IterationReport& r
   if (!overlap_auto_ || overlap_ == nullptr || !start.has_value()) return;
   // An iteration that clipped or skipped says nothing about the ways (its updates ahead were
   // undone, and the next backward is serial).
-  const bool counted = measurable && !report.skipped && !early_paused_;
+  // Nor does one retraced at its step (the trace's moments ended early: the step was a warm-up).
+  const bool counted = measurable && !report.skipped && !report.retraced && !early_paused_;
   report.overlap_step_decision =
       overlap_trial_.end_iteration(counted, std::chrono::duration<double>(now - *start).count());
   if (overlap_trial_.decided() && !overlap_trial_.overlap_now()) {

@@ -333,6 +333,7 @@ IterationReport EngineCore::step() {
     early_verify_ = false;
   } catch (c10::Error& e) {
     if (distributed()) adam_->set_stats_reducer(nullptr);
+    last_step_end_.reset();  // "auto"'s trial: the next iteration is not timed
     tell_the_others();
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
     drop_iteration();
@@ -341,6 +342,7 @@ IterationReport EngineCore::step() {
     throw;
   } catch (...) {
     if (distributed()) adam_->set_stats_reducer(nullptr);
+    last_step_end_.reset();
     tell_the_others();
     drop_iteration();
     throw;

@@ -27,6 +27,7 @@ using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
 class Bf16States : public OnTestDevice {};
 
+// Merged into tight_config, whose betas (0.9, 0.95) bf16 states can hold.
 constexpr char kBf16States[] = R"({"optimizer": {"params": {"state_dtype": "bf16"}}})";
 
 // tight_config's AdamW.
@@ -334,7 +335,8 @@ TEST_F(Bf16States, CheckpointsLoadBothWaysAndResumeBitExactly) {
 }
 
 TEST_F(Bf16States, TheConfigKeyIsCheckedAndRoundTrips) {
-  const Config config = Config::from_json(nlohmann::json::parse(kBf16States));
+  const Config config = Config::from_string(
+      R"({"optimizer": {"params": {"state_dtype": "bf16", "betas": [0.9, 0.95]}}})");
   EXPECT_EQ(config.optimizer.state_dtype, StateDtype::kBf16);
   EXPECT_EQ(Config::from_json(config.to_json()).optimizer.state_dtype, StateDtype::kBf16);
   EXPECT_EQ(Config().optimizer.state_dtype, StateDtype::kFp32);
@@ -346,6 +348,42 @@ TEST_F(Bf16States, TheConfigKeyIsCheckedAndRoundTrips) {
     const std::string what = e.what_without_backtrace();
     EXPECT_NE(what.find("state_dtype"), std::string::npos) << what;
     EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+  }
+}
+
+// A bf16 moment rounded to nearest moves only when a step changes it by more than half a bf16
+// step (CpuAdam.Bf16StatesDecayOnlyWithBetasBelowTheBound): betas whose 1 - beta is 2^-8 or less
+// (the default beta2 0.999 among them) would train wrong without a word, so they are refused, from
+// JSON and in a Config built in code alike, naming the beta and the bound.
+TEST_F(Bf16States, BetasTooCloseToOneAreRefused) {
+  for (const char* betas : {"[0.9, 0.999]", "[0.999, 0.95]", "[0.9, 0.99609375]"}) {
+    const std::string text =
+        std::string(R"({"optimizer": {"params": {"state_dtype": "bf16", "betas": )") + betas +
+        "}}}";
+    try {
+      Config::from_string(text);
+      ADD_FAILURE() << betas << " was accepted with bf16 states";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(what.find("state_dtype \"bf16\""), std::string::npos) << what;
+      EXPECT_NE(what.find("0.99609375"), std::string::npos) << what;
+      EXPECT_NE(what.find("never decay"), std::string::npos) << what;
+    }
+  }
+  // The default betas are refused only with bf16 states, and [0.9, 0.99] is fine.
+  EXPECT_NO_THROW(Config::from_string(R"({"optimizer": {"params": {"betas": [0.9, 0.999]}}})"));
+  EXPECT_NO_THROW(Config::from_string(
+      R"({"optimizer": {"params": {"state_dtype": "bf16", "betas": [0.9, 0.99]}}})"));
+  Config in_code = tight_config();
+  in_code.optimizer.state_dtype = StateDtype::kBf16;
+  in_code.optimizer.beta2 = 0.999;
+  models::Gpt model = make_model(1);
+  try {
+    Engine engine(model.ptr(), in_code);
+    ADD_FAILURE() << "an engine took bf16 states with beta2 0.999";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("beta2 0.999"), std::string::npos) << what;
   }
 }
 

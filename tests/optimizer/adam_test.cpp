@@ -353,6 +353,33 @@ TEST(CpuAdam, Bf16StatesMatchTorchOpsThatRoundTheSameWay) {
   if (!vectorized) std::printf("baseline ATen kernels: weights within %.3g\n", worst);
 }
 
+// Why bf16 states need 1 - beta above 2^-8: rounded to nearest, a stored moment moves only when a
+// step changes it by more than half a bf16 step (2^-9 to 2^-8 of its value). With zero gradients
+// the variance should decay by beta2 each step: with beta2 0.999 the stored bf16 variance never
+// moves at all, with 0.99 it falls at every step (what the engine's config check is built on).
+TEST(CpuAdam, Bf16StatesDecayOnlyWithBetasBelowTheBound) {
+  const int64_t numel = 1031;
+  torch::manual_seed(3);
+  const auto v0 = torch::rand({numel}).add_(0.5).to(torch::kBFloat16);  // values of every mantissa
+  const auto zero = torch::zeros({numel});
+  for (const double beta2 : {0.999, 0.99}) {
+    auto p = torch::zeros({numel});
+    auto m = torch::zeros({numel}, torch::kBFloat16);
+    auto v = v0.clone();
+    for (int step = 1; step <= 50; ++step) {
+      const auto before = v.clone();
+      adam_step_fp32(p, zero, m, v,
+                     make_adam_step_constants(1e-3, 0.9, beta2, 1e-8, 0.0, true, step));
+      if (beta2 == 0.999) {
+        ASSERT_TRUE(bit_equal(v, before)) << "beta2 0.999, step " << step << ": the variance moved";
+      } else {
+        ASSERT_TRUE((v.to(torch::kFloat) < before.to(torch::kFloat)).all().item<bool>())
+            << "beta2 0.99, step " << step << ": some variance did not decay";
+      }
+    }
+  }
+}
+
 TEST(CpuAdam, RejectsMismatchedViews) {
   auto master = torch::zeros({8});
   auto m = torch::zeros({8});

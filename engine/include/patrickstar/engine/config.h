@@ -45,9 +45,15 @@ struct OptimizerConfig {
   // "state_dtype": "fp32" | "bf16". bf16 stores momentum and variance in 2 bytes each (mixed
   // precision: 10 bytes of model data per parameter instead of 14; fp32: 12 instead of 16); the
   // fp32 master stays, the update runs in fp32 and the stored moments are rounded to nearest even
-  // once per step, on the host and on the device alike.
+  // once per step, on the host and on the device alike. Refused unless both betas are below
+  // 1 - kBf16StateMinDecay (a moment rounded to nearest moves only when a step changes it by more
+  // than half a bf16 step: with beta2 0.999 the variance could never decay).
   StateDtype state_dtype = StateDtype::kFp32;
 };
+inline constexpr double kBf16StateMinDecay = 1.0 / 256;  // 2^-8
+// Why `optimizer`'s betas cannot go with its bf16 states (one line per beta), or "" when they can.
+// Config::from_json and the engine's constructor refuse such a config with it.
+std::string bf16_state_problem(const OptimizerConfig& optimizer);
 
 // "fp16": DeepSpeed's loss-scaling keys. loss_scale 0 means dynamic, starting at 2^initial_scale_power.
 struct Fp16Config {
@@ -114,7 +120,8 @@ struct OffloadConfig {
 // step (docs/design.md, "The overlapped step"). A chunk index's host Adam runs on an optimizer
 // thread as soon as its gradients are final in backward, undoably, and the step commits it (bit for
 // bit the serial step) or undoes it and updates the chunk itself. max_bytes bounds the undo buffers
-// (12 bytes per element, 14 in mixed precision, host-tier blocks kept between iterations; with a
+// (12 bytes per element, 14 in mixed precision, 4 fewer with bf16 states, host-tier blocks kept
+// between iterations; with a
 // host capacity also at most what it holds beyond every chunk); indices past it update at the step.
 // Not with a disk tier; with data parallel, by each index's owner once its comm group is reduced.
 // "auto" (the default): measured. After the warm-up three overlapped and three serial iterations
