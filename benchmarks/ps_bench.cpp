@@ -15,6 +15,7 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/torch.h>
@@ -46,6 +47,9 @@ ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, el
 ABSL_FLAG(std::string, state_dtype, "",
           "Adam's momentum and variance: fp32 or bf16 (optimizer.params.state_dtype; default: the "
           "config's, else fp32)");
+ABSL_FLAG(int64_t, lora, 0,
+          "fine-tune with low-rank adapters of this rank on the attention projections, the rest "
+          "of the model frozen (0: train every parameter)");
 ABSL_FLAG(std::string, device, "",
           "emulated:<bytes> (e.g. emulated:64MiB), cuda, or cuda:<bytes> (a cap below the GPU's "
           "memory; cuda alone: the config's capacity_bytes, by default what GPU 0 has free)");
@@ -102,6 +106,36 @@ namespace {
 
 using namespace ps_bench;  // NOLINT: ps_bench's own helpers
 
+// Model data per frozen and per trained parameter: each chunk index's bytes (its chunk of every
+// kind) shared among the index's tensors by their elements (its waste with them).
+void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module) {
+  std::unordered_map<std::string, bool> trained;
+  for (const auto& p : module.named_parameters()) trained[p.key()] = p.value().requires_grad();
+  const ps::Layout& layout = store.layout();
+  double bytes[2] = {0, 0};
+  int64_t count[2] = {0, 0};
+  for (int64_t index = 0; index < layout.chunk_count(); ++index) {
+    int64_t index_bytes = 0, used = 0;
+    for (const ps::ChunkKindSpec& k : store.kinds()) {
+      index_bytes += store.chunk_bytes(store.chunk_id(k.kind, index));
+    }
+    for (ps::TensorId id : layout.tensors_in_chunk(index)) used += layout.numel(id);
+    for (ps::TensorId id : layout.tensors_in_chunk(index)) {
+      const int t = trained.at(layout.name(id)) ? 1 : 0;
+      count[t] += layout.numel(id);
+      bytes[t] += static_cast<double>(index_bytes) * static_cast<double>(layout.numel(id)) /
+                  static_cast<double>(used);
+    }
+  }
+  auto per = [&](int t) { return count[t] > 0 ? bytes[t] / static_cast<double>(count[t]) : 0.0; };
+  std::printf(
+      "adapters: %lld trained parameters (%.3f%%), %lld frozen; model data %.2f bytes per "
+      "trained parameter, %.2f per frozen one\n",
+      static_cast<long long>(count[1]),
+      100.0 * static_cast<double>(count[1]) / static_cast<double>(count[0] + count[1]),
+      static_cast<long long>(count[0]), per(1), per(0));
+}
+
 int run() {
   if (absl::GetFlag(FLAGS_list_models)) {
     for (const std::string& name : ps::models::gpt_spec_names()) {
@@ -120,6 +154,11 @@ int run() {
   const ps::Config config = build_config();
   auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
   spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
+  TORCH_CHECK(absl::GetFlag(FLAGS_lora) >= 0,
+              "--lora must be 0 (no adapters) or a positive rank, "
+              "got ",
+              absl::GetFlag(FLAGS_lora));
+  spec.lora_rank = absl::GetFlag(FLAGS_lora);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
   const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;
   const int64_t steps = absl::GetFlag(FLAGS_steps);
@@ -189,6 +228,9 @@ int run() {
               static_cast<long long>(reg.params), static_cast<long long>(reg.chunks_per_kind),
               static_cast<long long>(reg.chunk_elems), 100.0 * reg.chunk_waste_fraction,
               reg.model_data_bytes_per_param);
+  if (lead && world == 1 && spec.lora_rank > 0) {
+    print_bytes_by_training(inspect(engine).chunks(), model.module());
+  }
   if (lead && reg.disk_bytes > 0) {
     std::printf("disk tier: %s of optimizer states in files under %s; the host holds %s of model "
                 "data\n", mib(static_cast<double>(reg.disk_bytes)).c_str(),
@@ -331,6 +373,8 @@ int run() {
   out["dtype"] = std::string(ps::to_string(config.precision()));
   out["state_dtype"] = std::string(ps::to_string(config.optimizer.state_dtype));
   out["checkpoint_activations"] = spec.checkpoint_activations;
+  out["lora_rank"] = spec.lora_rank;
+  out["trainable_params"] = reg.trainable_params;
   out["batch"] = batch;
   out["seq"] = seq;
   out["steps"] = steps;

@@ -13,6 +13,7 @@ ABSL_DECLARE_FLAG(int64_t, seq);
 ABSL_DECLARE_FLAG(int64_t, steps);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, state_dtype);
+ABSL_DECLARE_FLAG(int64_t, lora);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, host_memory);
 ABSL_DECLARE_FLAG(std::string, offload_nvme);

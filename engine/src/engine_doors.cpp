@@ -328,6 +328,13 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
   release_used_groups(module->params);  // data parallel: groups every tensor of which was used
   doors_.close();
   if (!training || outputs.empty() || module->params.empty()) return outputs;
+  // Outputs that require no gradient (a frozen module whose inputs need none: the frozen
+  // embeddings and first blocks of a model fine-tuned with adapters) put nothing in a graph: the
+  // forward is no less alive when the next top-level door finds no pre-backward node pending.
+  const bool any_hooked = std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
+    return t.defined() && t.requires_grad();
+  });
+  if (!any_hooked) return outputs;
   std::vector<at::Tensor> hooked = with_pre_backward(outputs, hooks_, module->hook_id);
   tracker_.note_hooks_in_forward();
   return hooked;

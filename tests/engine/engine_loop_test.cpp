@@ -258,6 +258,36 @@ TEST_F(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextItera
   EXPECT_FALSE(torch::equal(fc2_weight(), frozen)) << "the unfrozen parameter never trained";
 }
 
+TEST_F(EngineLoop, FrozenFirstLayerKeepsTheTraceAndTrainsAsLibTorch) {
+  // Fine-tuning's shape: the first module is frozen and its input needs no gradient, so its door's
+  // output is outside every graph. The forward goes on at the next door (it is not a dropped one):
+  // the trace is followed from the second iteration on and the rest trains as in LibTorch.
+  Net plain = seeded_net();
+  plain->fc1->weight.requires_grad_(false);
+  plain->fc1->bias.requires_grad_(false);
+  torch::optim::Adam adam = plain_adam(plain->fc2->parameters());
+  Net net = seeded_net();
+  net->fc1->weight.requires_grad_(false);
+  net->fc1->bias.requires_grad_(false);
+  auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
+  for (int s = 0; s < 5; ++s) {
+    adam.zero_grad();
+    at::Tensor expected = compute_loss(plain, s);
+    expected.backward();
+    adam.step();
+    optimizer.zero_grad();
+    at::Tensor loss = compute_loss(net, s);
+    loss.backward();
+    const IterationReport report = optimizer.step();
+    EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-6 * expected.item<double>())
+        << "step " << s;
+    if (s > 0) {
+      EXPECT_FALSE(report.retraced) << "step " << s;
+    }
+  }
+  EXPECT_EQ(model.engine().retrace_count(), 0);
+}
+
 TEST_F(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
   // An accuracy helper that switches the model to eval() but forgets torch::NoGradGuard: its
   // forward runs in grad mode, and its output is dropped without a backward.

@@ -48,7 +48,12 @@ const std::vector<GptSpec>& all_specs() {
 
 int64_t GptSpec::parameter_count() const {
   return vocab * hidden + max_seq * hidden + layers * (12 * hidden * hidden + 13 * hidden) +
-         2 * hidden;
+         2 * hidden + (lora_rank > 0 ? trainable_count() : 0);
+}
+
+int64_t GptSpec::trainable_count() const {
+  // qkv's adapter: [r, h] and [3h, r]; proj's: [r, h] and [h, r].
+  return lora_rank > 0 ? layers * 6 * hidden * lora_rank : parameter_count();
 }
 
 GptSpec gpt_spec(const std::string& name) {
@@ -64,7 +69,8 @@ std::vector<std::string> gpt_spec_names() {
   return names;
 }
 
-GptBlockImpl::GptBlockImpl(int64_t hidden, int64_t heads) : heads_(heads) {
+GptBlockImpl::GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank, double lora_alpha)
+    : heads_(heads) {
   TORCH_CHECK(heads > 0 && hidden % heads == 0, "GPT block: hidden size ", hidden,
               " is not a multiple of the head count ", heads);
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
@@ -73,39 +79,53 @@ GptBlockImpl::GptBlockImpl(int64_t hidden, int64_t heads) : heads_(heads) {
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   fc = register_module("fc", torch::nn::Linear(hidden, 4 * hidden));
   fc_out = register_module("fc_out", torch::nn::Linear(4 * hidden, hidden));
+  if (lora_rank > 0) {
+    qkv_lora = register_module("qkv_lora", LoraAdapter(hidden, 3 * hidden, lora_rank, lora_alpha));
+    proj_lora = register_module("proj_lora", LoraAdapter(hidden, hidden, lora_rank, lora_alpha));
+  }
 }
 
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   const int64_t batch = x.size(0), seq = x.size(1), hidden = x.size(2);
   const int64_t head_dim = hidden / heads_;
-  at::Tensor h = call(qkv, call(ln1, x));
+  const at::Tensor normed = call(ln1, x);
+  at::Tensor h = call(qkv, normed);
+  if (qkv_lora) h = h + call(qkv_lora, normed);
   // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim]
   auto parts = h.view({batch, seq, 3, heads_, head_dim}).permute({2, 0, 3, 1, 4}).unbind(0);
   at::Tensor attn = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0,
                                                      /*is_causal=*/true);
   attn = attn.transpose(1, 2).reshape({batch, seq, hidden});
-  at::Tensor y = x + call(proj, attn);
+  at::Tensor projected = call(proj, attn);
+  if (proj_lora) projected = projected + call(proj_lora, attn);
+  at::Tensor y = x + projected;
   return y + call(fc_out, at::gelu(call(fc, call(ln2, y))));
 }
 
 GptImpl::GptImpl(const GptSpec& spec) : spec_(spec) {
-  TORCH_CHECK(spec.layers > 0 && spec.hidden > 0 && spec.vocab > 0 && spec.max_seq > 0,
+  TORCH_CHECK(spec.layers > 0 && spec.hidden > 0 && spec.vocab > 0 && spec.max_seq > 0 &&
+                  spec.lora_rank >= 0,
               "GPT spec \"", spec.name, "\" has a non-positive size");
   wte = register_module("wte", torch::nn::Embedding(spec.vocab, spec.hidden));
   wpe = register_module("wpe", torch::nn::Embedding(spec.max_seq, spec.hidden));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < spec.layers; ++i) blocks->push_back(GptBlock(spec.hidden, spec.heads));
+  for (int64_t i = 0; i < spec.layers; ++i)
+    blocks->push_back(GptBlock(spec.hidden, spec.heads, spec.lora_rank, spec.lora_alpha));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({spec.hidden})));
-  // GPT-2's initialisation: normal(0, 0.02) weights, zero biases, unit LayerNorm.
+  // GPT-2's initialisation: normal(0, 0.02) weights, zero biases, unit LayerNorm (the adapters
+  // draw their own).
   torch::NoGradGuard no_grad;
   for (auto& p : named_parameters()) {
-    if (p.key().find("ln") != std::string::npos) continue;
+    if (p.key().find("ln") != std::string::npos || p.key().find("_lora.") != std::string::npos) {
+      continue;
+    }
     if (p.key().find("bias") != std::string::npos) {
       p.value().zero_();
     } else {
       torch::nn::init::normal_(p.value(), 0.0, 0.02);
     }
   }
+  if (spec.lora_rank > 0) freeze_all_but_adapters(*this);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {

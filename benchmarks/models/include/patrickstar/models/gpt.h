@@ -21,6 +21,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "patrickstar/models/lora.h"
+
 namespace patrickstar::models {
 
 struct GptSpec {
@@ -33,9 +35,17 @@ struct GptSpec {
   // Run each block through patrickstar::checkpoint: a block keeps only its input for backward and
   // computes its forward again there. Less activation memory for one more forward of the blocks.
   bool checkpoint_activations = false;
+  // Fine-tuning with low-rank adapters (lora.h) when positive: each block's attention projections
+  // (qkv and proj) get a LoraAdapter of this rank, and every other parameter is frozen
+  // (requires_grad false) when the model is built.
+  int64_t lora_rank = 0;
+  double lora_alpha = 16.0;
 
-  // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h.
+  // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h, plus
+  // L*6hr of adapters with lora_rank r.
   int64_t parameter_count() const;
+  // The parameters that train: all of them, or the adapters' L*6hr with lora_rank r.
+  int64_t trainable_count() const;
 };
 
 // A named size: PatrickStar's (GPT2small ... GPT_175B) or a small one (gpt_tiny, gpt_mini,
@@ -46,11 +56,13 @@ std::vector<std::string> gpt_spec_names();
 
 class GptBlockImpl : public torch::nn::Module {
  public:
-  GptBlockImpl(int64_t hidden, int64_t heads);
+  // lora_rank > 0: qkv and proj get adapters (qkv_lora, proj_lora) of that rank.
+  GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank = 0, double lora_alpha = 16.0);
   at::Tensor forward(const at::Tensor& x);
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, fc_out{nullptr};
+  LoraAdapter qkv_lora{nullptr}, proj_lora{nullptr};  // null without adapters
 
  private:
   int64_t heads_;
