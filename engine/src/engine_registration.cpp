@@ -83,9 +83,14 @@ void EngineCore::register_parameters() {
     metrics_.registration().largest_module_param_bytes =
         std::max(metrics_.registration().largest_module_param_bytes, 4 * own);
   }
+  // Layout groups: bit 0, a CPU embedding's (kept on the host); bit 1, frozen at registration.
+  // Frozen parameters get chunks of their own, so that a step moves none of those chunks (nothing
+  // in them is updated) and a backward writes no gradient into them.
   Layout layout(world_);
   for (const auto& [name, t] : unique) {
-    layout.add_tensor(name, t.sizes(), embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0);
+    const int group =
+        (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) | (t.requires_grad() ? 0 : 2);
+    layout.add_tensor(name, t.sizes(), group);
   }
   try {
     if (config_.chunk_size_auto) {
@@ -139,7 +144,7 @@ void EngineCore::register_parameters() {
   const Layout* placed = &store().layout();
   storage_.host_only.assign(static_cast<size_t>(placed->chunk_count()), false);
   for (int64_t i = 0; i < placed->chunk_count(); ++i)
-    storage_.host_only[i] = placed->chunk_group(i) == 1;
+    storage_.host_only[i] = (placed->chunk_group(i) & 1) != 0;
   // This rank's share of the model data (every chunk with one process).
   int64_t owned_bytes = 0;
   for (ChunkId id = 0; id < store().chunk_count(); ++id) {

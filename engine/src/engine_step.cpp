@@ -87,10 +87,19 @@ IterationReport EngineCore::run_adam() {
   // (Chunk indices whose states the host could not hold update on the device in the warm-up too.)
   const bool warmup = !scheduler_->has_trace();
   const std::vector<bool> on_device = adam_placement_.for_step(warmup);
+  // Chunk indices with nothing to update (every tensor frozen, or without a gradient, kept-at-zero
+  // ones counted as the loop below steps them) need none of their chunks at the step: they stay
+  // where they are (frozen parameters have chunks of their own: the registration's layout groups).
+  std::vector<bool> updates(static_cast<size_t>(n), false);
+  for (const Param& p : params_) {
+    if (p.has_grad || p.grad.defined) {
+      updates[static_cast<size_t>(store().layout().placement(p.id).chunk_index)] = true;
+    }
+  }
   auto device_side_chunks = [&](const std::vector<bool>& device_side) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
-      if (!device_side[i] || !owns(i)) continue;
+      if (!device_side[i] || !owns(i) || !updates[i]) continue;
       ids.push_back(id_of(ChunkKind::kParam, i));
       if (mixed_) ids.push_back(id_of(ChunkKind::kParamFp32, i));
       ids.push_back(id_of(ChunkKind::kMomentum, i));
@@ -107,7 +116,7 @@ IterationReport EngineCore::run_adam() {
   auto host_chunks = [&](const std::vector<bool>& device_side) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
-      if (device_side[i] || !owns(i)) continue;
+      if (device_side[i] || !owns(i) || !updates[i]) continue;
       for (ChunkKind kind : kAdamKinds) {
         if (store().has_kind(kind)) ids.push_back(id_of(kind, i));
       }
@@ -171,7 +180,7 @@ IterationReport EngineCore::run_adam() {
   // fails the kernel's device check; on the emulated device both tiers are CPU memory and it would
   // run unnoticed, so the engine checks it itself.
   for (int64_t i = 0; i < n; ++i) {
-    if (!owns(i)) continue;
+    if (!owns(i) || !updates[i]) continue;
     const Tier want = on_device[i] ? Tier::kDevice : Tier::kHost;
     const bool states_on_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
     for (ChunkKind kind : kAdamKinds) {

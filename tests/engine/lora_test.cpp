@@ -172,6 +172,58 @@ INSTANTIATE_TEST_SUITE_P(Precisions, Lora,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// Frozen parameters have chunks of their own, and a step moves none of them: on a device that holds
+// every param chunk, with the Adam on the host, an iteration moves only the chunks holding adapters
+// (their weights and gradients to the host Adam and back); the frozen base stays on the device.
+class LoraChunks : public test::OnTestDevice {};
+
+TEST_F(LoraChunks, FrozenParametersHaveTheirOwnChunksAndTheStepMovesNoneOfThem) {
+  models::Gpt model = lora_model();
+  Config config = test::tight_config(
+      R"({"default_chunk_size": 32768, "optimizer": {"params": {"use_hybrid_adam": false}}})");
+  config.device.capacity_bytes = int64_t{64} << 20;
+  Engine engine(model.ptr(), config);
+  const ChunkStore& store = inspect(engine).chunks();
+  const Layout& layout = store.layout();
+  std::vector<bool> trained_index(static_cast<size_t>(layout.chunk_count()), false);
+  int64_t frozen_indices = 0, trained_bytes = 0;
+  for (int64_t i = 0; i < layout.chunk_count(); ++i) {
+    int trained = 0, frozen = 0;
+    for (TensorId id : layout.tensors_in_chunk(i)) {
+      (model->named_parameters()[layout.name(id)].requires_grad() ? trained : frozen) += 1;
+    }
+    EXPECT_TRUE(trained == 0 || frozen == 0) << "chunk index " << i << " mixes " << trained
+                                             << " trained and " << frozen << " frozen tensors";
+    trained_index[static_cast<size_t>(i)] = trained > 0;
+    if (trained > 0) {
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+        trained_bytes += store.chunk_bytes(store.chunk_id(kind, i));
+      }
+    } else {
+      ++frozen_indices;
+    }
+  }
+  ASSERT_GT(frozen_indices, 0);
+  ASSERT_GT(trained_bytes, 0);
+  for (int s = 0; s < 5; ++s) {
+    const IterationReport report = test::train_step(engine, model, s);
+    if (s < 2) continue;  // the warm-up, and the first scheduled iteration settling in
+    std::printf(
+        "iteration %d: %lld bytes to the host, %lld back; the adapters' param and grad "
+        "chunks: %lld bytes\n",
+        s, static_cast<long long>(report.d2h_bytes), static_cast<long long>(report.h2d_bytes),
+        static_cast<long long>(trained_bytes));
+    EXPECT_GT(report.d2h_bytes, 0) << "the host Adam reads the adapters' gradients there";
+    EXPECT_LE(report.d2h_bytes, trained_bytes) << "iteration " << s;
+    EXPECT_LE(report.h2d_bytes, trained_bytes) << "iteration " << s;
+  }
+  for (int64_t i = 0; i < layout.chunk_count(); ++i) {
+    if (trained_index[static_cast<size_t>(i)]) continue;
+    EXPECT_EQ(store.tier(store.chunk_id(ChunkKind::kParam, i)), Tier::kDevice)
+        << "frozen chunk index " << i;
+  }
+}
+
 // A checkpoint holds the frozen base and the adapters with their optimizer state: an engine built
 // from other weights (frozen ones included) and loaded from it continues bit for bit.
 class LoraCheckpoint : public test::OnTestDevice {};
