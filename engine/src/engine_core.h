@@ -340,6 +340,13 @@ class EngineCore final : public ModuleHookHandler {
     return kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
            (mixed_ && kind == ChunkKind::kParamFp32);
   }
+  // Whether chunk index `index` holds a parameter that trains (false: every tensor in it frozen).
+  bool index_trains(int64_t index) const {
+    for (TensorId t : store().layout().tensors_in_chunk(index)) {
+      if (params_[t].trainable) return true;
+    }
+    return false;
+  }
   int64_t state_bytes(int64_t index) const {
     int64_t bytes = 0;
     for (ChunkKind kind : state_kinds())

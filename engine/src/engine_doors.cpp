@@ -97,8 +97,12 @@ void EngineCore::arm_zero_grad_marker() {
 void EngineCore::forget_dropped_forward() {
   // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
   // alive and none has run): that forward's loss was dropped unused.
-  if (tracker_.phase() == Phase::kForward && doors_.none_open() && tracker_.hooks_in_forward() &&
-      hooks_.pending_nodes() == 0) {
+  // A model with nothing to train hooks a door only where its input needs a gradient: without
+  // one, each top-level door of it starts a forward of its own.
+  const bool nothing_trains =
+      std::none_of(params_.begin(), params_.end(), [](const Param& p) { return p.trainable; });
+  if (tracker_.phase() == Phase::kForward && doors_.none_open() &&
+      (tracker_.hooks_in_forward() || nothing_trains) && hooks_.pending_nodes() == 0) {
     abandon_forward();
   }
 }

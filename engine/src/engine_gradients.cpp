@@ -251,6 +251,14 @@ void EngineCore::discard_gradients() {
   cancel_early_updates();  // the fp32 masters the half weights come back from, as they were
   torch::NoGradGuard no_grad;
   const bool restore = mixed_ && !grad_space_;
+  // Gradient chunks written since they were last zeroed: those of indices holding a parameter that
+  // trains or that received a gradient (trained before it was frozen). A frozen base's are zero.
+  std::vector<bool> written(static_cast<size_t>(store().chunks_per_kind()), false);
+  for (const Param& p : params_) {
+    if (p.trainable || p.has_grad) {
+      written[static_cast<size_t>(store().layout().placement(p.id).chunk_index)] = true;
+    }
+  }
   // The delayed update in flight writes those masters: where half slots hold gradients it is
   // written in first, so that every weight is its (not only the restored ones).
   if (restore &&
@@ -304,7 +312,7 @@ void EngineCore::discard_gradients() {
   }
   if (grad_space_) {
     for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
-      if (!owns(i)) continue;
+      if (!owns(i) || !written[static_cast<size_t>(i)]) continue;
       store().chunk_view(store().chunk_id(ChunkKind::kGrad, i)).zero_();
     }
   }

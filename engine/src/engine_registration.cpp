@@ -85,11 +85,13 @@ void EngineCore::register_parameters() {
   }
   // Layout groups: bit 0, a CPU embedding's (kept on the host); bit 1, frozen at registration.
   // Frozen parameters get chunks of their own, so that a step moves none of those chunks (nothing
-  // in them is updated) and a backward writes no gradient into them.
+  // in them is updated) and a backward writes no gradient into them. With one process only: a
+  // sharded layout rounds each group up to world_size full chunks, which for a few adapters next
+  // to a frozen base would cost up to world_size chunks of waste.
   Layout layout(world_);
   for (const auto& [name, t] : unique) {
-    const int group =
-        (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) | (t.requires_grad() ? 0 : 2);
+    const int group = (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
+                      (t.requires_grad() || distributed() ? 0 : 2);
     layout.add_tensor(name, t.sizes(), group);
   }
   try {

@@ -23,6 +23,10 @@ void EngineCore::decide_adam_placement() {
   int64_t resident_model_bytes = 0;  // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
     if (storage_.host_only[i] || !owns(i)) continue;  // data parallel: this rank's chunks only
+    if (!index_trains(i)) {  // nothing to update: the forward and backward read its weights only
+      resident_model_bytes += store().chunk_bytes(store().chunk_id(ChunkKind::kParam, i));
+      continue;
+    }
     if (adam_placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
       TORCH_CHECK(delayed_ == nullptr,
                   "patrickstar: zero_optimization.delayed_param_update runs "
