@@ -155,9 +155,7 @@ int run() {
   auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
   spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   TORCH_CHECK(absl::GetFlag(FLAGS_lora) >= 0,
-              "--lora must be 0 (no adapters) or a positive rank, "
-              "got ",
-              absl::GetFlag(FLAGS_lora));
+              "--lora must be 0 (no adapters) or a positive rank, got ", absl::GetFlag(FLAGS_lora));
   spec.lora_rank = absl::GetFlag(FLAGS_lora);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
   const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;

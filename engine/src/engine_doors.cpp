@@ -98,11 +98,13 @@ void EngineCore::forget_dropped_forward() {
   // A top-level door while the previous forward's graph is gone (no pre-backward node of it is
   // alive and none has run): that forward's loss was dropped unused.
   // A model with nothing to train hooks a door only where its input needs a gradient: without
-  // one, each top-level door of it starts a forward of its own.
-  const bool nothing_trains =
-      std::none_of(params_.begin(), params_.end(), [](const Param& p) { return p.trainable; });
-  if (tracker_.phase() == Phase::kForward && doors_.none_open() &&
-      (tracker_.hooks_in_forward() || nothing_trains) && hooks_.pending_nodes() == 0) {
+  // one, each top-level door of it starts a forward of its own. (Every parameter is looked at only
+  // when nothing is pending and nothing was hooked: not at the doors of a forward in progress.)
+  auto nothing_trains = [this] {
+    return std::none_of(params_.begin(), params_.end(), [](const Param& p) { return p.trainable; });
+  };
+  if (tracker_.phase() == Phase::kForward && doors_.none_open() && hooks_.pending_nodes() == 0 &&
+      (tracker_.hooks_in_forward() || nothing_trains())) {
     abandon_forward();
   }
 }
