@@ -138,8 +138,19 @@ int64_t ChunkStore::resident_bytes(Tier tier) const {
 
 int64_t ChunkStore::waste_bytes() const {
   int64_t bytes = 0;
-  for (const ChunkKindSpec& spec : kinds_) bytes += layout_.waste_bytes(spec.dtype);
+  for (const Chunk& c : chunks_) {
+    if (c.omitted) continue;
+    bytes += (c.capacity_elems - layout_.used_elems(c.index)) * chunk_element_bytes(c.dtype);
+  }
   return bytes;
+}
+
+void ChunkStore::omit(ChunkId id) {
+  Chunk& c = mutable_chunk(id);
+  TORCH_CHECK(c.tier == Tier::kNone, "ChunkStore: cannot omit ", describe(id),
+              ": it has a payload on ", to_string(c.tier));
+  c.omitted = true;
+  c.bytes = 0;
 }
 
 int64_t ChunkStore::total_chunk_bytes() const {
@@ -163,6 +174,8 @@ void ChunkStore::check_not_in_compute(const Chunk& c, const char* action) const 
 
 void ChunkStore::allocate(ChunkId id, Tier tier, Fill fill) {
   Chunk& c = mutable_chunk(id);
+  TORCH_CHECK(!c.omitted, "ChunkStore: cannot allocate ", describe(id),
+              ": it is omitted (it never holds a payload)");
   TORCH_CHECK(c.tier == Tier::kNone, "ChunkStore: cannot allocate ", describe(id),
               ": it already has a payload on ", to_string(c.tier));
   MemoryTier& target = memory(tier);
@@ -192,6 +205,8 @@ at::Tensor ChunkStore::allocate_block(std::span<const ChunkId> ids, Tier tier) {
   for (size_t k = 0; k < ids.size(); ++k) {
     if (ids[k] < 0) continue;
     const Chunk& c = chunk(ids[k]);
+    TORCH_CHECK(!c.omitted, "ChunkStore: cannot allocate ", describe(c.id),
+                " in a block: it is omitted (it never holds a payload)");
     TORCH_CHECK(c.tier == Tier::kNone, "ChunkStore: cannot allocate ", describe(c.id),
                 " in a block: it already has a payload on ", to_string(c.tier));
     TORCH_CHECK(first == nullptr || c.kind == first->kind, "ChunkStore: a block holds chunks of one kind; ",
@@ -394,7 +409,8 @@ at::Tensor ChunkStore::view(TensorId tensor, ChunkKind kind) const {
   const Chunk& c = chunk(chunk_id(kind, p.chunk_index));
   TORCH_CHECK(c.payload != nullptr, "ChunkStore: no view of tensor '", layout_.name(tensor),
               "' (id ", tensor, "): its ", describe(c.id),
-              " has no payload (released); allocate or move it first");
+              c.omitted ? " is omitted (it never holds a payload)"
+                        : " has no payload (released); allocate or move it first");
   wait_ready(c);
   return make_view(c, p.offset_elems, layout_.sizes(tensor));
 }
@@ -402,7 +418,8 @@ at::Tensor ChunkStore::view(TensorId tensor, ChunkKind kind) const {
 at::Tensor ChunkStore::chunk_view(ChunkId id) const {
   const Chunk& c = chunk(id);
   TORCH_CHECK(c.payload != nullptr, "ChunkStore: no view of ", describe(id),
-              ": it has no payload (released); allocate or move it first");
+              c.omitted ? ": it is omitted (it never holds a payload)"
+                        : ": it has no payload (released); allocate or move it first");
   wait_ready(c);
   return make_view(c, 0, {c.capacity_elems});
 }

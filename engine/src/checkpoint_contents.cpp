@@ -35,6 +35,7 @@ void write_checkpoint_file(const CheckpointContents& c, const std::string& path)
   for (const auto& [id, p] : c.params) {
     const std::string i = std::to_string(id);
     archive.write("master_" + i, p.master);
+    if (!p.exp_avg.defined()) continue;  // a lean frozen parameter: its weights alone
     archive.write("exp_avg_" + i, p.exp_avg);
     archive.write("exp_avg_sq_" + i, p.exp_avg_sq);
   }
@@ -144,9 +145,15 @@ CheckpointContents read_checkpoint_file(const std::string& path) {
     CheckpointParam p;
     p.master = tensor("master_" + i, /*required=*/false);
     if (!p.master.defined()) continue;  // another rank's shard holds it
-    p.exp_avg = tensor("exp_avg_" + i);
-    p.exp_avg_sq = tensor("exp_avg_sq_" + i);
+    // Neither moment: a parameter the saving engine held lean (frozen, its weights alone).
+    p.exp_avg = tensor("exp_avg_" + i, /*required=*/false);
+    p.exp_avg_sq = tensor("exp_avg_sq_" + i, /*required=*/false);
+    if (p.exp_avg.defined() != p.exp_avg_sq.defined()) {
+      refuse("has one of the two Adam moments of parameter " + c.names[id] + " (" + i +
+             ") and not the other");
+    }
     for (const at::Tensor* t : {&p.master, &p.exp_avg, &p.exp_avg_sq}) {
+      if (!t->defined()) continue;
       if (t->scalar_type() != at::kFloat || t->sizes() != p.master.sizes()) {
         refuse("has optimizer state for parameter " + c.names[id] + " (" + i +
                ") that is not three fp32 tensors of one shape");

@@ -30,7 +30,8 @@ namespace patrickstar::engine_detail {
 // and 2, before the trailer, are refused with that reason.)
 inline constexpr int64_t kCheckpointFormat = 3;
 
-// One parameter's optimizer state, fp32, in the parameter's shape.
+// One parameter's optimizer state, fp32, in the parameter's shape. A parameter its engine held lean
+// (frozen, no optimizer state) has its weights as `master` and neither moment (undefined).
 struct CheckpointParam {
   at::Tensor master, exp_avg, exp_avg_sq;
 };

@@ -290,6 +290,16 @@ Config Config::from_json(const json& document) {
       root.read_byte_size(*bytes, "$.zero_optimization.overlap_step_max_bytes",
                           c.overlap_step.max_bytes);
     }
+    if (const auto frozen = zero->find("frozen_parameters"); frozen != zero->end()) {
+      const std::string text = frozen->is_string() ? frozen->get<std::string>() : "";
+      if (text == "lean") {
+        c.frozen_parameters = FrozenParameters::kLean;
+      } else if (text == "full_state") {
+        c.frozen_parameters = FrozenParameters::kFullState;
+      } else {
+        root.error("$.zero_optimization.frozen_parameters", *frozen, "\"lean\" or \"full_state\"");
+      }
+    }
     if (const auto delayed = zero->find("delayed_param_update"); delayed != zero->end()) {
       if (delayed->is_boolean()) {
         c.delayed_update.enabled = delayed->get<bool>();
@@ -536,6 +546,8 @@ json Config::to_json() const {
           ? nlohmann::json("auto")
           : nlohmann::json(overlap_step.mode == OverlapMode::kOn);
   j["zero_optimization"]["overlap_step_max_bytes"] = overlap_step.max_bytes;
+  j["zero_optimization"]["frozen_parameters"] =
+      frozen_parameters == FrozenParameters::kLean ? "lean" : "full_state";
   j["zero_optimization"]["delayed_param_update"] = delayed_update.enabled;
   j["zero_optimization"]["delayed_param_update_warmup_steps"] = delayed_update.warmup_steps;
   j["release_after_init"] = release_after_init;

@@ -143,7 +143,6 @@ void EngineCore::give_back_model(bool may_gather) {
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.
   torch::NoGradGuard no_grad;
-  const ChunkKind master = master_kind();
   // Data parallel: every rank destroys its engine, and the masters come from their owners. Not
   // while an exception unwinds (the other ranks are elsewhere): then, and when the gather fails,
   // the parameters keep their fences (reading one throws) and nothing points at the engine.
@@ -191,7 +190,7 @@ void EngineCore::give_back_model(bool may_gather) {
       at::Tensor value;
       try {
         value = distributed() ? value_in(masters[static_cast<size_t>(index)], p.id)
-                              : host_copy(state_view(p.id, master));
+                              : fp32_copy(weight_view(p.id));
       } catch (const std::exception&) {
         ++lost;
       }

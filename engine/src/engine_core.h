@@ -224,6 +224,9 @@ class EngineCore final : public ModuleHookHandler {
   // (other remote gradient chunks start as zeros when the Mover first puts them on the device).
   void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
   void gather_group(int64_t group);
+  // In a backward, before a lean group is gathered: drops the other lean groups gathered here and
+  // not in use (none holding a tensor of `ids`).
+  void release_lean_groups_except(const std::vector<TensorId>& ids);
   // Outside a backward: drops the remote chunks of the groups of `ids` whose every tensor was used
   // since their gather and none is in use.
   void release_used_groups(const std::vector<TensorId>& ids);
@@ -339,6 +342,15 @@ class EngineCore final : public ModuleHookHandler {
   bool is_state_kind(ChunkKind kind) const {
     return kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
            (mixed_ && kind == ChunkKind::kParamFp32);
+  }
+  // Whether chunk index `index` holds frozen parameters in its param chunk alone (ModelStorage).
+  bool lean(int64_t index) const { return storage_.lean[static_cast<size_t>(index)]; }
+  bool lean_param(TensorId id) const { return lean(store().layout().placement(id).chunk_index); }
+  // The weights a parameter's fp32 value comes from: its master (state_view), or for a lean
+  // index its param chunk (in mixed precision the half weight, which is all there is).
+  at::Tensor weight_view(TensorId id, bool write = false) const {
+    return lean_param(id) ? store().view(id, ChunkKind::kParam)
+                          : state_view(id, master_kind(), write);
   }
   // Whether chunk index `index` holds a parameter that trains (false: every tensor in it frozen).
   bool index_trains(int64_t index) const {

@@ -105,7 +105,14 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!groups_.gathered(g)) gather_group(g);
+    if (!groups_.gathered(g)) {
+      // A backward leaves a lean group (frozen: never reduced, so never dropped by a reduction)
+      // behind when it needs the next one: backward visits the groups in reverse order, so the
+      // frozen base is never gathered whole on the device (a group needed again is gathered
+      // again).
+      if (tracker_.in_backward() && lean(groups_.index(g, 0))) release_lean_groups_except(ids);
+      gather_group(g);
+    }
     Param& p = params_[id];
     if (!p.touched) {
       p.touched = true;
@@ -146,6 +153,16 @@ bool any_in_compute(const ChunkStore& store, bool grad_space, Indices indices) {
   return false;
 }
 }  // namespace
+
+void EngineCore::release_lean_groups_except(const std::vector<TensorId>& ids) {
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (!groups_.gathered(g) || !lean(groups_.index(g, 0)) || groups_.has_gradients(g)) continue;
+    if (std::any_of(ids.begin(), ids.end(), [&](TensorId id) { return comm_group_of(id) == g; }))
+      continue;
+    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
+    release_group(g);
+  }
+}
 
 void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
   if (!distributed() || tracker_.in_backward()) return;
@@ -252,7 +269,8 @@ bool EngineCore::all_ranks_agree(bool local) const {
 }
 
 at::Tensor EngineCore::master_chunk_everywhere(int64_t index) const {
-  const ChunkKind master = master_kind();
+  // A lean index's weights are its param chunk (widened from the half weights in mixed precision).
+  const ChunkKind master = lean(index) ? ChunkKind::kParam : master_kind();
   at::Tensor buffer =
       owns(index)
           ? store()

@@ -197,6 +197,17 @@ void EngineCore::backward(const at::Tensor& loss) {
 }
 
 void EngineCore::sync_trainable() {
+  // A lean parameter has no optimizer state to train with: refused before anything changes, so
+  // every door refuses until it is frozen again.
+  for (const Param& p : params_) {
+    TORCH_CHECK(!p.tensor.requires_grad() || p.trainable || !lean_param(p.id),
+                "patrickstar: parameter ", p.name,
+                " was frozen when the engine registered it, so it has no optimizer state (its "
+                "chunk holds its weights alone: zero_optimization \"frozen_parameters\": "
+                "\"lean\", the default) and it cannot be unfrozen; set requires_grad back to "
+                "false, or build the engine with \"frozen_parameters\": \"full_state\" to "
+                "unfreeze parameters later");
+  }
   for (Param& p : params_) {
     const bool wants = p.tensor.requires_grad();
     if (wants == p.trainable) continue;

@@ -83,31 +83,67 @@ void EngineCore::register_parameters() {
     metrics_.registration().largest_module_param_bytes =
         std::max(metrics_.registration().largest_module_param_bytes, 4 * own);
   }
+  // The chunk kinds, and what one element of a chunk index costs in all of them (and lean: its
+  // param kind alone).
+  const at::ScalarType half = param_dtype(config_.precision());
+  std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
+  if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
+  const at::ScalarType moments =
+      config_.optimizer.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat;
+  kinds.push_back({ChunkKind::kMomentum, moments});
+  kinds.push_back({ChunkKind::kVariance, moments});
+  if (grad_space_) kinds.push_back({ChunkKind::kGrad, at::kFloat});
+  int64_t full_elem_bytes = 0;
+  for (const ChunkKindSpec& spec : kinds) full_elem_bytes += chunk_element_bytes(spec.dtype);
+  const int64_t lean_elem_bytes = chunk_element_bytes(half);
+
   // Layout groups: bit 0, a CPU embedding's (kept on the host); bit 1, frozen at registration.
   // Frozen parameters get chunks of their own, so that a step moves none of those chunks (nothing
-  // in them is updated) and a backward writes no gradient into them. With one process only: a
-  // sharded layout rounds each group up to world_size full chunks, which for a few adapters next
-  // to a frozen base would cost up to world_size chunks of waste.
-  Layout layout(world_);
-  for (const auto& [name, t] : unique) {
-    const int group = (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
-                      (t.requires_grad() || distributed() ? 0 : 2);
-    layout.add_tensor(name, t.sizes(), group);
-  }
-  try {
-    if (config_.chunk_size_auto) {
-      const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
-      const int64_t hi = 2 * lo;  // least waste among sizes that keep the chunks many
-      layout.finalize_search(lo, hi, std::max<int64_t>(1024, (hi - lo) / 256 / 1024 * 1024));
-    } else {
-      layout.finalize(config_.default_chunk_size);
+  // in them is updated), a backward writes no gradient into them, and (lean, the default) they
+  // hold the weights alone. With data parallel a sharded layout rounds each group up to world_size
+  // full chunks: a few adapters in a group of their own cost up to world_size chunks of every kind,
+  // which lean frozen chunks repay only when the frozen base is large next to a chunk. So there
+  // the split is made when it takes fewer bytes than frozen and trained parameters sharing chunks
+  // (all of them with full state), and never with "full_state".
+  const bool lean = config_.frozen_parameters == FrozenParameters::kLean;
+  auto pack = [&](bool split_frozen) {
+    Layout layout(world_);
+    for (const auto& [name, t] : unique) {
+      const int group = (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
+                        (t.requires_grad() || !split_frozen ? 0 : 2);
+      layout.add_tensor(name, t.sizes(), group);
     }
-  } catch (c10::Error& e) {
-    params_.clear();
-    e.add_context(
-        "while packing the model's parameters into chunks (config key "
-        "\"default_chunk_size\")");
-    throw;
+    try {
+      if (config_.chunk_size_auto) {
+        const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
+        const int64_t hi = 2 * lo;  // least waste among sizes that keep the chunks many
+        layout.finalize_search(lo, hi, std::max<int64_t>(1024, (hi - lo) / 256 / 1024 * 1024));
+      } else {
+        layout.finalize(config_.default_chunk_size);
+      }
+    } catch (c10::Error& e) {
+      params_.clear();
+      e.add_context(
+          "while packing the model's parameters into chunks (config key "
+          "\"default_chunk_size\")");
+      throw;
+    }
+    return layout;
+  };
+  auto chunk_bytes_with_lean = [&](const Layout& l) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < l.chunk_count(); ++i) {
+      const bool lean_index = lean && (l.chunk_group(i) & 2) != 0;
+      bytes += l.chunk_capacity(i) * (lean_index ? lean_elem_bytes : full_elem_bytes);
+    }
+    return bytes;
+  };
+  Layout layout = pack(/*split_frozen=*/!distributed() || lean);
+  const bool any_frozen = std::any_of(
+      unique.begin(), unique.end(), [](const auto& item) { return !item.second.requires_grad(); });
+  if (distributed() && lean && any_frozen) {
+    Layout shared = pack(/*split_frozen=*/false);
+    if (chunk_bytes_with_lean(shared) < chunk_bytes_with_lean(layout)) layout = std::move(shared);
   }
   if (!config_.chunk_size_auto && layout.waste_fraction() > 0.5) {
     TORCH_WARN("patrickstar: default_chunk_size ", config_.default_chunk_size, " leaves ",
@@ -122,14 +158,6 @@ void EngineCore::register_parameters() {
 
   // 2. Memory: tiers and chunks, every payload on the host to start with (but optimizer states
   //    the host budget cannot hold: on the device for good, or in the disk tier's files).
-  const at::ScalarType half = param_dtype(config_.precision());
-  std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
-  if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
-  const at::ScalarType moments =
-      config_.optimizer.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat;
-  kinds.push_back({ChunkKind::kMomentum, moments});
-  kinds.push_back({ChunkKind::kVariance, moments});
-  if (grad_space_) kinds.push_back({ChunkKind::kGrad, at::kFloat});
   const int64_t host_capacity = config_.device.host_capacity_bytes > 0
                                     ? config_.device.host_capacity_bytes
                                     : MemoryTier::kUnlimited;
@@ -145,8 +173,17 @@ void EngineCore::register_parameters() {
   }
   const Layout* placed = &store().layout();
   storage_.host_only.assign(static_cast<size_t>(placed->chunk_count()), false);
-  for (int64_t i = 0; i < placed->chunk_count(); ++i)
+  storage_.lean.assign(static_cast<size_t>(placed->chunk_count()), false);
+  for (int64_t i = 0; i < placed->chunk_count(); ++i) {
     storage_.host_only[i] = (placed->chunk_group(i) & 1) != 0;
+    // Frozen at registration (group bit 1): lean unless the config keeps full state for them.
+    // Only the param chunk holds bytes from here on.
+    storage_.lean[i] = (placed->chunk_group(i) & 2) != 0 && lean;
+    if (!storage_.lean[i]) continue;
+    for (const ChunkKindSpec& spec : kinds) {
+      if (spec.kind != ChunkKind::kParam) store().omit(store().chunk_id(spec.kind, i));
+    }
+  }
   // This rank's share of the model data (every chunk with one process).
   int64_t owned_bytes = 0;
   for (ChunkId id = 0; id < store().chunk_count(); ++id) {
@@ -243,7 +280,7 @@ void EngineCore::register_parameters() {
       Param& p = params_[id];
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
-        p.tensor.set_data(host_copy(state_view(id, master_kind())));
+        p.tensor.set_data(fp32_copy(weight_view(id)));
       } catch (...) {
         all = false;
       }
@@ -259,9 +296,10 @@ void EngineCore::register_parameters() {
     for (int64_t index = 0; index < store().chunks_per_kind(); ++index) {
       // Another rank's chunk: its tensors only get their fences (its values live at the owner).
       const bool mine = owns(index);
+      const bool full = !storage_.lean[static_cast<size_t>(index)];
       if (mine) {
         store().allocate(store().chunk_id(ChunkKind::kParam, index), Tier::kHost);
-        if (mixed_) {
+        if (mixed_ && full) {
           const ChunkId master = store().chunk_id(ChunkKind::kParamFp32, index);
           store().allocate(master,
                            adam_placement_.state_on_device(master) ? Tier::kDevice : Tier::kHost);
@@ -277,7 +315,7 @@ void EngineCore::register_parameters() {
         p.trainable = t.requires_grad();
         if (mine) {
           store().view(p.id, ChunkKind::kParam).copy_(t);
-          if (mixed_) store().view(p.id, ChunkKind::kParamFp32).copy_(t);
+          if (mixed_ && full) store().view(p.id, ChunkKind::kParamFp32).copy_(t);
         }
         const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
         // A CPU embedding's parameters compute on the host; the others where the device tier is.
@@ -292,12 +330,12 @@ void EngineCore::register_parameters() {
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
-        if (!mine || !store().has_kind(kind)) continue;
+        if (!mine || !full || !store().has_kind(kind)) continue;
         const ChunkId id = store().chunk_id(kind, index);
         store().allocate(id, adam_placement_.state_on_device(id) ? Tier::kDevice : Tier::kHost);
       }
       sample();
-      if (storage_.disk != nullptr)
+      if (storage_.disk != nullptr && full)
         storage_.disk->spill(index);  // written to its files, its payloads freed
     }
   } catch (c10::Error& e) {
@@ -336,6 +374,7 @@ void EngineCore::register_parameters() {
   // bytes of the trace. Other ranks' gradient chunks are scheduled (they carry gradients).
   std::map<int64_t, ChunkInfo> chunk_table;
   for (ChunkId id = 0; id < store().chunk_count(); ++id) {
+    if (store().omitted(id)) continue;  // a lean index's states: never anywhere
     if (store().kind_of(id) == ChunkKind::kParam && !owns(store().index_of(id)) &&
         !storage_.host_only[store().index_of(id)]) {
       continue;
@@ -377,9 +416,12 @@ void EngineCore::register_parameters() {
                 "process; this is data parallel over ",
                 world_, " processes");
     // Its copies (of the gradients; in fp32 also of the weights) take what the host holds beyond
-    // every chunk: evictions to the host must always find room.
+    // every chunk: evictions to the host must always find room. (A lean parameter never has a
+    // gradient to copy.)
     int64_t elements = 0;
-    for (const Param& p : params_) elements += store().layout().numel(p.id);
+    for (const Param& p : params_) {
+      if (!lean_param(p.id)) elements += store().layout().numel(p.id);
+    }
     const int64_t copies = elements * (!mixed_ ? 8 : grad_space_ ? 6 : 2);
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       const int64_t room = host->capacity_bytes() - store().total_chunk_bytes();

@@ -22,11 +22,10 @@ std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() co
   cancel_early_updates();   // the states as they were before the backward
   settle_delayed_update();  // with the delayed update in flight written in
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const ChunkKind master = master_kind();
   if (!distributed()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
     for (TensorId id : tensors_in_chunk_order(store().layout())) {
-      values[static_cast<size_t>(id)] = host_copy(state_view(id, master));
+      values[static_cast<size_t>(id)] = fp32_copy(weight_view(id));
     }
     finish_state_views();
     for (const Param& p : params_) out.emplace_back(p.name, values[static_cast<size_t>(p.id)]);
@@ -109,13 +108,16 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
   c.iteration = iteration_;
   c.scaler = adam_->loss_scaler().state();
-  const ChunkKind master = master_kind();
   for (TensorId id : tensors_in_chunk_order(store().layout())) {
     const Param& p = params_[id];
     if (!owns(store().layout().placement(p.id).chunk_index)) continue;  // another rank's shard
+    if (lean_param(p.id)) {  // its weights alone (widened from the half weight in mixed precision)
+      c.params[p.id] = {fp32_copy(weight_view(p.id)), at::Tensor(), at::Tensor()};
+      continue;
+    }
     // bf16 states are written widened to fp32 (exact): a checkpoint loads with either state_dtype
     // (fp32 states into a bf16 engine are rounded to nearest even as they load).
-    c.params[p.id] = {host_copy(state_view(p.id, master)),
+    c.params[p.id] = {fp32_copy(state_view(p.id, master_kind())),
                       fp32_copy(state_view(p.id, ChunkKind::kMomentum)),
                       fp32_copy(state_view(p.id, ChunkKind::kVariance))};
   }
@@ -175,8 +177,15 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
                   "parameter ", p.id, " is ", saved, " there but ", p.name, " here");
       if (!owns(store().layout().placement(p.id).chunk_index)) continue;
       auto it = c.params.find(p.id);
-      TORCH_CHECK(it != c.params.end(), "patrickstar: checkpoint \"", path, "\" has no optimizer "
-                  "state for parameter ", p.name);
+      TORCH_CHECK(it != c.params.end(), "patrickstar: checkpoint \"", path,
+                  "\" has no optimizer "
+                  "state for parameter ",
+                  p.name,
+                  distributed() ? " (another rank owned it there: the checkpoint's chunk layout is "
+                                  "not this engine's, from another default_chunk_size or "
+                                  "zero_optimization.frozen_parameters; use the config that saved "
+                                  "it)"
+                                : "");
       TORCH_CHECK(it->second.master.sizes() == store().layout().sizes(p.id),
                   "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
                   p.name, " has shape ", it->second.master.sizes(), " there but ",
@@ -209,10 +218,22 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
     const Param& p = params_[id];
     if (!owns(store().layout().placement(p.id).chunk_index)) continue;
     const CheckpointParam& saved = c.params.at(p.id);
+    if (lean_param(p.id)) {  // its weights alone; saved moments (if any) have nowhere to go
+      store().view(p.id, ChunkKind::kParam).copy_(saved.master);
+      continue;
+    }
     state_view(p.id, master, /*write=*/true).copy_(saved.master);
     if (mixed_) store().view(p.id, ChunkKind::kParam).copy_(saved.master);
-    state_view(p.id, ChunkKind::kMomentum, /*write=*/true).copy_(saved.exp_avg);
-    state_view(p.id, ChunkKind::kVariance, /*write=*/true).copy_(saved.exp_avg_sq);
+    // Saved lean (frozen, without moments): it starts from none, as it would have trained.
+    for (auto [kind, moment] : {std::pair{ChunkKind::kMomentum, &saved.exp_avg},
+                                std::pair{ChunkKind::kVariance, &saved.exp_avg_sq}}) {
+      at::Tensor view = state_view(p.id, kind, /*write=*/true);
+      if (moment->defined()) {
+        view.copy_(*moment);
+      } else {
+        view.zero_();
+      }
+    }
   }
   finish_state_views();
   adam_->set_step_count(c.adam_step);

@@ -240,7 +240,7 @@ IterationReport EngineCore::run_adam() {
   report.loss_scale = step.loss_scale;
   report.grad_norm = step.grad_norm;
   for (int64_t i = 0; i < n; ++i) {
-    if (!owns(i)) continue;
+    if (!owns(i) || lean(i)) continue;  // a lean index has no optimizer state
     const int64_t bytes = state_bytes(i);
     if (on_device[i]) {
       ++report.adam.chunks_device;

@@ -39,16 +39,15 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
   }
   // 2. Copies of the master weights (the only step that allocates), then the parameters.
   torch::NoGradGuard no_grad;
-  const ChunkKind master = master_kind();
   std::vector<at::Tensor> values;
   values.reserve(ids.size());
   if (!distributed()) {
     values.resize(ids.size());
     for (size_t k : chunk_order(store().layout(), ids)) {
       // On the parameter's compute device (the GPU on CUDA), as the model's tensors would be.
-      values[k] = state_view(ids[k], master)
-                      .to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
-                          /*copy=*/true);
+      values[k] =
+          weight_view(ids[k]).to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
+                                 /*copy=*/true);
     }
     finish_state_views();
   } else {
@@ -116,7 +115,8 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
           comm_->broadcast(t, 0);
           if (!owns(store().layout().placement(id).chunk_index)) continue;
         }
-        if (mixed_) state_view(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
+        if (mixed_ && !lean_param(id))
+          state_view(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
         store().view(id, ChunkKind::kParam).copy_(t);
       }
       finish_state_views();

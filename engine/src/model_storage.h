@@ -33,6 +33,9 @@ struct ModelStorage {
   std::unique_ptr<DiskStates> disk;  // null without a disk tier
   // Per chunk index: a CPU embedding's chunk (use_cpu_embedding), never on the device.
   std::vector<bool> host_only;
+  // Per chunk index: frozen parameters only, in their param chunk alone (zero_optimization
+  // "frozen_parameters": "lean"): the store omits its master, momentum, variance and gradient.
+  std::vector<bool> lean;
 };
 
 }  // namespace patrickstar::engine_detail

@@ -65,6 +65,35 @@ TEST_F(ChunkStoreTest, ChunkIdsRunKindByKind) {
   EXPECT_EQ(store.total_chunk_bytes(), 2 * 128 + 2 * 256);
 }
 
+TEST_F(ChunkStoreTest, AnOmittedChunkHasNoBytesAndRefusesEveryPayload) {
+  ChunkStore store(small_layout(),
+                   {{ChunkKind::kParam, at::kHalf}, {ChunkKind::kMomentum, at::kFloat}}, host_,
+                   device_);
+  const ChunkId kept = store.chunk_id(ChunkKind::kMomentum, 0);
+  const ChunkId gone = store.chunk_id(ChunkKind::kMomentum, 1);
+  store.omit(gone);
+  EXPECT_TRUE(store.omitted(gone));
+  EXPECT_FALSE(store.omitted(kept));
+  EXPECT_EQ(store.chunk_bytes(gone), 0);
+  EXPECT_EQ(store.chunk_bytes(kept), 256);
+  // Chunk 1 wastes 24 elements: in fp16 still, no longer in fp32.
+  EXPECT_EQ(store.waste_bytes(), 32 * 2 + 8 * 4);
+  EXPECT_EQ(store.total_chunk_bytes(), 2 * 128 + 256);
+  EXPECT_THAT(error_of([&] { store.allocate(gone, Tier::kHost); }), HasSubstr("omitted"));
+  const ChunkId block[] = {gone};
+  EXPECT_THAT(error_of([&] { store.allocate_block(block, Tier::kDevice); }), HasSubstr("omitted"));
+  EXPECT_THAT(error_of([&] { store.view(2, ChunkKind::kMomentum); }), HasSubstr("omitted"));
+  EXPECT_THAT(error_of([&] { store.chunk_view(gone); }), HasSubstr("omitted"));
+  EXPECT_EQ(host_.used_bytes(), 0);
+  EXPECT_EQ(device_.used_bytes(), 0);
+  EXPECT_EQ(store.tier(gone), Tier::kNone);
+  // A chunk with a payload cannot be omitted.
+  store.allocate(kept, Tier::kHost);
+  EXPECT_THAT(error_of([&] { store.omit(kept); }), HasSubstr("has a payload"));
+  EXPECT_FALSE(store.omitted(kept));
+  EXPECT_EQ(store.chunk_bytes(kept), 256);
+}
+
 TEST_F(ChunkStoreTest, RejectsBadConstruction) {
   Layout unfinished;
   unfinished.add_tensor("w", {4});

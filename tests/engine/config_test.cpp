@@ -54,6 +54,20 @@ TEST(Config, OverlapStepIsAutoTrueOrFalseWithAByteBound) {
             OverlapMode::kAuto);
 }
 
+TEST(Config, FrozenParametersAreLeanOrKeepFullState) {
+  EXPECT_EQ(Config::from_string("{}").frozen_parameters, FrozenParameters::kLean);
+  const Config full =
+      Config::from_string(R"({"zero_optimization": {"frozen_parameters": "full_state"}})");
+  EXPECT_EQ(full.frozen_parameters, FrozenParameters::kFullState);
+  EXPECT_EQ(Config::from_json(full.to_json()).frozen_parameters, FrozenParameters::kFullState);
+  for (const char* bad : {R"("full")", "true", "1"}) {
+    const std::string error =
+        error_of(std::string(R"({"zero_optimization": {"frozen_parameters": )") + bad + "}}");
+    EXPECT_NE(error.find("$.zero_optimization.frozen_parameters"), std::string::npos) << error;
+    EXPECT_NE(error.find("\"full_state\""), std::string::npos) << error;
+  }
+}
+
 TEST(Config, PatrickStarStyleDocumentIsReadInFull) {
   const Config c = Config::from_string(R"({
     "train_batch_size": 8,

@@ -235,8 +235,10 @@ TEST_F(EngineLoop, FloatInputsAreCastToTheComputeDtype) {
 
 TEST_F(EngineLoop, RequiresGradChangedAfterRegistrationTakesEffectAtTheNextIteration) {
   Net net = seeded_net();
-  net->fc2->weight.requires_grad_(false);  // frozen at registration
-  auto [model, optimizer] = initialize_engine([&] { return net; }, 0, small_device());
+  net->fc2->weight.requires_grad_(false);  // frozen at registration, with state to unfreeze later
+  auto [model, optimizer] = initialize_engine(
+      [&] { return net; }, 0,
+      small_device(R"({"zero_optimization": {"frozen_parameters": "full_state"}})"));
   auto fc2_weight = [&] {
     for (auto& [name, w] : model.engine().fp32_state_dict()) {
       if (name == "fc2.weight") return w;

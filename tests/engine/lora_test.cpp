@@ -12,7 +12,10 @@
 
 #include <unistd.h>
 
+#include "error_message.h"
 #include "gpt_training.h"
+#include "patrickstar/engine/gathered_parameters.h"
+#include "temp_folder.h"
 #include "test_device.h"
 
 namespace patrickstar {
@@ -201,6 +204,11 @@ TEST_F(LoraChunks, FrozenParametersHaveTheirOwnChunksAndTheStepMovesNoneOfThem) 
       }
     } else {
       ++frozen_indices;
+      // Lean: the param chunk alone holds bytes (fp32 here: 4 per element of its capacity).
+      for (const ChunkKindSpec& spec : store.kinds()) {
+        const ChunkId id = store.chunk_id(spec.kind, i);
+        EXPECT_EQ(store.omitted(id), spec.kind != ChunkKind::kParam) << store.describe(id);
+      }
     }
   }
   ASSERT_GT(frozen_indices, 0);
@@ -247,6 +255,193 @@ TEST_F(LoraCheckpoint, ResumedRunEqualsTheUninterruptedOneBitForBit) {
     EXPECT_TRUE(torch::equal(b_weights.at(name), w)) << name;
   }
   std::remove(path.c_str());
+}
+
+// Lean frozen chunks (zero_optimization "frozen_parameters": "lean", the default): a frozen base
+// costs its param chunk alone; what reads or writes its weights (state dicts, GatheredParameters,
+// checkpoints to and from an engine that keeps full state, the disk tier) works without the rest;
+// unfreezing it is refused, and "full_state" allows it.
+class LoraLean : public test::OnTestDevice {};
+
+Config with(const std::string& base, const std::string& extra) {
+  nlohmann::json j = test::tight_config(base).to_json();
+  j.merge_patch(nlohmann::json::parse(extra));
+  return Config::from_json(j);
+}
+
+constexpr const char* kHostAdamBf16 =
+    R"({"bf16": {"enabled": true}, "optimizer": {"params": {"use_hybrid_adam": false}}})";
+constexpr const char* kFullState = R"({"zero_optimization": {"frozen_parameters": "full_state"}})";
+
+TEST_F(LoraLean, AFrozenBaseCostsItsHalfWeightsAlone) {
+  models::Gpt lean_model = lora_model();
+  Engine lean(lean_model.ptr(), test::tight_config(kHostAdamBf16));
+  models::Gpt full_model = lora_model();
+  Engine full(full_model.ptr(), with(kHostAdamBf16, kFullState));
+  const ChunkStore& a = inspect(lean).chunks();
+  const ChunkStore& b = inspect(full).chunks();
+  ASSERT_EQ(a.chunks_per_kind(), b.chunks_per_kind());  // the same layout
+  int64_t frozen_elems = 0, lean_bytes = 0, full_bytes = 0;
+  for (int64_t i = 0; i < a.chunks_per_kind(); ++i) {
+    bool frozen = true;
+    for (TensorId id : a.layout().tensors_in_chunk(i)) {
+      frozen &= !lean_model->named_parameters()[a.layout().name(id)].requires_grad();
+    }
+    int64_t index_lean = 0, index_full = 0;
+    for (const ChunkKindSpec& spec : a.kinds()) {
+      index_lean += a.chunk_bytes(a.chunk_id(spec.kind, i));
+      index_full += b.chunk_bytes(b.chunk_id(spec.kind, i));
+    }
+    if (!frozen) {
+      EXPECT_EQ(index_lean, index_full) << "a trained index keeps every kind, chunk index " << i;
+      continue;
+    }
+    frozen_elems += a.layout().used_elems(i);
+    lean_bytes += index_lean;
+    full_bytes += index_full;
+    EXPECT_EQ(index_lean, 2 * a.layout().chunk_capacity(i))
+        << "bf16 param chunk alone, index " << i;
+  }
+  ASSERT_GT(frozen_elems, 0);
+  std::printf("frozen base: %lld parameters, %.3f bytes each lean, %.3f with full state\n",
+              static_cast<long long>(frozen_elems),
+              static_cast<double>(lean_bytes) / static_cast<double>(frozen_elems),
+              static_cast<double>(full_bytes) / static_cast<double>(frozen_elems));
+  // bf16: 2 bytes against 2 + 4 (master) + 4 + 4 (fp32 moments), waste alike.
+  EXPECT_EQ(full_bytes, 7 * lean_bytes);
+  EXPECT_EQ(b.total_chunk_bytes() - a.total_chunk_bytes(), full_bytes - lean_bytes);
+  // And both train alike (every Adam on the host: the same kernel for both).
+  for (int s = 0; s < 3; ++s) {
+    double lean_loss = 0, full_loss = 0;
+    test::train_step(lean, lean_model, s, &lean_loss);
+    test::train_step(full, full_model, s, &full_loss);
+    EXPECT_EQ(lean_loss, full_loss) << "step " << s;
+  }
+}
+
+TEST_F(LoraLean, UnfreezingALeanParameterIsRefusedUntilItIsFrozenAgain) {
+  models::Gpt model = lora_model();
+  Engine engine(model.ptr(), test::tight_config());
+  models::Gpt reference_model = lora_model();
+  Engine reference(reference_model.ptr(), test::tight_config());
+  double loss = 0, expected = 0;
+  test::train_step(engine, model, 0, &loss);
+  test::train_step(reference, reference_model, 0, &expected);
+  at::Tensor w = model->named_parameters()["blocks.0.qkv.weight"];
+  ASSERT_FALSE(w.requires_grad());
+  w.requires_grad_(true);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // refused again, nothing half-applied
+    const std::string error = test::error_of([&] { test::train_step(engine, model, 1); });
+    EXPECT_NE(error.find("blocks.0.qkv.weight"), std::string::npos) << error;
+    EXPECT_NE(error.find("\"full_state\""), std::string::npos) << error;
+  }
+  w.requires_grad_(false);
+  for (int s = 1; s < 4; ++s) {
+    test::train_step(engine, model, s, &loss);
+    test::train_step(reference, reference_model, s, &expected);
+    EXPECT_EQ(loss, expected) << "step " << s;
+  }
+  EXPECT_EQ(engine.retrace_count(), 0);
+}
+
+TEST_F(LoraLean, FullStateLetsAFrozenParameterTrainLater) {
+  models::Gpt model = lora_model();
+  Engine engine(model.ptr(), with("{}", kFullState));
+  test::train_step(engine, model, 0);
+  at::Tensor w = model->named_parameters()["blocks.0.qkv.weight"];
+  const at::Tensor before = engine_weights(engine).at("blocks.0.qkv.weight");
+  w.requires_grad_(true);
+  test::train_step(engine, model, 1);
+  test::train_step(engine, model, 2);
+  EXPECT_FALSE(torch::equal(engine_weights(engine).at("blocks.0.qkv.weight"), before));
+}
+
+TEST_F(LoraLean, GatheredParametersAndTeardownReadAndWriteALeanWeight) {
+  models::Gpt model = lora_model();
+  const at::Tensor built = model->named_parameters()["blocks.0.fc.weight"].detach().clone();
+  at::Tensor w = model->named_parameters()["blocks.1.proj.weight"];
+  at::Tensor half_weights;
+  {
+    Engine engine(model.ptr(), test::tight_config(R"({"bf16": {"enabled": true}})"));
+    test::train_step(engine, model, 0);
+    torch::nn::Module& block = *model->named_modules()["blocks.1"];
+    const at::Tensor stored = engine_weights(engine).at("blocks.1.proj.weight");
+    // In bf16 a lean weight is its half weight: the fp32 value it was built with, rounded once.
+    EXPECT_TRUE(torch::equal(engine_weights(engine).at("blocks.0.fc.weight"),
+                             built.to(at::kBFloat16).to(at::kFloat)));
+    {
+      GatheredParameters scope(block);
+      EXPECT_EQ(w.scalar_type(), at::kFloat);
+      EXPECT_TRUE(torch::equal(w.cpu(), stored));
+      torch::NoGradGuard no_grad;
+      w.fill_(0.5);
+    }
+    EXPECT_TRUE(torch::equal(engine_weights(engine).at("blocks.1.proj.weight"),
+                             torch::full_like(stored, 0.5)));
+    test::train_step(engine, model, 1);  // trains on from there
+    EXPECT_TRUE(torch::equal(engine_weights(engine).at("blocks.1.proj.weight"),
+                             torch::full_like(stored, 0.5)));
+  }
+  // The engine gives the model its lean weights back, widened to fp32.
+  ASSERT_EQ(w.scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(w, torch::full_like(w, 0.5)));
+  EXPECT_TRUE(torch::equal(model->named_parameters()["blocks.0.fc.weight"],
+                           built.to(at::kBFloat16).to(at::kFloat)));
+}
+
+TEST_F(LoraLean, CheckpointsGoBothWaysBetweenLeanAndFullState) {
+  test::TempFolder folder("lora-lean");
+  const std::map<std::string, Config> configs = {{"lean", test::tight_config(kHostAdamBf16)},
+                                                 {"full_state", with(kHostAdamBf16, kFullState)}};
+  for (const auto& [from, to] : {std::pair{"lean", "full_state"}, {"full_state", "lean"}}) {
+    SCOPED_TRACE(std::string(from) + " -> " + to);
+    const std::string path = folder.path() + "/" + from + ".pt";
+    models::Gpt a_model = lora_model(1);
+    Engine a(a_model.ptr(), configs.at(from));
+    train_engine(a, a_model, 0, 3, 1);
+    a.save_checkpoint(path);
+    const std::vector<double> a_rest = train_engine(a, a_model, 3, 3, 1);
+    models::Gpt b_model = lora_model(99);
+    Engine b(b_model.ptr(), configs.at(to));
+    b.load_checkpoint(path);
+    const std::vector<double> b_rest = train_engine(b, b_model, 3, 3, 1);
+    for (size_t i = 0; i < a_rest.size(); ++i) EXPECT_EQ(b_rest[i], a_rest[i]) << "step " << 3 + i;
+    const Weights a_weights = engine_weights(a), b_weights = engine_weights(b);
+    for (const auto& [name, w] : a_weights) {
+      // A full-state engine's frozen masters keep their fp32 values; the bf16 weights are equal.
+      EXPECT_TRUE(torch::equal(b_weights.at(name).to(at::kBFloat16), w.to(at::kBFloat16))) << name;
+      if (b_model->named_parameters()[name].requires_grad()) {
+        EXPECT_TRUE(torch::equal(b_weights.at(name), w)) << name;
+      }
+    }
+  }
+}
+
+TEST_F(LoraLean, TheDiskTierKeepsNoFilesForALeanBaseAndTrainsAlike) {
+  test::TempFolder folder("lora-lean-disk");
+  models::Gpt model = lora_model();
+  Engine engine(model.ptr(), with(kHostAdamBf16, R"({"zero_optimization": {"offload_optimizer":
+      {"device": "nvme", "nvme_path": ")" + folder.path() +
+                                                     R"("}}})"));
+  models::Gpt reference_model = lora_model();
+  Engine reference(reference_model.ptr(), test::tight_config(kHostAdamBf16));
+  const ChunkStore& store = inspect(engine).chunks();
+  int64_t trained_indices = 0;
+  for (int64_t i = 0; i < store.chunks_per_kind(); ++i) {
+    trained_indices += store.omitted(store.chunk_id(ChunkKind::kMomentum, i)) ? 0 : 1;
+  }
+  ASSERT_GT(trained_indices, 0);
+  ASSERT_LT(trained_indices, store.chunks_per_kind());
+  // Master, momentum and variance of the trained indices only.
+  EXPECT_EQ(static_cast<int64_t>(folder.files().size()), 3 * trained_indices);
+  for (int s = 0; s < 4; ++s) {
+    double loss = 0, expected = 0;
+    test::train_step(engine, model, s, &loss);
+    test::train_step(reference, reference_model, s, &expected);
+    EXPECT_EQ(loss, expected) << "step " << s;
+  }
+  const Weights a = engine_weights(engine), b = engine_weights(reference);
+  for (const auto& [name, w] : b) EXPECT_TRUE(torch::equal(a.at(name), w)) << name;
 }
 
 }  // namespace

@@ -58,6 +58,7 @@ struct Chunk {
   void* payload = nullptr;  // nullptr exactly when tier == kNone
   ChunkStateCounts states;  // its tensors per state, kept in step with set_state()
   CopyEvent ready = 0;      // the queued copy writing the payload (0: none not yet waited for)
+  bool omitted = false;     // ChunkStore::omit(): never holds a payload; bytes is 0
 };
 
 // Exact traffic since construction or the last reset_move_counters().
@@ -103,10 +104,18 @@ class ChunkStore {
   int64_t chunk_elems() const { return layout_.chunk_elems(); }
   // Sum of chunk_bytes over the chunks whose payload is in `tier`.
   int64_t resident_bytes(Tier tier) const;
-  // Bytes of every kind's chunks that hold no tensor: Layout::waste_elems() in each kind's dtype.
+  // Bytes of every kind's chunks that hold no tensor: each chunk's capacity minus its tensors'
+  // elements, in its kind's dtype (omitted chunks hold nothing and waste nothing).
   int64_t waste_bytes() const;
-  // Bytes of every chunk of every kind, resident or not (the model data once all are allocated).
+  // Bytes of every chunk of every kind, resident or not (the model data once all are allocated;
+  // omitted chunks count 0).
   int64_t total_chunk_bytes() const;
+  // A chunk that will never hold a payload (the engine omits the optimizer-state and gradient
+  // chunks of an index whose parameters are all frozen): its bytes become 0, and allocating it, or
+  // a view of it, throws c10::Error saying it is omitted. Only a released chunk can be omitted;
+  // nothing undoes it.
+  void omit(ChunkId id);
+  bool omitted(ChunkId id) const { return chunk(id).omitted; }
   // "momentum chunk 3 (id 7)": for error messages and logs.
   std::string describe(ChunkId id) const;
 

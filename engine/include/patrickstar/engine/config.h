@@ -150,8 +150,20 @@ struct DelayedUpdateConfig {
   int64_t warmup_steps = 10;
 };
 
+// "zero_optimization": {"frozen_parameters": "lean"}: what a parameter frozen at registration
+// (requires_grad false when initialize_engine takes the model) costs. "lean" (the default): frozen
+// parameters get chunk indices of their own holding their param chunk only (no fp32 master,
+// momentum, variance or gradient chunk: 2 bytes per parameter in bf16), and requires_grad_(true)
+// on such a parameter later is an error naming it. With data parallel, where chunks of their own
+// take fewer bytes per rank than sharing chunks with the trained parameters (each group rounds up
+// to world_size chunks; a large frozen base), sharded and gathered like the others and never
+// reduced; else they share chunks, with full state. "full_state": every parameter keeps full
+// optimizer state, for gradual unfreezing (docs/design.md, "Frozen parameters").
+enum class FrozenParameters : uint8_t { kLean, kFullState };
+
 struct Config {
   OptimizerConfig optimizer;
+  FrozenParameters frozen_parameters = FrozenParameters::kLean;
   OffloadConfig offload_optimizer;
   OverlapStepConfig overlap_step;
   DelayedUpdateConfig delayed_update;
