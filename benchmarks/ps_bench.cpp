@@ -50,6 +50,11 @@ ABSL_FLAG(std::string, state_dtype, "",
 ABSL_FLAG(int64_t, lora, 0,
           "fine-tune with low-rank adapters of this rank on the attention projections, the rest "
           "of the model frozen (0: train every parameter)");
+ABSL_FLAG(bool, deferred_init, false,
+          "build the model with deferred initialization: each module's fp32 weights freed as it "
+          "is built, each parameter's value made at registration, in its chunk (the host never "
+          "holds the whole model in fp32; the values are drawn per parameter, so they differ from "
+          "a model built whole)");
 ABSL_FLAG(std::string, device, "",
           "emulated:<bytes> (e.g. emulated:64MiB), cuda, or cuda:<bytes> (a cap below the GPU's "
           "memory; cuda alone: the config's capacity_bytes, by default what GPU 0 has free)");
@@ -157,6 +162,7 @@ int run() {
   TORCH_CHECK(absl::GetFlag(FLAGS_lora) >= 0,
               "--lora must be 0 (no adapters) or a positive rank, got ", absl::GetFlag(FLAGS_lora));
   spec.lora_rank = absl::GetFlag(FLAGS_lora);
+  spec.deferred_init = absl::GetFlag(FLAGS_deferred_init);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
   const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;
   const int64_t steps = absl::GetFlag(FLAGS_steps);
@@ -226,6 +232,14 @@ int run() {
               static_cast<long long>(reg.params), static_cast<long long>(reg.chunks_per_kind),
               static_cast<long long>(reg.chunk_elems), 100.0 * reg.chunk_waste_fraction,
               reg.model_data_bytes_per_param);
+  if (lead) {
+    std::printf(
+        "initialization: host peak %lld bytes (model construction %lld%s); goal %lld "
+        "(model data on the host + the largest module's fp32 weights)\n",
+        static_cast<long long>(reg.host_peak_bytes_during_init),
+        static_cast<long long>(reg.model_construction_peak_bytes),
+        spec.deferred_init ? ", deferred" : "", static_cast<long long>(reg.init_goal_bytes));
+  }
   if (lead && world == 1 && spec.lora_rank > 0) {
     print_bytes_by_training(inspect(engine).chunks(), model.module());
   }
@@ -383,6 +397,8 @@ int run() {
   out["device_peak_bytes"] = device_peak;
   out["host_peak_bytes"] = inspect(engine).host_tier().peak_bytes();
   out["init_host_peak_bytes"] = reg.host_peak_bytes_during_init;
+  out["model_construction_peak_bytes"] = reg.model_construction_peak_bytes;
+  out["deferred_init"] = spec.deferred_init;
   out["init_goal_bytes"] = reg.init_goal_bytes;  // model data + the largest module's fp32 weights
   out["h2d_bytes_per_iter"] = h2d;
   // The warm-up's loads: its own (forward, backward and step under the warm-up budget) and the warm

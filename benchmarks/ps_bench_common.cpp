@@ -224,6 +224,7 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
                             int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print) {
   torch::manual_seed(seed);
   ps::models::Gpt model(spec);
+  ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
   const auto& o = config.optimizer;
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)

@@ -18,6 +18,8 @@
 //   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
 #include "engine_core.h"
 
+#include "patrickstar/engine/deferred_init.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
@@ -49,7 +51,10 @@ void EngineCore::broadcast_initial_state(
       t.copy_(staging);
     }
   };
-  for (const auto& item : params) broadcast(item.second);
+  // A deferred parameter has no value yet: its owner's initializer gives it one at registration.
+  for (const auto& item : params) {
+    if (!is_deferred(item.second)) broadcast(item.second);
+  }
   for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
     if (b.defined() && b.device().is_cpu() && b.numel() > 0) broadcast(b);
   }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "patrickstar/memtracer/counting_allocator.h"
 
+#include "deferred_values.h"
 #include "disk_states.h"
 #include "engine_internal.h"
 
@@ -43,7 +44,9 @@ void EngineCore::abandon_registration() {
 }
 
 void EngineCore::register_parameters() {
-  // 1. Collect and check, touching nothing.
+  // 1. Collect and check, touching nothing. A deferred parameter (deferred_init.h) has no data
+  //    yet: its initializer gives its value when its chunk index is filled (step 3).
+  const InitializerLookup initializers(*model_);
   std::vector<std::pair<std::string, at::Tensor>> unique;
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
@@ -53,6 +56,14 @@ void EngineCore::register_parameters() {
       TORCH_CHECK(false, "patrickstar::Engine: parameter ", item.key(), " is ", t.scalar_type(),
                   " on ", t.device(),
                   "; build the model in fp32 on the CPU (the engine places it)");
+    }
+    if (is_deferred(t)) {
+      try {
+        initializers.check(item.key());
+      } catch (...) {
+        params_.clear();
+        throw;
+      }
     }
     params_.add(t);
     unique.emplace_back(item.key(), t);
@@ -256,7 +267,9 @@ void EngineCore::register_parameters() {
   torch::NoGradGuard no_grad;
   CountingCpuAllocator& counter = *CountingCpuAllocator::installed();
   int64_t model_bytes_at_start = 0;
-  for (const auto& item : unique) model_bytes_at_start += item.second.nbytes();
+  for (const auto& item : unique) {
+    if (!is_deferred(item.second)) model_bytes_at_start += item.second.nbytes();
+  }
   const int64_t live_at_start = counter.live_bytes();
   ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
   int64_t& init_peak = metrics_.registration().host_peak_bytes_during_init;
@@ -314,8 +327,10 @@ void EngineCore::register_parameters() {
         p.id = id;
         p.trainable = t.requires_grad();
         if (mine) {
-          store().view(p.id, ChunkKind::kParam).copy_(t);
-          if (mixed_ && full) store().view(p.id, ChunkKind::kParamFp32).copy_(t);
+          // A deferred parameter's value exists from here to its copies (one parameter at a time).
+          const at::Tensor value = is_deferred(t) ? initializers.value_of(name, t.sizes()) : t;
+          store().view(p.id, ChunkKind::kParam).copy_(value);
+          if (mixed_ && full) store().view(p.id, ChunkKind::kParamFp32).copy_(value);
         }
         const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
         // A CPU embedding's parameters compute on the host; the others where the device tier is.

@@ -265,6 +265,23 @@ double EngineCore::lr() const { return adam_->options().lr(); }
 IterationReport EngineCore::step() {
   recover_from_a_dead_backward("step()");
   zero_grad_if_marker_reset();
+  // A gradient assigned by hand where the engine shows none (a frozen parameter, one no loss
+  // reached since the last zero_grad): torch::optim would step the parameter with it, the engine
+  // has no gradient slot to take it from. Refused, changing nothing, until it is reset.
+  for (const Param& p : params_) {
+    TORCH_CHECK(p.grad.tensor.defined() || !p.tensor.grad().defined(), "patrickstar: parameter ",
+                p.name,
+                " has a gradient the engine did not give it (assigned to its grad() where the "
+                "engine shows none: ",
+                p.trainable ? "no loss reached it since the last zero_grad()"
+                            : "it is frozen (requires_grad false)",
+                "); torch::optim would step it with that gradient, the engine would ignore it. "
+                "Give it a gradient through a loss",
+                p.trainable ? ""
+                            : " (unfrozen, which a parameter frozen at registration may "
+                              "only be with \"frozen_parameters\": \"full_state\")",
+                ", or reset it (p.mutable_grad().reset())");
+  }
   const int64_t held = params_.gathered(/*for_write=*/true);
   TORCH_CHECK(held == 0,
               "patrickstar: step() while a read-write GatheredParameters "

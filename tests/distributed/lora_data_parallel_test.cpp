@@ -194,5 +194,36 @@ TEST(LoraDataParallel, LeanFrozenChunksWhereverTheyTakeFewerBytesPerRank) {
   }
 }
 
+// Deferred initialization: each rank writes the values of the chunks it owns (nothing is
+// broadcast), so with the same seed on every rank the engine starts from one process's weights.
+TEST(LoraDataParallel, ADeferredBaseIsInitializedByTheRanksThatOwnItsChunks) {
+  const Config config = tight_config(
+      R"({"default_chunk_size": 32768, "client": {"device": {"capacity_bytes": 8388608}}})");
+  auto deferred = [] {
+    models::GptSpec spec = tiny();
+    spec.lora_rank = 4;
+    spec.lora_alpha = 8.0;
+    spec.deferred_init = true;
+    torch::manual_seed(1);
+    return models::Gpt(spec);
+  };
+  models::Gpt model = deferred();
+  Engine engine(model.ptr(), config, comm());
+  models::Gpt one_model = deferred();
+  Engine one(one_model.ptr(), config);
+  const auto ours = engine.fp32_state_dict(), theirs = one.fp32_state_dict();
+  ASSERT_EQ(ours.size(), theirs.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_TRUE(torch::equal(ours[i].second, theirs[i].second)) << ours[i].first;
+  }
+  const double apart = max_relative_difference(train(engine, model, 0, 3, /*sharded=*/true),
+                                               train(one, one_model, 0, 3, /*sharded=*/false));
+  if (comm()->rank() == 0) {
+    std::printf("%d rank(s), deferred base: losses within %.3g of one process\n",
+                comm()->world_size(), apart);
+  }
+  EXPECT_LE(apart, 1e-5);
+}
+
 }  // namespace
 }  // namespace patrickstar

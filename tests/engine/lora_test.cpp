@@ -344,6 +344,41 @@ TEST_F(LoraLean, UnfreezingALeanParameterIsRefusedUntilItIsFrozenAgain) {
   EXPECT_EQ(engine.retrace_count(), 0);
 }
 
+// torch::optim steps a frozen parameter whose grad() a trainer assigned by hand; the engine has no
+// gradient slot for it, so its step refuses instead of ignoring it, until the gradient is reset.
+TEST_F(LoraLean, AGradientAssignedToAFrozenParameterIsRefusedUntilReset) {
+  models::Gpt model = lora_model();
+  Engine engine(model.ptr(), test::tight_config());
+  models::Gpt reference_model = lora_model();
+  Engine reference(reference_model.ptr(), test::tight_config());
+  double loss = 0, expected = 0;
+  test::train_step(engine, model, 0, &loss);
+  test::train_step(reference, reference_model, 0, &expected);
+  at::Tensor w = model->named_parameters()["blocks.1.fc.weight"];
+  auto batch = test::batch_of_step(1);
+  engine.zero_grad();
+  at::Tensor out;
+  {
+    auto active = engine.activate();
+    out = model->loss(batch.tokens, batch.targets);
+  }
+  engine.backward(out);
+  w.mutable_grad() = torch::ones(w.sizes());
+  for (int attempt = 0; attempt < 2; ++attempt) {  // refused again, nothing half-applied
+    const std::string error = test::error_of([&] { engine.step(); });
+    EXPECT_NE(error.find("blocks.1.fc.weight"), std::string::npos) << error;
+    EXPECT_NE(error.find("frozen"), std::string::npos) << error;
+  }
+  w.mutable_grad().reset();
+  engine.step();
+  test::train_step(reference, reference_model, 1);
+  for (int s = 2; s < 4; ++s) {
+    test::train_step(engine, model, s, &loss);
+    test::train_step(reference, reference_model, s, &expected);
+    EXPECT_EQ(loss, expected) << "step " << s;
+  }
+}
+
 TEST_F(LoraLean, FullStateLetsAFrozenParameterTrainLater) {
   models::Gpt model = lora_model();
   Engine engine(model.ptr(), with("{}", kFullState));

@@ -1,5 +1,8 @@
 #include "patrickstar/models/gpt.h"
 
+#include <cstdint>
+#include <initializer_list>
+
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/gelu.h>
@@ -102,21 +105,40 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   return y + call(fc_out, at::gelu(call(fc, call(ln2, y))));
 }
 
+void GptBlockImpl::defer_base() {
+  for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
+           ln1.get(), qkv.get(), proj.get(), ln2.get(), fc.get(), fc_out.get()}) {
+    defer_parameters(*m);
+  }
+}
+
 GptImpl::GptImpl(const GptSpec& spec) : spec_(spec) {
   TORCH_CHECK(spec.layers > 0 && spec.hidden > 0 && spec.vocab > 0 && spec.max_seq > 0 &&
                   spec.lora_rank >= 0,
               "GPT spec \"", spec.name, "\" has a non-positive size");
+  init_seed_ = at::detail::getDefaultCPUGenerator().current_seed();
+  // Deferred: each module's fp32 weights are freed as soon as it is built (one block at a time).
+  auto made = [&](torch::nn::Module& m) {
+    if (spec.deferred_init) defer_parameters(m);
+  };
   wte = register_module("wte", torch::nn::Embedding(spec.vocab, spec.hidden));
+  made(*wte);
   wpe = register_module("wpe", torch::nn::Embedding(spec.max_seq, spec.hidden));
+  made(*wpe);
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < spec.layers; ++i)
-    blocks->push_back(GptBlock(spec.hidden, spec.heads, spec.lora_rank, spec.lora_alpha));
+  for (int64_t i = 0; i < spec.layers; ++i) {
+    GptBlock block(spec.hidden, spec.heads, spec.lora_rank, spec.lora_alpha);
+    if (spec.deferred_init) block->defer_base();
+    blocks->push_back(block);
+  }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({spec.hidden})));
+  made(*ln_f);
   // GPT-2's initialisation: normal(0, 0.02) weights, zero biases, unit LayerNorm (the adapters
-  // draw their own).
+  // draw their own; a deferred parameter gets its value from initialize_parameter).
   torch::NoGradGuard no_grad;
   for (auto& p : named_parameters()) {
-    if (p.key().find("ln") != std::string::npos || p.key().find("_lora.") != std::string::npos) {
+    if (p.key().find("ln") != std::string::npos || p.key().find("_lora.") != std::string::npos ||
+        is_deferred(p.value())) {
       continue;
     }
     if (p.key().find("bias") != std::string::npos) {
@@ -126,6 +148,23 @@ GptImpl::GptImpl(const GptSpec& spec) : spec_(spec) {
     }
   }
   if (spec.lora_rank > 0) freeze_all_but_adapters(*this);
+}
+
+void GptImpl::initialize_parameter(const std::string& name, at::Tensor& value) const {
+  if (name.find("ln") != std::string::npos) {  // ln1, ln2, ln_f: unit weight, zero bias
+    value.fill_(name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 ? 1.0 : 0.0);
+  } else if (name.find("bias") != std::string::npos) {
+    value.zero_();
+  } else {
+    // The seed: FNV-1a of the name, mixed with the construction's seed (splitmix64's finalizer).
+    uint64_t h = 1469598103934665603ULL;
+    for (const char c : name) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ULL;
+    uint64_t z = h ^ init_seed_;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(z ^ (z >> 31));
+    value.normal_(0.0, 0.02, gen);
+  }
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {

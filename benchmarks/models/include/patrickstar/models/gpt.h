@@ -21,6 +21,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "patrickstar/engine/deferred_init.h"
 #include "patrickstar/models/lora.h"
 
 namespace patrickstar::models {
@@ -40,6 +41,15 @@ struct GptSpec {
   // (requires_grad false) when the model is built.
   int64_t lora_rank = 0;
   double lora_alpha = 16.0;
+  // Deferred initialization (patrickstar/engine/deferred_init.h): each module's parameters are
+  // freed as soon as it is built, so the host never holds the whole model in fp32; the engine
+  // writes each one's value into its chunk at registration (GptImpl::initialize_parameter), and
+  // patrickstar::materialize_parameters gives them their values for plain LibTorch. The values
+  // follow the same rules as without it (normal(0, 0.02) weights, zero biases, unit LayerNorm) but
+  // are drawn per parameter from a seed of its name and of the CPU generator's seed at
+  // construction (torch::manual_seed), so they differ from a model built whole. The adapters keep
+  // their data (they are small and train).
+  bool deferred_init = false;
 
   // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h, plus
   // L*6hr of adapters with lora_rank r.
@@ -59,6 +69,8 @@ class GptBlockImpl : public torch::nn::Module {
   // lora_rank > 0: qkv and proj get adapters (qkv_lora, proj_lora) of that rank.
   GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank = 0, double lora_alpha = 16.0);
   at::Tensor forward(const at::Tensor& x);
+  // Defers the parameters of every submodule but the adapters (GptSpec::deferred_init).
+  void defer_base();
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, fc_out{nullptr};
@@ -69,7 +81,7 @@ class GptBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GptBlock);
 
-class GptImpl : public torch::nn::Module {
+class GptImpl : public torch::nn::Module, public ParameterInitializer {
  public:
   explicit GptImpl(const GptSpec& spec);
   // Logits [batch, seq, vocab] for token ids [batch, seq].
@@ -78,6 +90,8 @@ class GptImpl : public torch::nn::Module {
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
 
   const GptSpec& spec() const { return spec_; }
+  // A deferred parameter's value (GptSpec::deferred_init): `name` as named_parameters() names it.
+  void initialize_parameter(const std::string& name, at::Tensor& value) const override;
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -85,6 +99,7 @@ class GptImpl : public torch::nn::Module {
 
  private:
   GptSpec spec_;
+  uint64_t init_seed_ = 0;  // the CPU generator's seed at construction (deferred_init)
 };
 TORCH_MODULE(Gpt);
 
