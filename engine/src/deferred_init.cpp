@@ -21,6 +21,8 @@ namespace {
 void deferred_marker(void* /*ctx*/) {}
 int g_marker_ctx = 0;
 
+}  // namespace
+
 at::Tensor deferred_tensor(c10::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
@@ -41,6 +43,8 @@ at::Tensor deferred_tensor(c10::IntArrayRef sizes, at::ScalarType dtype) {
   return t;
 }
 
+namespace {
+
 void collect(const torch::nn::Module& module, const std::string& prefix,
              std::vector<std::pair<std::string, const ParameterInitializer*>>& out) {
   if (const auto* init = dynamic_cast<const ParameterInitializer*>(&module))
@@ -54,8 +58,8 @@ void collect(const torch::nn::Module& module, const std::string& prefix,
 
 bool is_deferred(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return false;
-  return t.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get_deleter() ==
-         &deferred_marker;
+  const c10::DataPtr& data = t.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks();
+  return data.get_deleter() == &deferred_marker && data.get_context() == &g_marker_ctx;
 }
 
 void defer_parameters(torch::nn::Module& module) {

@@ -13,6 +13,10 @@
 
 namespace patrickstar {
 
+// A deferred parameter's tensor (defer_parameters): `sizes` and `dtype` over a storage without
+// data.
+at::Tensor deferred_tensor(c10::IntArrayRef sizes, at::ScalarType dtype);
+
 class InitializerLookup {
  public:
   // Every module of `model` (recursively, by named_children) that implements ParameterInitializer.

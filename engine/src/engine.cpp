@@ -128,25 +128,12 @@ EngineCore::~EngineCore() {
   for (const auto& [module, name] : params_.module_names())
     unregister_module_handler(*module, this);
   if (!gathered_scopes_.empty()) {
-    TORCH_WARN("patrickstar: the engine is destroyed while ", gathered_scopes_.size(),
-               " GatheredParameters scope", gathered_scopes_.size() == 1 ? " is" : "s are",
-               " open: their values are not written back (the model gets the fp32 master weights)");
+    TORCH_WARN(
+        "patrickstar: the engine is destroyed while ", gathered_scopes_.size(),
+        " GatheredParameters scope", gathered_scopes_.size() == 1 ? " is" : "s are",
+        " open: their values are not written back (the model gets the fp32 master weights, while "
+        "anything holds it)");
     for (GatheredParameters* scope : gathered_scopes_) scope->engine_ = nullptr;
-  }
-  // The engine holds the last reference to the model (its handles went first, as at the end of
-  // the scope that made them; one process): nobody can read the parameters, and their fp32 values
-  // would take the whole model in fp32, more than the model data on the host with a lean frozen
-  // base or the disk tier (GPT3_8B with adapters: 33 GB against 17). They keep their fences; the
-  // chunks go with the store.
-  if (!distributed() && model_.use_count() == 1 && storage_.store != nullptr) {
-    for (Param& p : params_) p.grad.consumed = false;  // (no warning about the next backward)
-    clear_gradient_handles();
-    for (const Param& p : params_) {
-      if (!p.tensor.defined()) continue;
-      if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
-      if (p.gathered == GatherHold::kNone) point_at_nothing(p);
-    }
-    return;
   }
   give_back_model(/*may_gather=*/std::uncaught_exceptions() == 0);
 }
@@ -187,6 +174,12 @@ void EngineCore::give_back_model(bool may_gather) {
     }
   }
   int64_t lost = 0;  // parameters whose value could not be allocated (out of memory)
+  // The engine holds the last reference to the model (its handles went first, as at the end of
+  // the scope that made them; one process): the root module can no longer be reached, and fp32
+  // values would take the whole model in fp32, more than the model data on the host with a lean
+  // frozen base or the disk tier (GPT3_8B with adapters: 33 GB against 17). The parameters get a
+  // fence that says so instead (a submodule or a parameter kept from elsewhere throws when read).
+  const bool values = distributed() || model_.use_count() > 1;
   // One chunk at a time: its tensors get their values, then (one process) its payloads of every
   // kind go back to the system, so the host holds the model data plus one chunk's fp32 values at
   // most, not the model data plus the whole model in fp32 (megatron_1.3B: 18.5 GB + 5.3 GB).
@@ -204,13 +197,28 @@ void EngineCore::give_back_model(bool may_gather) {
       if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
       at::Tensor value;
       try {
-        value = distributed() ? value_in(masters[static_cast<size_t>(index)], p.id)
-                              : fp32_copy(weight_view(p.id));
+        if (values) {
+          value = distributed() ? value_in(masters[static_cast<size_t>(index)], p.id)
+                                : fp32_copy(weight_view(p.id));
+        }
       } catch (const std::exception&) {
         ++lost;
       }
       if (p.gathered == GatherHold::kNone) point_at_nothing(p);
-      if (value.defined()) p.tensor.set_data(value);
+      if (value.defined()) {
+        p.tensor.set_data(value);
+      } else if (!values) {
+        p.tensor.set_data(tensor_over(
+            fence_storage(4 * p.tensor.numel(),
+                          "patrickstar: parameter " + p.name +
+                              " has no value: its engine was destroyed holding the model's last "
+                              "reference, so it gave the model no fp32 weights back (they may "
+                              "not fit the host); keep the model (its handle, or "
+                              "Engine::module_ptr()) while the engine goes, or save the weights "
+                              "before (save_weights, fp32_state_dict)",
+                          c10::Device(c10::kCPU)),
+            p.tensor.sizes(), at::kFloat));
+      }
     }
     if (distributed()) continue;
     try {

@@ -284,13 +284,20 @@ void EngineCore::register_parameters() {
   params_.create_entries();
   std::vector<TensorId> moved;  // parameters whose storage is now the engine's fence
   moved.reserve(unique.size());
+  std::vector<bool> was_deferred(unique.size());
+  for (size_t k = 0; k < unique.size(); ++k) was_deferred[k] = is_deferred(unique[k].second);
   // A failing system allocation mid-way (the budget was checked): the parameters already moved
   // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
-  // precision). Data parallel: another rank's values never came here, so those cannot.
+  // precision). Data parallel: another rank's values never came here, so those cannot. A deferred
+  // parameter is deferred again (its initializer gives the same value to the next registration).
   auto restore_moved = [&]() -> bool {
     bool all = true;
     for (TensorId id : moved) {
       Param& p = params_[id];
+      if (was_deferred[static_cast<size_t>(id)]) {
+        p.tensor.set_data(deferred_tensor(p.tensor.sizes(), at::kFloat));
+        continue;
+      }
       try {
         TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
         p.tensor.set_data(fp32_copy(weight_view(id)));

@@ -265,23 +265,6 @@ double EngineCore::lr() const { return adam_->options().lr(); }
 IterationReport EngineCore::step() {
   recover_from_a_dead_backward("step()");
   zero_grad_if_marker_reset();
-  // A gradient assigned by hand where the engine shows none (a frozen parameter, one no loss
-  // reached since the last zero_grad): torch::optim would step the parameter with it, the engine
-  // has no gradient slot to take it from. Refused, changing nothing, until it is reset.
-  for (const Param& p : params_) {
-    TORCH_CHECK(p.grad.tensor.defined() || !p.tensor.grad().defined(), "patrickstar: parameter ",
-                p.name,
-                " has a gradient the engine did not give it (assigned to its grad() where the "
-                "engine shows none: ",
-                p.trainable ? "no loss reached it since the last zero_grad()"
-                            : "it is frozen (requires_grad false)",
-                "); torch::optim would step it with that gradient, the engine would ignore it. "
-                "Give it a gradient through a loss",
-                p.trainable ? ""
-                            : " (unfrozen, which a parameter frozen at registration may "
-                              "only be with \"frozen_parameters\": \"full_state\")",
-                ", or reset it (p.mutable_grad().reset())");
-  }
   const int64_t held = params_.gathered(/*for_write=*/true);
   TORCH_CHECK(held == 0,
               "patrickstar: step() while a read-write GatheredParameters "
@@ -329,6 +312,35 @@ IterationReport EngineCore::step() {
   auto tell_the_others = [&] {
     if (distributed() && !agreed) agree(-1e300);
   };
+  // A gradient assigned by hand where the engine shows none (a frozen parameter, one no loss
+  // reached since the last zero_grad, one unfrozen within the iteration): torch::optim would step
+  // the parameter with it, the engine has no gradient slot to take it from. Refused before
+  // anything changes (one process: until it is reset; data parallel: every rank discards the
+  // iteration, as for any rank that cannot take the step).
+  for (const Param& p : params_) {
+    if (p.grad.tensor.defined() || !p.tensor.grad().defined()) continue;
+    const char* why = !p.tensor.requires_grad() ? "it is frozen (requires_grad false)"
+                      : p.trainable             ? "no loss reached it since the last zero_grad()"
+                                    : "it was unfrozen after this iteration began; a change of "
+                                      "requires_grad takes effect at the next iteration";
+    if (distributed()) {
+      adam_->set_stats_reducer(nullptr);
+      tell_the_others();
+      drop_iteration();
+    }
+    TORCH_CHECK(false, "patrickstar: parameter ", p.name,
+                " has a gradient the engine did not give it (assigned to its grad() where the "
+                "engine shows none: ",
+                why,
+                "); torch::optim would step it with that gradient, the engine would ignore it. "
+                "Give it a gradient through a loss",
+                p.tensor.requires_grad() ? ""
+                                         : " (unfrozen, which a parameter frozen at registration "
+                                           "may only be with \"frozen_parameters\": "
+                                           "\"full_state\")",
+                ", or reset it (p.mutable_grad().reset())",
+                distributed() ? "; every rank discards the iteration" : "");
+  }
   IterationReport report;
   // Before the step decides anything (the Adam placement, the next pause): what this iteration's
   // backward could do.

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -223,6 +224,44 @@ TEST(LoraDataParallel, ADeferredBaseIsInitializedByTheRanksThatOwnItsChunks) {
                 comm()->world_size(), apart);
   }
   EXPECT_LE(apart, 1e-5);
+}
+
+// A gradient assigned by hand to a frozen parameter, on rank 0 only: its step refuses it, naming
+// it, and every rank discards the iteration (none waits for the others forever); training goes on
+// once it is reset.
+TEST(LoraDataParallel, AGradientAssignedToAFrozenParameterOnOneRankStopsEveryRankAlike) {
+  const Config config = tight_config(
+      R"({"default_chunk_size": 32768, "client": {"device": {"capacity_bytes": 8388608}}})");
+  models::Gpt model = lora_model(1);
+  Engine engine(model.ptr(), config, comm());
+  train(engine, model, 0, 1, /*sharded=*/true);
+  const auto batch = batch_of_step(1);
+  engine.zero_grad();
+  at::Tensor loss;
+  {
+    auto active = engine.activate();
+    loss = model->loss(my_rows(batch.tokens), my_rows(batch.targets));
+  }
+  engine.backward(loss);
+  at::Tensor w = model->named_parameters()["blocks.0.fc.weight"];
+  const bool me = comm()->rank() == 0;
+  if (me) {
+    w.mutable_grad() = torch::ones(w.sizes());
+  }
+  std::string error = "<no error>";
+  try {
+    engine.step();
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  if (me) {
+    EXPECT_NE(error.find("blocks.0.fc.weight"), std::string::npos) << error;
+    EXPECT_NE(error.find("frozen"), std::string::npos) << error;
+    w.mutable_grad().reset();
+  } else {
+    EXPECT_NE(error.find("another rank"), std::string::npos) << error;
+  }
+  for (const double l : train(engine, model, 2, 4, /*sharded=*/true)) EXPECT_TRUE(std::isfinite(l));
 }
 
 }  // namespace

@@ -182,6 +182,7 @@ TEST(DeferredInit, AnEngineHoldingTheLastReferenceToItsModelGivesNoValuesBack) {
       Config::from_json({{"default_chunk_size", "auto"}, {"bf16", {{"enabled", true}}}});
   CountingCpuAllocator& counter = CountingCpuAllocator::install();
   int64_t given[2] = {0, 0};  // the peak of the handles' destruction, kept / not kept
+  at::Tensor orphan;          // a parameter kept without its model
   for (const bool keep : {true, false}) {
     std::shared_ptr<models::GptImpl> kept;
     ScopedPeakWindow window(counter);
@@ -198,6 +199,7 @@ TEST(DeferredInit, AnEngineHoldingTheLastReferenceToItsModelGivesNoValuesBack) {
       model.backward(model->loss(batch.tokens, batch.targets));
       optimizer.step();
       if (keep) kept = model.module_ptr();
+      if (!keep) orphan = model.module().ln_f->weight;
       live = counter.live_bytes();
       window.reset();
     }
@@ -215,6 +217,10 @@ TEST(DeferredInit, AnEngineHoldingTheLastReferenceToItsModelGivesNoValuesBack) {
   // Kept: at least the largest parameter in fp32 (wte), at once. Not kept: nothing of the kind.
   EXPECT_GE(given[0], 4 * spec.vocab * spec.hidden);
   EXPECT_LT(given[1], 4 * spec.hidden * spec.hidden);
+  // A parameter kept without its model says why it has no value.
+  const std::string read = test::error_of([&] { (void)orphan.sum(); });
+  EXPECT_NE(read.find("ln_f.weight"), std::string::npos) << read;
+  EXPECT_NE(read.find("last reference"), std::string::npos) << read;
 }
 
 // A deferred parameter nobody can initialize, or whose initializer throws: refused, naming it,
@@ -248,6 +254,9 @@ TEST(DeferredInit, AParameterWithoutAValueIsRefusedNamingItAndNothingStaysRegist
   const std::string thrown =
       test::error_of([&] { Engine engine(refusing, test::tight_config(kAuto)); });
   EXPECT_NE(thrown.find("no value for inner.bias"), std::string::npos) << thrown;
+  // Deferred as before (its weight had moved into a chunk): nothing in fp32 on the host.
+  EXPECT_TRUE(is_deferred(refusing->inner->weight));
+  EXPECT_TRUE(is_deferred(refusing->inner->bias));
   // The model can go to another engine, and its values are the initializer's there.
   refusing->refuse = false;
   Engine engine(refusing, test::tight_config(kAuto));

@@ -1,9 +1,9 @@
 // Deferred initialization: a model whose parameters are never all in host memory in fp32 at once.
 // Each deferred parameter keeps its shape and dtype but has no data; the engine's registration asks
 // the model for its value, one parameter at a time, copies it into its chunk and frees it. So the
-// host holds at most the model data plus one parameter's fp32 value, construction included (what a
-// model of more parameters than the host holds in fp32 needs: docs/design.md, "Deferred
-// initialization").
+// host holds at most the model data plus one parameter's fp32 value at registration, and one
+// module built whole (before it is deferred) during construction: what a model of more parameters
+// than the host holds in fp32 needs (docs/design.md, "Deferred initialization").
 //
 //   class MyModelImpl : public torch::nn::Module, public patrickstar::ParameterInitializer {
 //    public:
@@ -13,9 +13,12 @@
 //         patrickstar::defer_parameters(*blocks[i]);     // its storage freed here
 //       }
 //     }
-//     // name: the parameter's name below this module ("blocks.3.fc.weight").
+//     // name: the parameter's name below this module ("blocks.3.fc.weight"); value: fp32 on the
+//     // CPU, of the parameter's shape. The same value whenever asked: draw from a generator
+//     // seeded by the name, not from the global one.
 //     void initialize_parameter(const std::string& name, at::Tensor& value) const override {
-//       value.normal_(0.0, 0.02);   // value: fp32 on the CPU, of the parameter's shape
+//       auto gen = at::make_generator<at::CPUGeneratorImpl>(std::hash<std::string>{}(name));
+//       value.normal_(0.0, 0.02, gen);
 //     }
 //   };
 //
@@ -55,7 +58,8 @@ bool is_deferred(const at::Tensor& t);
 
 // Gives every deferred parameter of `model` its value from its initializer (fp32 on the CPU), so
 // that the model trains in plain LibTorch. Returns how many it gave a value. Throws c10::Error
-// naming the parameter when one has no initializer above it (those before it keep their values).
+// naming the parameter, changing nothing, when one has no initializer above it (an initializer that
+// throws leaves the parameters before it with their values).
 int64_t materialize_parameters(torch::nn::Module& model);
 
 }  // namespace patrickstar

@@ -47,8 +47,9 @@ struct GptSpec {
   // patrickstar::materialize_parameters gives them their values for plain LibTorch. The values
   // follow the same rules as without it (normal(0, 0.02) weights, zero biases, unit LayerNorm) but
   // are drawn per parameter from a seed of its name and of the CPU generator's seed at
-  // construction (torch::manual_seed), so they differ from a model built whole. The adapters keep
-  // their data (they are small and train).
+  // construction (torch::manual_seed; two models built after one manual_seed get the same
+  // values), so they differ from a model built whole. The adapters keep their data (they are
+  // small and train).
   bool deferred_init = false;
 
   // Exact parameter count (tied LM head counted once): V*h + S*h + L*(12h^2 + 13h) + 2h, plus
