@@ -8,11 +8,12 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/StorageImpl.h>
-#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "deferred_values.h"
+#include "engine_internal.h"
 
 namespace patrickstar {
 namespace {
@@ -24,23 +25,16 @@ int g_marker_ctx = 0;
 }  // namespace
 
 at::Tensor deferred_tensor(c10::IntArrayRef sizes, at::ScalarType dtype) {
-  int64_t numel = 1;
-  for (int64_t s : sizes) numel *= s;
-  const auto nbytes = static_cast<int64_t>(numel * c10::elementSize(dtype));
-  c10::Storage storage(
-      c10::Storage::use_byte_size_t(), nbytes,
-      c10::DataPtr(nullptr, &g_marker_ctx, &deferred_marker, c10::Device(c10::kCPU)),
-      /*allocator=*/nullptr, /*resizable=*/false);
-  storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+  // A fence (engine_internal.h) whose data pointer carries the marker.
+  c10::Storage storage = engine_detail::fence_storage(
+      c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype)),
       "patrickstar: this parameter is deferred (patrickstar::defer_parameters): it has no data "
-      "until "
-      "the engine registers the model, which writes its value into its chunk; without an engine, "
-      "patrickstar::materialize_parameters(model) gives it its value");
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-      c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-  return t;
+      "until the engine registers the model, which writes its value into its chunk; without an "
+      "engine, patrickstar::materialize_parameters(model) gives it its value",
+      c10::Device(c10::kCPU));
+  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(
+      c10::DataPtr(nullptr, &g_marker_ctx, &deferred_marker, c10::Device(c10::kCPU)));
+  return engine_detail::tensor_over(storage, sizes, dtype);
 }
 
 namespace {

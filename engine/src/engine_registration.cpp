@@ -267,8 +267,11 @@ void EngineCore::register_parameters() {
   torch::NoGradGuard no_grad;
   CountingCpuAllocator& counter = *CountingCpuAllocator::installed();
   int64_t model_bytes_at_start = 0;
-  for (const auto& item : unique) {
-    if (!is_deferred(item.second)) model_bytes_at_start += item.second.nbytes();
+  // Deferred parameters (no data yet), by id: their values come from their initializers.
+  std::vector<bool> was_deferred(unique.size());
+  for (size_t k = 0; k < unique.size(); ++k) {
+    was_deferred[k] = is_deferred(unique[k].second);
+    if (!was_deferred[k]) model_bytes_at_start += unique[k].second.nbytes();
   }
   const int64_t live_at_start = counter.live_bytes();
   ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
@@ -284,8 +287,6 @@ void EngineCore::register_parameters() {
   params_.create_entries();
   std::vector<TensorId> moved;  // parameters whose storage is now the engine's fence
   moved.reserve(unique.size());
-  std::vector<bool> was_deferred(unique.size());
-  for (size_t k = 0; k < unique.size(); ++k) was_deferred[k] = is_deferred(unique[k].second);
   // A failing system allocation mid-way (the budget was checked): the parameters already moved
   // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
   // precision). Data parallel: another rank's values never came here, so those cannot. A deferred
@@ -335,7 +336,8 @@ void EngineCore::register_parameters() {
         p.trainable = t.requires_grad();
         if (mine) {
           // A deferred parameter's value exists from here to its copies (one parameter at a time).
-          const at::Tensor value = is_deferred(t) ? initializers.value_of(name, t.sizes()) : t;
+          const at::Tensor value =
+              was_deferred[static_cast<size_t>(id)] ? initializers.value_of(name, t.sizes()) : t;
           store().view(p.id, ChunkKind::kParam).copy_(value);
           if (mixed_ && full) store().view(p.id, ChunkKind::kParamFp32).copy_(value);
         }
