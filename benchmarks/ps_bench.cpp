@@ -1,11 +1,12 @@
-// ps_bench: the main job. Trains a GPT of the model zoo through the patrickstar engine on random
-// tokens (fixed seed), prints one line per step and a summary table, and writes the figures as JSON,
-// the chunk timeline as a Chrome trace and the memory timeline as SVG. With --baseline it also
-// trains the same model on the same data with plain LibTorch and torch::optim::AdamW in the same
-// run, so speed is a ratio and the losses can be compared. See BENCHMARKS.md.
-// Data parallel: under mpirun every rank trains its rows of the global --batch; rank 0 prints the
-// steps (the global batch's loss), every rank's figures (model data, collective bytes against
-// their formula, time in collectives) and writes the files.
+// ps_bench: the main job. Trains a GPT or a Llama of the model zoo (or a Llama checkpoint in
+// Hugging Face's format, --init-from) through the patrickstar engine on random
+// tokens (fixed seed), prints one line per step and a summary table, and writes the figures as
+// JSON, the chunk timeline as a Chrome trace and the memory timeline as SVG. With --baseline it
+// also trains the same model on the same data with plain LibTorch and torch::optim::AdamW in the
+// same run, so speed is a ratio and the losses can be compared. See BENCHMARKS.md. Data parallel:
+// under mpirun every rank trains its rows of the global --batch; rank 0 prints the steps (the
+// global batch's loss), every rank's figures (model data, collective bytes against their formula,
+// time in collectives) and writes the files.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -26,22 +28,27 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "patrickstar/engine/engine_inspect.h"
-#include "patrickstar/chunk/cuda_device_tier.h"
-#include "patrickstar/memtracer/export.h"
-#include "patrickstar/memtracer/simulator.h"
 #include "dashed_flags.h"
 #include "gpu_prediction.h"
+#include "patrickstar/chunk/cuda_device_tier.h"
+#include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/memtracer/cost_model.h"
+#include "patrickstar/memtracer/export.h"
+#include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
+#include "patrickstar/models/llama_pretrained.h"
 #include "patrickstar/patrickstar.h"
 #include "ps_bench_common.h"
 #include "ps_bench_flags.h"
 
-ABSL_FLAG(std::string, model, "gpt_mini", "GPT size from the model zoo (see --list-models)");
+ABSL_FLAG(std::string, model, "gpt_mini",
+          "a GPT or Llama size from the model zoo (see --list-models)");
+ABSL_FLAG(std::string, init_from, "",
+          "start from a Hugging Face Llama checkpoint in this folder (config.json and safetensors; "
+          "deferred: each tensor read into its chunk at registration); --model is ignored");
 ABSL_FLAG(bool, list_models, false, "print the model zoo with parameter counts and exit");
 ABSL_FLAG(int64_t, batch, 4, "sequences per step");
-ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length)");
+ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length, at most 1024)");
 ABSL_FLAG(int64_t, steps, 6, "training steps (the first is the warm-up)");
 ABSL_FLAG(std::string, dtype, "", "fp32, bf16 or fp16 (default: the config's, else fp32)");
 ABSL_FLAG(std::string, state_dtype, "",
@@ -111,35 +118,8 @@ namespace {
 
 using namespace ps_bench;  // NOLINT: ps_bench's own helpers
 
-// Model data per frozen and per trained parameter: each chunk index's bytes (its chunk of every
-// kind) shared among the index's tensors by their elements (its waste with them).
-void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module) {
-  std::unordered_map<std::string, bool> trained;
-  for (const auto& p : module.named_parameters()) trained[p.key()] = p.value().requires_grad();
-  const ps::Layout& layout = store.layout();
-  double bytes[2] = {0, 0};
-  int64_t count[2] = {0, 0};
-  for (int64_t index = 0; index < layout.chunk_count(); ++index) {
-    int64_t index_bytes = 0, used = 0;
-    for (const ps::ChunkKindSpec& k : store.kinds()) {
-      index_bytes += store.chunk_bytes(store.chunk_id(k.kind, index));
-    }
-    for (ps::TensorId id : layout.tensors_in_chunk(index)) used += layout.numel(id);
-    for (ps::TensorId id : layout.tensors_in_chunk(index)) {
-      const int t = trained.at(layout.name(id)) ? 1 : 0;
-      count[t] += layout.numel(id);
-      bytes[t] += static_cast<double>(index_bytes) * static_cast<double>(layout.numel(id)) /
-                  static_cast<double>(used);
-    }
-  }
-  auto per = [&](int t) { return count[t] > 0 ? bytes[t] / static_cast<double>(count[t]) : 0.0; };
-  std::printf(
-      "adapters: %lld trained parameters (%.3f%%), %lld frozen; model data %.2f bytes per "
-      "trained parameter, %.2f per frozen one\n",
-      static_cast<long long>(count[1]),
-      100.0 * static_cast<double>(count[1]) / static_cast<double>(count[0] + count[1]),
-      static_cast<long long>(count[0]), per(1), per(0));
-}
+template <class Spec>
+int train(const ps::Config& config, Spec spec);
 
 int run() {
   if (absl::GetFlag(FLAGS_list_models)) {
@@ -149,6 +129,14 @@ int run() {
                   static_cast<long long>(s.layers), static_cast<long long>(s.hidden),
                   static_cast<long long>(s.heads), static_cast<long long>(s.parameter_count()));
     }
+    for (const std::string& name : ps::models::llama_spec_names()) {
+      const auto s = ps::models::llama_spec(name);
+      std::printf("%-15s layers %3lld hidden %5lld heads %3lld/%lld  %12lld parameters%s\n",
+                  name.c_str(), static_cast<long long>(s.layers), static_cast<long long>(s.hidden),
+                  static_cast<long long>(s.heads), static_cast<long long>(s.kv_heads),
+                  static_cast<long long>(s.parameter_count()),
+                  s.tie_embeddings ? " (tied head)" : "");
+    }
     return 0;
   }
   TORCH_CHECK(absl::GetFlag(FLAGS_threads) >= 0, "--threads must be 0 (LibTorch's default) or "
@@ -157,14 +145,29 @@ int run() {
     torch::set_num_threads(static_cast<int>(absl::GetFlag(FLAGS_threads)));
   }
   const ps::Config config = build_config();
-  auto spec = ps::models::gpt_spec(absl::GetFlag(FLAGS_model));
+  const bool llama =
+      !absl::GetFlag(FLAGS_init_from).empty() || absl::GetFlag(FLAGS_model).rfind("llama", 0) == 0;
+  if (llama) {
+    ps::models::LlamaSpec spec =
+        absl::GetFlag(FLAGS_init_from).empty()
+            ? ps::models::llama_spec(absl::GetFlag(FLAGS_model))
+            : ps::models::llama_spec_from_pretrained(absl::GetFlag(FLAGS_init_from));
+    return train(config, spec);
+  }
+  return train(config, ps::models::gpt_spec(absl::GetFlag(FLAGS_model)));
+}
+
+// Trains `spec` (a GptSpec or a LlamaSpec) through the engine with the flags' settings.
+template <class Spec>
+int train(const ps::Config& config, Spec spec) {
   spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
   TORCH_CHECK(absl::GetFlag(FLAGS_lora) >= 0,
               "--lora must be 0 (no adapters) or a positive rank, got ", absl::GetFlag(FLAGS_lora));
   spec.lora_rank = absl::GetFlag(FLAGS_lora);
-  spec.deferred_init = absl::GetFlag(FLAGS_deferred_init);
+  spec.deferred_init = spec.deferred_init || absl::GetFlag(FLAGS_deferred_init);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
-  const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq) : spec.max_seq;
+  const int64_t seq = absl::GetFlag(FLAGS_seq) > 0 ? absl::GetFlag(FLAGS_seq)
+                                                   : std::min<int64_t>(spec.max_seq, 1024);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   TORCH_CHECK(batch > 0 && steps >= 2, "--batch must be positive and --steps at least 2 (the first "
@@ -196,18 +199,24 @@ int run() {
   if (absl::GetFlag(FLAGS_find_max_model)) {
     for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
   }
-  if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
-  if (absl::GetFlag(FLAGS_compare_moves)) {
-    TORCH_CHECK(world == 1, "--compare-moves runs in one process (not under mpirun)");
-    return compare_moves(config, spec, batch, seq, steps, seed);
-  }
-  if (absl::GetFlag(FLAGS_compare_delayed)) {
-    TORCH_CHECK(world == 1, "--compare-delayed runs in one process (not under mpirun)");
-    return compare_delayed(config, spec, batch, seq, steps, seed);
-  }
-  if (absl::GetFlag(FLAGS_compare_step)) {
-    TORCH_CHECK(world == 1, "--compare-step runs in one process (not under mpirun)");
-    return compare_step(config, spec, batch, seq, steps, seed);
+  if constexpr (std::is_same_v<Spec, ps::models::GptSpec>) {
+    if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
+    if (absl::GetFlag(FLAGS_compare_moves)) {
+      TORCH_CHECK(world == 1, "--compare-moves runs in one process (not under mpirun)");
+      return compare_moves(config, spec, batch, seq, steps, seed);
+    }
+    if (absl::GetFlag(FLAGS_compare_delayed)) {
+      TORCH_CHECK(world == 1, "--compare-delayed runs in one process (not under mpirun)");
+      return compare_delayed(config, spec, batch, seq, steps, seed);
+    }
+    if (absl::GetFlag(FLAGS_compare_step)) {
+      TORCH_CHECK(world == 1, "--compare-step runs in one process (not under mpirun)");
+      return compare_step(config, spec, batch, seq, steps, seed);
+    }
+  } else {
+    TORCH_CHECK(!absl::GetFlag(FLAGS_find_max_model) && !absl::GetFlag(FLAGS_compare_moves) &&
+                    !absl::GetFlag(FLAGS_compare_delayed) && !absl::GetFlag(FLAGS_compare_step),
+                "--find-max-model and the --compare-* modes train the GPT models only");
   }
 
   if (lead) std::printf("ps_bench: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps, device %s %s, "
@@ -219,7 +228,7 @@ int run() {
               ps::eviction_policy_name(config.scheduler.policy), world);
   std::fflush(stdout);
 
-  auto [model, optimizer] = build_engine(spec, config, seed);
+  auto [model, optimizer] = build_engine(spec, config, seed, absl::GetFlag(FLAGS_init_from));
   ps::Engine& engine = model.engine();
   // The chunk timeline grows with every iteration: kept only for the outputs that read it.
   if (!absl::GetFlag(FLAGS_trace).empty() || !absl::GetFlag(FLAGS_plot).empty() ||
@@ -235,10 +244,12 @@ int run() {
   if (lead) {
     std::printf(
         "initialization: host peak %lld bytes (model construction %lld%s); goal %lld "
-        "(model data on the host + the largest module's fp32 weights)\n",
+        "(model data on the host + the largest module's fp32 weights); the process's VmHWM so far "
+        "%lld\n",
         static_cast<long long>(reg.host_peak_bytes_during_init),
         static_cast<long long>(reg.model_construction_peak_bytes),
-        spec.deferred_init ? ", deferred" : "", static_cast<long long>(reg.init_goal_bytes));
+        spec.deferred_init ? ", deferred" : "", static_cast<long long>(reg.init_goal_bytes),
+        static_cast<long long>(proc_status_bytes("VmHWM")));
   }
   if (lead && world == 1 && spec.lora_rank > 0) {
     print_bytes_by_training(inspect(engine).chunks(), model.module());
@@ -312,7 +323,7 @@ int run() {
     finish_device_work(config);
     const double t = seconds_since(start);
     // The global batch's loss: the mean of the ranks' (equal row counts).
-    losses.push_back(sum_over_ranks(*comm, {loss.item<double>()})[0] / world);
+    losses.push_back(sum_over_ranks(*comm, {loss.template item<double>()})[0] / world);
     if (s > 0) times.push_back(t);
     if (!lead) continue;
     if (world > 1) {
@@ -364,11 +375,7 @@ int run() {
   const double params = static_cast<double>(reg.params);
   const double tokens = static_cast<double>(batch * seq);
   const double tflops_ps = 8.0 * params * tokens / step_time / 1e12;
-  const double l = static_cast<double>(spec.layers), h = static_cast<double>(spec.hidden);
-  const double tflops_megatron = 96.0 * tokens * l * h * h *
-                                 (1.0 + static_cast<double>(seq) / (6.0 * h) +
-                                  static_cast<double>(spec.vocab) / (16.0 * l * h)) /
-                                 step_time / 1e12;
+  const double tflops_megatron = megatron_flops(spec, batch, seq) / step_time / 1e12;
 
   std::optional<BaselineResult> baseline;
   if (absl::GetFlag(FLAGS_baseline)) {
@@ -376,11 +383,14 @@ int run() {
       std::printf("baseline: plain LibTorch + torch::optim::AdamW (fp32), same weights and data%s\n",
                   world > 1 ? " (the whole global batch, on every rank)" : "");
     }
-    baseline = run_baseline(spec, config, batch, seq, steps, seed, lead);
+    baseline =
+        run_baseline(spec, config, batch, seq, steps, seed, lead, absl::GetFlag(FLAGS_init_from));
   }
 
   nlohmann::json out;
   out["model"] = spec.name;
+  out["architecture"] = std::is_same_v<Spec, ps::models::GptSpec> ? "gpt" : "llama";
+  out["init_from"] = absl::GetFlag(FLAGS_init_from);
   out["params"] = reg.params;
   out["dtype"] = std::string(ps::to_string(config.precision()));
   out["state_dtype"] = std::string(ps::to_string(config.optimizer.state_dtype));
@@ -567,7 +577,8 @@ int run() {
 int main(int argc, char** argv) {
   g_rss_at_start = proc_status_bytes("VmRSS");
   absl::SetProgramUsageMessage(
-      "trains a GPT of the model zoo through patrickstar on random data; e.g.\n"
+      "trains a GPT or a Llama of the model zoo (or a Llama checkpoint, --init-from) through "
+      "patrickstar on random data; e.g.\n"
       "  ps_bench --model gpt_mini --device emulated:24MiB --steps 6 --baseline --json out.json");
   std::vector<std::string> args;
   std::vector<char*> pointers = patrickstar::dashed_flags(argc, argv, args);

@@ -1,4 +1,6 @@
 // ps_bench's shared pieces: see ps_bench_common.h.
+#include "ps_bench_common.h"
+#include <torch/torch.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,23 +10,22 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
-#include <torch/torch.h>
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "patrickstar/chunk/cuda_device_tier.h"
-#include "patrickstar/memtracer/export.h"
-#include "patrickstar/memtracer/simulator.h"
 #include "dashed_flags.h"
 #include "gpu_prediction.h"
+#include "patrickstar/chunk/cuda_device_tier.h"
 #include "patrickstar/memtracer/cost_model.h"
+#include "patrickstar/memtracer/export.h"
+#include "patrickstar/memtracer/simulator.h"
 #include "patrickstar/models/gpt.h"
 #include "patrickstar/patrickstar.h"
-#include "ps_bench_common.h"
 #include "ps_bench_flags.h"
 
 namespace ps_bench {
@@ -208,9 +209,12 @@ c10::Device batch_device(const ps::Config& config) {
 void finish_device_work(const ps::Config& config) {
   if (config.device.type == ps::DeviceType::kCuda) torch::cuda::synchronize();
 }
-ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Config& config,
-                                int64_t batch, int64_t seq, uint64_t seed) {
-  ps::models::TokenBatch data = ps::models::random_tokens(spec, batch, seq, seed);
+template <class Spec>
+ps::models::TokenBatch batch_of(const Spec& spec, const ps::Config& config, int64_t batch,
+                                int64_t seq, uint64_t seed) {
+  ps::models::GptSpec vocabulary;  // random_tokens reads the vocabulary alone
+  vocabulary.vocab = spec.vocab;
+  ps::models::TokenBatch data = ps::models::random_tokens(vocabulary, batch, seq, seed);
   const c10::Device device = batch_device(config);
   if (!device.is_cpu()) {
     data.tokens = data.tokens.to(device);
@@ -219,11 +223,47 @@ ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Confi
   return data;
 }
 
-
-BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
-                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print) {
+ps::models::Gpt make_model(const ps::models::GptSpec& spec, uint64_t seed,
+                           const std::string& init_from) {
+  TORCH_CHECK(init_from.empty(), "--init-from reads Llama checkpoints, not GPT ones");
   torch::manual_seed(seed);
-  ps::models::Gpt model(spec);
+  return ps::models::Gpt(spec);
+}
+
+ps::models::Llama make_model(const ps::models::LlamaSpec& spec, uint64_t seed,
+                             const std::string& init_from) {
+  torch::manual_seed(seed);
+  ps::models::Llama model(spec);
+  if (!init_from.empty()) {
+    model->initialize_from(std::make_shared<ps::SafetensorsCheckpoint>(init_from));
+  }
+  return model;
+}
+
+double megatron_flops(const ps::models::GptSpec& spec, int64_t batch, int64_t seq) {
+  const double l = static_cast<double>(spec.layers), h = static_cast<double>(spec.hidden);
+  const double tokens = static_cast<double>(batch * seq);
+  return 96.0 * tokens * l * h * h *
+         (1.0 + static_cast<double>(seq) / (6.0 * h) +
+          static_cast<double>(spec.vocab) / (16.0 * l * h));
+}
+
+double megatron_flops(const ps::models::LlamaSpec& spec, int64_t batch, int64_t seq) {
+  // Per token: the layers' projections (q, o: h x h; k, v: h x kv*d; three of h x i), attention's
+  // two products over the sequence (2 s h), and the head (h V); 4 passes x 2 flops each.
+  const double l = static_cast<double>(spec.layers), h = static_cast<double>(spec.hidden);
+  const double kv = static_cast<double>(spec.kv_heads * spec.head_dim());
+  const double i = static_cast<double>(spec.intermediate), s = static_cast<double>(seq);
+  const double macs =
+      l * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * s * h) + h * static_cast<double>(spec.vocab);
+  return 8.0 * static_cast<double>(batch * seq) * macs;
+}
+
+template <class Spec>
+BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
+                            int64_t steps, uint64_t seed, bool print,
+                            const std::string& init_from) {
+  auto model = make_model(spec, seed, init_from);
   ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
   const auto& o = config.optimizer;
@@ -253,6 +293,36 @@ BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& c
   return r;
 }
 
+// Model data per frozen and per trained parameter: each chunk index's bytes (its chunk of every
+// kind) shared among the index's tensors by their elements (its waste with them).
+void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module) {
+  std::unordered_map<std::string, bool> trained;
+  for (const auto& p : module.named_parameters()) trained[p.key()] = p.value().requires_grad();
+  const ps::Layout& layout = store.layout();
+  double bytes[2] = {0, 0};
+  int64_t count[2] = {0, 0};
+  for (int64_t index = 0; index < layout.chunk_count(); ++index) {
+    int64_t index_bytes = 0, used = 0;
+    for (const ps::ChunkKindSpec& k : store.kinds()) {
+      index_bytes += store.chunk_bytes(store.chunk_id(k.kind, index));
+    }
+    for (ps::TensorId id : layout.tensors_in_chunk(index)) used += layout.numel(id);
+    for (ps::TensorId id : layout.tensors_in_chunk(index)) {
+      const int t = trained.at(layout.name(id)) ? 1 : 0;
+      count[t] += layout.numel(id);
+      bytes[t] += static_cast<double>(index_bytes) * static_cast<double>(layout.numel(id)) /
+                  static_cast<double>(used);
+    }
+  }
+  auto per = [&](int t) { return count[t] > 0 ? bytes[t] / static_cast<double>(count[t]) : 0.0; };
+  std::printf(
+      "adapters: %lld trained parameters (%.3f%%), %lld frozen; model data %.2f bytes per "
+      "trained parameter, %.2f per frozen one\n",
+      static_cast<long long>(count[1]),
+      100.0 * static_cast<double>(count[1]) / static_cast<double>(count[0] + count[1]),
+      static_cast<long long>(count[0]), per(1), per(0));
+}
+
 // The process's index on its machine under mpirun (0 without a launcher).
 int local_rank() {
   const char* text = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
@@ -266,5 +336,14 @@ std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> v
   comm.all_reduce(t, ps::ReduceOp::kSum);
   return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
 }
+
+template ps::models::TokenBatch batch_of(const ps::models::GptSpec&, const ps::Config&, int64_t,
+                                         int64_t, uint64_t);
+template ps::models::TokenBatch batch_of(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
+                                         int64_t, uint64_t);
+template BaselineResult run_baseline(const ps::models::GptSpec&, const ps::Config&, int64_t,
+                                     int64_t, int64_t, uint64_t, bool, const std::string&);
+template BaselineResult run_baseline(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
+                                     int64_t, int64_t, uint64_t, bool, const std::string&);
 
 }  // namespace ps_bench

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "patrickstar/models/gpt.h"
+#include "patrickstar/models/llama_pretrained.h"
 #include "patrickstar/patrickstar.h"
 
 namespace ps = patrickstar;
@@ -46,21 +47,37 @@ nlohmann::json print_breakdown(const char* title, const ps::MemoryBreakdown& b,
 ps::Config build_config();
 c10::Device batch_device(const ps::Config& config);
 void finish_device_work(const ps::Config& config);
-ps::models::TokenBatch batch_of(const ps::models::GptSpec& spec, const ps::Config& config,
-                                int64_t batch, int64_t seq, uint64_t seed);
-BaselineResult run_baseline(const ps::models::GptSpec& spec, const ps::Config& config,
-                            int64_t batch, int64_t seq, int64_t steps, uint64_t seed, bool print);
+// Random token ids of the model's vocabulary from `seed` (the same for both architectures' specs).
+template <class Spec>
+ps::models::TokenBatch batch_of(const Spec& spec, const ps::Config& config, int64_t batch,
+                                int64_t seq, uint64_t seed);
+// Plain LibTorch + torch::optim::AdamW on the engine's initial weights (`init_from`: a Llama
+// checkpoint's) and data.
+template <class Spec>
+BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
+                            int64_t steps, uint64_t seed, bool print,
+                            const std::string& init_from = "");
 int local_rank();
 std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values);
+// The model of `spec` built from `seed` (the baseline builds the same weights); a Llama from the
+// checkpoint in `init_from` when given (its values are read at registration).
+ps::models::Gpt make_model(const ps::models::GptSpec& spec, uint64_t seed,
+                           const std::string& init_from);
+ps::models::Llama make_model(const ps::models::LlamaSpec& spec, uint64_t seed,
+                             const std::string& init_from);
+// Megatron-LM's count of a step's floating-point operations (activation recomputation included:
+// 4 passes of 2 flops per multiply-add) for each architecture.
+double megatron_flops(const ps::models::GptSpec& spec, int64_t batch, int64_t seq);
+double megatron_flops(const ps::models::LlamaSpec& spec, int64_t batch, int64_t seq);
+// Model data per frozen and per trained parameter (--lora).
+void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module);
 
-// The model built from `seed` (the baseline builds the same weights) and registered per `config`.
-inline auto build_engine(const ps::models::GptSpec& spec, const ps::Config& config, uint64_t seed) {
-  return ps::initialize_engine(
-      [&] {
-        torch::manual_seed(seed);
-        return ps::models::Gpt(spec);
-      },
-      local_rank(), config);
+// The model built from `seed` and registered per `config`.
+template <class Spec>
+auto build_engine(const Spec& spec, const ps::Config& config, uint64_t seed,
+                  const std::string& init_from = "") {
+  return ps::initialize_engine([&] { return make_model(spec, seed, init_from); }, local_rank(),
+                               config);
 }
 
 // One training step through the engine, written as a LibTorch loop writes it (every mode trains

@@ -95,10 +95,24 @@ bool AtomicFileWriter::write(const void* data, size_t bytes) {
 }
 
 void AtomicFileWriter::commit() {
+  flush();
+  publish();
+}
+
+void AtomicFileWriter::flush() {
   TORCH_CHECK(!committed_, "patrickstar: \"", path_, "\" is already written");
+  if (flushed_) return;
   if (error_.empty() && ::fsync(fd_) != 0) fail("flushing to the disk (fsync) failed");
   if (fd_ >= 0 && ::close(fd_) != 0 && error_.empty()) fail("closing failed");
   fd_ = -1;
+  TORCH_CHECK(error_.empty(), "patrickstar: cannot write \"", path_, "\": ", error_,
+              "; the file is unchanged");
+  flushed_ = true;
+}
+
+void AtomicFileWriter::publish() {
+  TORCH_CHECK(!committed_, "patrickstar: \"", path_, "\" is already written");
+  TORCH_CHECK(flushed_, "patrickstar: \"", path_, "\" is published before it is flushed");
   if (error_.empty() && ::rename(temporary_.c_str(), path_.c_str()) != 0) {
     fail("renaming \"" + temporary_ + "\" over it failed");
   }

@@ -32,6 +32,10 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::fp32_state_dict() const 
   return core_->fp32_state_dict();
 }
 void Engine::save_weights(const std::string& path) const { core_->save_weights(path); }
+SafetensorsSaveReport Engine::save_safetensors(const std::string& folder,
+                                               const SafetensorsOptions& options) const {
+  return core_->save_safetensors(folder, options);
+}
 void Engine::save_checkpoint(const std::string& path) const { core_->save_checkpoint(path); }
 void Engine::load_checkpoint(const std::string& path) { core_->load_checkpoint(path); }
 

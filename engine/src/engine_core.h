@@ -80,6 +80,8 @@ class EngineCore final : public ModuleHookHandler {
   void set_overlap_step(bool on);
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
   void save_weights(const std::string& path) const;
+  SafetensorsSaveReport save_safetensors(const std::string& folder,
+                                         const SafetensorsOptions& options) const;
   void save_checkpoint(const std::string& path) const;
   void load_checkpoint(const std::string& path);
 

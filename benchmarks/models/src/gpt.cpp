@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "patrickstar/engine/checkpoint.h"
 #include "patrickstar/engine/module_hooks.h"
+#include "seeded_init.h"
 
 namespace patrickstar::models {
 namespace {
@@ -156,14 +157,7 @@ void GptImpl::initialize_parameter(const std::string& name, at::Tensor& value) c
   } else if (name.find("bias") != std::string::npos) {
     value.zero_();
   } else {
-    // The seed: FNV-1a of the name, mixed with the construction's seed (splitmix64's finalizer).
-    uint64_t h = 1469598103934665603ULL;
-    for (const char c : name) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ULL;
-    uint64_t z = h ^ init_seed_;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(z ^ (z >> 31));
-    value.normal_(0.0, 0.02, gen);
+    value.normal_(0.0, 0.02, generator_for(name, init_seed_));
   }
 }
 

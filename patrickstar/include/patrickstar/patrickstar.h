@@ -13,5 +13,6 @@
 #include "patrickstar/engine/engine.h"
 #include "patrickstar/engine/gathered_parameters.h"
 #include "patrickstar/engine/module_hooks.h"
+#include "patrickstar/engine/safetensors.h"
 #include "patrickstar/initialize.h"
 #include "patrickstar/version.h"

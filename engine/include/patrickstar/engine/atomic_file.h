@@ -37,8 +37,13 @@ class AtomicFileWriter {
   bool write(const void* data, size_t bytes);
   // fsync, close, rename over the destination, fsync of the folder. Throws c10::Error (naming the
   // destination and the system's reason) when any of them or an earlier write failed; the
-  // destination is then unchanged.
+  // destination is then unchanged. Equals flush() then publish().
   void commit();
+  // The two halves of commit(), for a save of several files that renames none of them until all
+  // are on the disk: flush() (fsync and close; throws the first failure, changing no destination)
+  // and publish() (the rename and the folder's fsync).
+  void flush();
+  void publish();
 
   bool failed() const { return !error_.empty(); }
   int64_t bytes_written() const { return bytes_written_; }
@@ -52,6 +57,7 @@ class AtomicFileWriter {
   int fd_ = -1;
   int64_t bytes_written_ = 0;
   std::string error_;  // the first failure, empty while none
+  bool flushed_ = false;
   bool committed_ = false;
 };
 

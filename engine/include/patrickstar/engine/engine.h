@@ -57,6 +57,7 @@
 #include "patrickstar/engine/memory_breakdown.h"
 #include "patrickstar/engine/module_hooks.h"
 #include "patrickstar/engine/reports.h"
+#include "patrickstar/engine/safetensors.h"
 
 namespace patrickstar {
 
@@ -130,6 +131,15 @@ class Engine final {
   // Saves fp32_state_dict() as a plain LibTorch archive (torch::load(module, path) reads it into a
   // module of the same structure without this library).
   void save_weights(const std::string& path) const;
+  // Writes the fp32 master weights as a Hugging Face safetensors checkpoint in `folder` (created
+  // when missing; patrickstar/engine/safetensors.h): one chunk's values at a time, in chunk order,
+  // so the host never holds the model; shards past options.max_shard_bytes with their index. Every
+  // file is written and flushed before any is renamed into place (the index last): a failed save
+  // (a full disk) throws c10::Error and leaves the folder's checkpoint as it was. Data parallel: a
+  // collective (every rank calls it); each chunk comes from its owner and rank 0 writes the one
+  // checkpoint (the report is empty elsewhere); a failed write throws on every rank.
+  SafetensorsSaveReport save_safetensors(const std::string& folder,
+                                         const SafetensorsOptions& options = {}) const;
   // Saves weights, optimizer state, loss scaler, Adam steps, the iteration and the config in use;
   // load_checkpoint restores the weights, optimizer state, loss scaler and Adam steps into an
   // engine over the same model structure (checked: names, shapes and precision; the engine keeps
