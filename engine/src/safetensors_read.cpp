@@ -70,7 +70,9 @@ void SafetensorsCheckpoint::read_header(const std::string& file,
               "\" is not a JSON object (not a safetensors file)");
   const int64_t data_start = 8 + static_cast<int64_t>(header_len);
   const int64_t data_bytes = file_size - data_start;
-  for (const auto& [name, info] : header.items()) {
+  for (const auto& field : header.items()) {
+    const std::string& name = field.key();  // not a structured binding: the lambda below names it
+    const nlohmann::json& info = field.value();
     if (name == "__metadata__") continue;
     if (wanted != nullptr && wanted->count(name) == 0) continue;
     const auto bad = [&](const std::string& why) {
