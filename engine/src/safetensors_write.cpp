@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <regex>
 #include <set>
 
 #include <c10/util/Exception.h>
@@ -221,9 +220,19 @@ SafetensorsSaveReport SafetensorsFolderWriter::commit() {
   // What an earlier save left that this one replaces: its other shards.
   std::set<std::string> ours;
   for (const auto& shard : shards_) ours.insert(shard->file);
-  const std::regex shard_name(R"(model(-\d{5}-of-\d{5})?\.safetensors)");
+  // "model.safetensors" or "model-DDDDD-of-DDDDD.safetensors" (no std::regex: GCC 12 warns inside
+  // it under the sanitizer build's -O1).
+  const auto is_shard = [](const std::string& f) {
+    if (f == "model.safetensors") return true;
+    const std::string pattern = "model-#####-of-#####.safetensors";
+    if (f.size() != pattern.size()) return false;
+    for (size_t i = 0; i < f.size(); ++i) {
+      if (pattern[i] == '#' ? (f[i] < '0' || f[i] > '9') : f[i] != pattern[i]) return false;
+    }
+    return true;
+  };
   for (const std::string& file : folder_files(folder_)) {
-    if (std::regex_match(file, shard_name) && ours.count(file) == 0) {
+    if (is_shard(file) && ours.count(file) == 0) {
       ::unlink(join(folder_, file).c_str());
     }
   }
