@@ -273,8 +273,6 @@ int train(const ps::Config& config, Spec spec) {
   // after the warm-up and after the first scheduled iteration, which still moves the warm-up's
   // placement into the schedule's (when there are enough steps).
   const int64_t first_steady = steps > 2 ? 2 : 1;
-  const ps::ChunkStore& store = inspect(engine).chunks();
-  const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
   ps::IterationReport warmup_report, last_report;
   double h2d = 0, d2h = 0, forced = 0, copy_wait = 0;
   double adam_s = 0, disk_read = 0, disk_written = 0, disk_wait = 0;
@@ -312,14 +310,18 @@ int train(const ps::Config& config, Spec spec) {
       // A group gather all-gathers world_size param chunks, a group reduce sends world_size fp32
       // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes,
       // not in fp16) and the squared gradient norm (8 bytes).
+      // (The store is taken at each step: "auto" may have moved the model into smaller chunks.)
+      const ps::ChunkStore& store = inspect(engine).chunks();
+      const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
       formula_ok = formula_ok && r.gather_bytes == r.group_gathers * world * param_chunk &&
                    r.reduce_bytes == r.group_reduces * world * store.chunk_elems() * 4 &&
                    r.all_reduce_bytes ==
                        (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
     }
-    if (const auto& st = inspect(engine).scheduler().history().back(); !st.warmup) {
-      device_peak = std::max(device_peak, st.peak_device_bytes);
+    if (const auto& h = inspect(engine).scheduler().history(); !h.empty() && !h.back().warmup) {
+      device_peak = std::max(device_peak, h.back().peak_device_bytes);
     }
+    if (lead && r.chunk_elems_retried > 0) print_chunk_size_retry(s + 1, r, reg);
     finish_device_work(config);
     const double t = seconds_since(start);
     // The global batch's loss: the mean of the ranks' (equal row counts).
@@ -483,7 +485,10 @@ int train(const ps::Config& config, Spec spec) {
     // The OPT bound (rank 0's above, every rank's in per_rank) covers the chunks each rank's
     // scheduler places; the gathered groups are the doors', on the device as non-model bytes of the
     // trace, and dropped without a copy.
-    out["param_chunk_bytes"] = param_chunk;
+    {
+      const ps::ChunkStore& store = inspect(engine).chunks();
+      out["param_chunk_bytes"] = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
+    }
     out["collective_formula"] =
         "gather_bytes = group_gathers x world_size x param_chunk_bytes; reduce_bytes = "
         "group_reduces x world_size x chunk_elems x 4; all_reduce_bytes = 4 (loss finiteness, not "

@@ -295,6 +295,17 @@ BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t 
 
 // Model data per frozen and per trained parameter: each chunk index's bytes (its chunk of every
 // kind) shared among the index's tensors by their elements (its waste with them).
+void print_chunk_size_retry(int64_t step, const ps::IterationReport& report,
+                            const ps::RegistrationReport& registration) {
+  std::printf(
+      "step %lld: \"auto\" chunk size: the warm-up's trace did not fit the device; the "
+      "model moved into %lld chunks of %lld elements per kind, waste %.2f%%, %.2f "
+      "model-data bytes per parameter; the next step warms up again\n",
+      static_cast<long long>(step), static_cast<long long>(registration.chunks_per_kind),
+      static_cast<long long>(report.chunk_elems_retried), 100.0 * registration.chunk_waste_fraction,
+      registration.model_data_bytes_per_param);
+}
+
 void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module) {
   std::unordered_map<std::string, bool> trained;
   for (const auto& p : module.named_parameters()) trained[p.key()] = p.value().requires_grad();

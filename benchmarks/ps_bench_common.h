@@ -71,6 +71,10 @@ double megatron_flops(const ps::models::GptSpec& spec, int64_t batch, int64_t se
 double megatron_flops(const ps::models::LlamaSpec& spec, int64_t batch, int64_t seq);
 // Model data per frozen and per trained parameter (--lora).
 void print_bytes_by_training(const ps::ChunkStore& store, torch::nn::Module& module);
+// Step `step`'s warm-up moved the model into smaller chunks ("auto", IterationReport::
+// chunk_elems_retried): the line that says so, with the new layout's figures.
+void print_chunk_size_retry(int64_t step, const ps::IterationReport& report,
+                            const ps::RegistrationReport& registration);
 
 // The model built from `seed` and registered per `config`.
 template <class Spec>

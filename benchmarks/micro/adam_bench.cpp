@@ -9,13 +9,19 @@
 //   BM_AtenFusedAdamW_Fp32:  ATen's CPU _fused_adamw_, all fp32.
 //   BM_TorchOptimAdamW:      torch::optim::AdamW (unfused tensor ops), fp32.
 //   BM_MemoryRMW:            in-place read-modify-write of a 1 GiB buffer with the same threads:
-//   the
-//                            bandwidth limit. Adam's bound in params/s = RMW bytes_per_second / 28.
+//                            the bandwidth limit. Adam's bound in params/s = RMW bytes_per_second
+//                            / 28.
+//   BM_CpuAdam_{Mixed,Fp32}_OnTarget/<bit>: our kernels on each SIMD target this CPU supports
+//                            (Highway pointed at it; the label names it), and
+//                            BM_CpuAdam_Mixed_NoBf16Conversions: the mixed kernel on the best
+//                            target without the AVX512-BF16 conversion (where the CPU has it);
+//                            the same for the bf16-state kernels (*_Bf16States_NoBf16Conversions).
 // items_per_second = parameters updated per second; bytes_per_second counts 28 bytes/param for
 // every Adam variant (the bytes a fused pass must move) so the figures compare with BM_MemoryRMW.
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <benchmark/benchmark.h>
+#include <hwy/targets.h>
 #include <torch/torch.h>
 
 #include <optional>
@@ -146,7 +152,64 @@ void BM_MemoryRMW(benchmark::State& state) {
       benchmark::Counter(bytes / kBytesPerParam, benchmark::Counter::kIsRate);
 }
 
+// Highway pointed at one target for the benchmark's duration.
+class OnTarget {
+ public:
+  explicit OnTarget(int64_t target) { hwy::SetSupportedTargetsForTest(target); }
+  ~OnTarget() { hwy::SetSupportedTargetsForTest(0); }
+  OnTarget(const OnTarget&) = delete;
+  OnTarget& operator=(const OnTarget&) = delete;
+};
+
+void BM_CpuAdam_Mixed_OnTarget(benchmark::State& state) {
+  OnTarget on(int64_t{1} << state.range(0));
+  cpu_adam_mixed_bench(state, at::kFloat);
+}
+void BM_CpuAdam_Fp32_OnTarget(benchmark::State& state) {
+  OnTarget on(int64_t{1} << state.range(0));
+  cpu_adam_fp32_bench(state, at::kFloat);
+}
+void BM_CpuAdam_Mixed_NoBf16Conversions(benchmark::State& state) {
+  cpu_adam_use_bf16_conversions(false);
+  cpu_adam_mixed_bench(state, at::kFloat);
+  cpu_adam_use_bf16_conversions(true);
+}
+void BM_CpuAdam_Mixed_Bf16States_NoBf16Conversions(benchmark::State& state) {
+  cpu_adam_use_bf16_conversions(false);
+  cpu_adam_mixed_bench(state, at::kBFloat16);
+  cpu_adam_use_bf16_conversions(true);
+}
+void BM_CpuAdam_Fp32_Bf16States_NoBf16Conversions(benchmark::State& state) {
+  cpu_adam_use_bf16_conversions(false);
+  cpu_adam_fp32_bench(state, at::kBFloat16);
+  cpu_adam_use_bf16_conversions(true);
+}
+
+// One argument per SIMD target this CPU supports (the target's bit in Highway's mask).
+void supported_targets(benchmark::internal::Benchmark* b) {
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    for (int bit = 0; bit < 63; ++bit) {
+      if (target == (int64_t{1} << bit)) b->Arg(bit);
+    }
+  }
+}
+
 BENCHMARK(BM_MemoryRMW)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CpuAdam_Mixed_OnTarget)
+    ->Apply(supported_targets)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_CpuAdam_Fp32_OnTarget)
+    ->Apply(supported_targets)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_CpuAdam_Mixed_NoBf16Conversions)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CpuAdam_Mixed_Bf16States_NoBf16Conversions)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_CpuAdam_Fp32_Bf16States_NoBf16Conversions)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_CpuAdam_Mixed)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CpuAdam_Fp32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CpuAdam_Mixed_Bf16States)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,7 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 #include "adam_placement.h"
+#include "chunk_size_choice.h"
 #include "comm_groups.h"
 #include "delayed_update.h"
 #include "gradient_state.h"
@@ -147,6 +149,24 @@ class EngineCore final : public ModuleHookHandler {
   class Mover;
 
   void register_parameters();  // engine_registration.cpp
+  // --- what is built over the chunk layout, and "auto"'s retry (engine_layout.cpp) ---
+  // The scheduler's chunk table: the store's chunks, their sizes and device-only states.
+  std::map<int64_t, ChunkInfo> scheduler_chunks() const;
+  // The scheduler over that table, with the config's options.
+  void build_scheduler();
+  // The mover over the store, waiting for the optimizer thread's chunks before a move.
+  void build_mover();
+  // A warm-up moment of module `module` (its tensors, and their gradient chunks when asked): kept
+  // for the choice below while "auto"'s retry is armed.
+  void note_warmup_need(int64_t moment, const ModuleInfo& module, MomentKind kind, bool with_grads);
+  // The warm-up's trace does not fit the device (`why`, check_trace's error): with the retry armed,
+  // picks the least-waste smaller chunk size with which every moment of `trace` fits, for after the
+  // step (retry_chunk_elems_); throws when there is none or the move would not fit the host, and
+  // rethrows `why` when the retry is not armed.
+  void choose_retry_chunk_size(const Trace& trace, const c10::Error& why);
+  // After the step: the model moves into chunks of `chunk_elems` (every kind's slots copied, kind
+  // by kind); the scheduler and the mover are rebuilt; the next iteration is a warm-up.
+  void move_to_chunk_size(int64_t chunk_elems);
   // Registration gave up: every chunk and the parameter table go (the parameters are restored by
   // the caller where they moved).
   void abandon_registration();
@@ -380,6 +400,16 @@ class EngineCore final : public ModuleHookHandler {
   // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.
   engine_detail::GatheredBytesProbe* gathered_probe_ = nullptr;
   bool probe_floor_set_ = false;
+  // "default_chunk_size": "auto" (engine_layout.cpp): the registered tensors not placed yet (every
+  // size is packed from it), whether a warm-up whose trace does not fit retries with a smaller
+  // size (one process, no disk tier, no delayed update, no states placed on the device for good),
+  // the warm-up's moments as the choice sees them, the size chosen at its step (0: none), and why.
+  Layout layout_base_;
+  bool chunk_retry_armed_ = false;
+  std::vector<engine_detail::MomentNeed> warmup_needs_;
+  int64_t retry_chunk_elems_ = 0;
+  std::string retry_reason_;
+  std::function<int64_t()> clock_;  // the scheduler's, the copy thread's and the optimizer thread's
   std::unique_ptr<TraceRecorder> recorder_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Mover> mover_;

@@ -149,6 +149,7 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);
   for (int64_t c : chunk_ids) recorder_->record_access(c);
+  note_warmup_need(m, module, kind, with_grad_chunks);
   try {
     scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
     open_moment_ = m;

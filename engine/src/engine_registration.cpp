@@ -6,7 +6,6 @@
 #include "engine_core.h"
 
 #include <algorithm>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -124,11 +123,11 @@ void EngineCore::register_parameters() {
                         (t.requires_grad() || !split_frozen ? 0 : 2);
       layout.add_tensor(name, t.sizes(), group);
     }
+    if (!distributed()) layout_base_ = layout;  // "auto"'s retry packs other sizes from it
     try {
       if (config_.chunk_size_auto) {
-        const int64_t lo = (layout.max_numel() + 1023) / 1024 * 1024;
-        const int64_t hi = 2 * lo;  // least waste among sizes that keep the chunks many
-        layout.finalize_search(lo, hi, std::max<int64_t>(1024, (hi - lo) / 256 / 1024 * 1024));
+        const SizeGrid grid = auto_size_grid(layout.max_numel());
+        layout.finalize_search(grid.min_elems, grid.max_elems, grid.step_elems);
       } else {
         layout.finalize(config_.default_chunk_size);
       }
@@ -392,38 +391,20 @@ void EngineCore::register_parameters() {
     }
   }
 
-  // 4. Scheduler, tracer, optimizer.
-  // Data parallel: other ranks' param chunks on the device are the doors' (gathered with their
-  // group, dropped after use), not the scheduler's; their bytes reach its budgets as non-model
-  // bytes of the trace. Other ranks' gradient chunks are scheduled (they carry gradients).
-  std::map<int64_t, ChunkInfo> chunk_table;
-  for (ChunkId id = 0; id < store().chunk_count(); ++id) {
-    if (store().omitted(id)) continue;  // a lean index's states: never anywhere
-    if (store().kind_of(id) == ChunkKind::kParam && !owns(store().index_of(id)) &&
-        !storage_.host_only[store().index_of(id)]) {
-      continue;
-    }
-    chunk_table[id] = ChunkInfo{
-        store().chunk_bytes(id),
-        store().kind_of(id) == ChunkKind::kParam && !storage_.host_only[store().index_of(id)],
-        adam_placement_.state_on_device(id)};
-  }
-  SchedulerOptions options;
-  options.capacity_bytes = config_.device.capacity_bytes;
-  options.overall_ratio = config_.mem_tracer.overall_gpu_mem_ratio;
-  options.reserve_bytes = config_.scheduler.reserve_bytes;
-  options.warmup_ratio = config_.mem_tracer.warmup_gpu_chunk_mem_ratio;
-  options.policy = config_.scheduler.policy;
-  options.prefetch_depth = config_.scheduler.prefetch_depth;
-  scheduler_ = std::make_unique<Scheduler>(options, std::move(chunk_table));
+  // 4. Scheduler, tracer, optimizer. "auto" retries a warm-up whose trace does not fit with a
+  // smaller chunk size (engine_layout.cpp), where moving the model between layouts is simple: one
+  // process, no disk tier's files, no delayed update's buffers, no states on the device for good.
+  chunk_retry_armed_ = config_.chunk_size_auto && !distributed() && storage_.disk == nullptr &&
+                       !config_.delayed_update.enabled &&
+                       metrics_.registration().device_state_bytes == 0 &&
+                       config_.scheduler.policy != EvictionPolicy::kStatic;
   // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
   // set_record_spans; none on CUDA) and the optimizer thread's, so that a trace shows them on one
   // time line.
-  const std::function<int64_t()> now_us = microseconds_since_now();
-  scheduler_->set_clock(now_us);
-  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(now_us);
+  clock_ = microseconds_since_now();
+  build_scheduler();
+  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(clock_);
   recorder_ = std::make_unique<TraceRecorder>(probe_.get());
-  mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
   // The optimizer threads' buffers are host-tier blocks (pinned on CUDA): within its capacity, and
   // outside the CPU allocator whose bytes the emulated device's probe measures as activations.
   MemoryTier* host = storage_.host.get();
@@ -458,10 +439,6 @@ void EngineCore::register_parameters() {
                   "host_capacity_bytes or turn the delayed update off");
     }
     delayed_ = std::make_unique<DelayedUpdate>(host_blocks);
-    // A chunk move waits for the update in flight where it reads or writes the chunk (the states).
-    mover_->before_move = [this](int64_t id) {
-      if (delayed_->pending() && is_state_kind(store().kind_of(id))) delayed_->join();
-    };
   } else if (!config_.offload_optimizer.nvme) {
     // The overlapped step's optimizer thread (started by its first job): no disk tier. The undo
     // buffers take only what the chunks never need: with a host capacity, what it holds beyond
@@ -472,11 +449,12 @@ void EngineCore::register_parameters() {
           std::clamp<int64_t>(host->capacity_bytes() - store().total_chunk_bytes(), 0, max_bytes);
     }
     overlap_ = std::make_unique<StepOverlap>(max_bytes, host_blocks);
-    mover_->before_move = [this](int64_t id) { overlap_->quiesce(store().index_of(id)); };
-    overlap_->set_clock(now_us);
+    overlap_->set_clock(clock_);
     overlap_on_ = config_.overlap_step.mode != OverlapMode::kOff;
     overlap_auto_ = config_.overlap_step.mode == OverlapMode::kAuto;
   }
+
+  build_mover();
 
   AdamOptions adam_options;
   adam_options.lr(config_.optimizer.lr)

@@ -202,7 +202,14 @@ IterationReport EngineCore::run_adam() {
     // so far stands for the step's own temporaries (set_trace checks the measured one after).
     Trace planned = recorder_->current_trace();
     planned.tail_non_model_bytes = probe_->peak_bytes();
-    scheduler_->check_trace(planned);
+    try {
+      scheduler_->check_trace(planned);
+    } catch (const c10::Error& e) {
+      // "auto": the step goes on, and the model moves into smaller chunks after it (or this
+      // throws: no smaller size fits).
+      if (!chunk_retry_armed_) throw;
+      choose_retry_chunk_size(planned, e);
+    }
   }
   IterationReport report;
   report.adam_host_d2h_bytes = adam_host_d2h_bytes;
@@ -376,6 +383,7 @@ IterationReport EngineCore::step() {
   } catch (c10::Error& e) {
     if (distributed()) adam_->set_stats_reducer(nullptr);
     last_step_end_.reset();  // "auto"'s trial: the next iteration is not timed
+    retry_chunk_elems_ = 0;
     tell_the_others();
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
     drop_iteration();
@@ -385,6 +393,7 @@ IterationReport EngineCore::step() {
   } catch (...) {
     if (distributed()) adam_->set_stats_reducer(nullptr);
     last_step_end_.reset();
+    retry_chunk_elems_ = 0;
     tell_the_others();
     drop_iteration();
     throw;
@@ -407,7 +416,7 @@ IterationReport EngineCore::step() {
   gradients_.in_half_slots = false;
   recorder_->end_iteration();
   const bool warmup = iteration_ == 0 || !scheduler_->has_trace();
-  if (warmup) {
+  if (warmup && retry_chunk_elems_ == 0) {
     try {
       scheduler_->set_trace(recorder_->warmup_trace(), mover_.get());
     } catch (const c10::Error& e) {
@@ -424,6 +433,11 @@ IterationReport EngineCore::step() {
   report.prefetches = stats.prefetches;
   report.warm_start_h2d_bytes = stats.warm_start_h2d_bytes;
   scheduler_->end_iteration();
+  if (retry_chunk_elems_ > 0) {
+    report.chunk_elems_retried = retry_chunk_elems_;
+    retry_chunk_elems_ = 0;
+    move_to_chunk_size(report.chunk_elems_retried);
+  }
 
   report.iteration = iteration_;
   report.warmup = warmup;

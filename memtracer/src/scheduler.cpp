@@ -44,6 +44,28 @@ Scheduler::Scheduler(SchedulerOptions options, std::map<int64_t, ChunkInfo> chun
   now_us_ = microseconds_since_now();
 }
 
+void Scheduler::replace_chunks(std::map<int64_t, ChunkInfo> chunks) {
+  TORCH_CHECK(!in_iteration_, "Scheduler::replace_chunks inside an iteration");
+  for (const auto& [id, chunk] : chunks) {
+    TORCH_CHECK(chunk.bytes > 0, "Scheduler: chunk ", id, " has ", chunk.bytes,
+                " bytes; chunk sizes must be positive");
+  }
+  chunks_ = std::move(chunks);
+  trace_ = Trace{};
+  has_trace_ = false;
+  index_ = NextUseIndex();
+  resident_.clear();
+  resident_bytes_ = 0;
+  last_access_.clear();
+  prefetched_.clear();
+  warmup_floor_bytes_ = 0;
+  warmup_window_bytes_ = 0;
+  warmup_non_model_bytes_ = 0;
+  warmup_previous_non_model_bytes_ = -1;
+  warmup_growth_bytes_ = 0;
+  last_moment_ = 0;
+}
+
 void Scheduler::set_chunk(int64_t chunk_id, ChunkInfo info) {
   TORCH_CHECK(info.bytes > 0, "Scheduler::set_chunk: chunk ", chunk_id, " has ", info.bytes,
               " bytes; chunk sizes must be positive");
@@ -400,9 +422,9 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
     for (size_t i = 0; i < keep; ++i) warmup_window_bytes_ += info(recent[i].second).bytes;
     warmup_window_bytes_ += options_.reserve_bytes;
   }
-  const int64_t budget = budget_bytes(m);
-  stats_.budget_bytes.push_back(budget);
+  int64_t budget = budget_bytes(m);
   std::set<int64_t> pinned(accessed.begin(), accessed.end());
+  stats_.budget_bytes.push_back(budget);
   for (int64_t id : accessed) {
     last_access_[id] = ++access_clock_;
     if (prefetched_.erase(id) != 0) {
@@ -437,13 +459,27 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
       needed += bytes;
       if (resident_.count(id) == 0) missing += bytes;
     }
+    // "auto" chunk size: the warm-up goes on past the budget where the device itself has room,
+    // and measures every moment for the choice of a size that fits (SchedulerOptions).
+    const bool may_overdraw = !has_trace_ && options_.warmup_overdraft;
+    const int64_t room = options_.capacity_bytes - warmup_non_model_bytes_ - options_.reserve_bytes;
+    auto overdraw = [&] {
+      if (!may_overdraw || budget >= room) return false;
+      stats_.overdrafts += 1;
+      budget = room;
+      stats_.budget_bytes.back() = budget;
+      return true;
+    };
+    if (needed > budget && needed <= room) overdraw();
     TORCH_CHECK(needed <= budget, describe_moment(m), " accesses ", pinned.size(), " chunks of ",
                 needed, " bytes in all but the chunk budget is ", budget, " bytes (capacity ",
                 options_.capacity_bytes, ", reserve ", options_.reserve_bytes,
                 has_trace_ ? "" : warmup_advice(needed),
                 "): use a smaller chunk size, a smaller batch or activation checkpointing");
-    TORCH_CHECK(evict_to_fit(missing, budget, m, pinned, -1, mover), describe_moment(m), " needs ",
-                missing, " more chunk bytes on the device with ", resident_bytes_,
+    bool fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
+    if (!fits && overdraw()) fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
+    TORCH_CHECK(fits, describe_moment(m), " needs ", missing,
+                " more chunk bytes on the device with ", resident_bytes_,
                 " resident and a budget of ", budget,
                 " bytes, but not enough resident chunks may move (in COMPUTE, kept on the "
                 "device by the static policy, or optimizer states that never leave it)",

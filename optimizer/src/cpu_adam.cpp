@@ -334,9 +334,12 @@ HWY_AFTER_NAMESPACE();
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <string_view>
 #include <vector>
 
 #include "patrickstar/optimizer/cpu_adam.h"
+#include "src/cpu_adam_avx512bf16.h"
 
 namespace patrickstar {
 
@@ -392,6 +395,16 @@ void for_each_block(int64_t numel, const Fn& fn) {
   });
 }
 
+// The AVX512-BF16 kernels (cpu_adam_avx512bf16.h) in place of Highway's for the ranges with bf16
+// stores: where the CPU has the instruction and Highway's AVX3 target is the one dispatched (a test
+// that points Highway at another target gets that target's kernels).
+std::atomic<bool> g_bf16_conversions{true};
+
+bool bf16_conversions() {
+  return g_bf16_conversions.load(std::memory_order_relaxed) && detail::avx512bf16_usable() &&
+         (hwy::SupportedTargets() & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
+}
+
 // Makes Highway pick its target before any parallel region calls through the dispatch table.
 void ensure_dispatch_ready() {
   static const char* const name = cpu_adam_simd_target();
@@ -425,53 +438,28 @@ int32_t format_code(HalfFormat format) {
   return format == HalfFormat::kBFloat16 ? 1 : 2;
 }
 
-HalfFormat half_format_of(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, what,
-              " must be bfloat16 or float16, got ", t.scalar_type());
-  return t.scalar_type() == at::kBFloat16 ? HalfFormat::kBFloat16 : HalfFormat::kFloat16;
-}
-
-void check_cpu_contiguous(const at::Tensor& t, const char* what, int64_t numel) {
-  TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU for the host Adam kernel, got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous (a chunk view), got strides ",
-              t.strides());
-  TORCH_CHECK(t.numel() == numel, what, " has ", t.numel(), " elements but the chunk view has ",
-              numel);
-}
-
-void check_fp32(const at::Tensor& t, const char* what, int64_t numel) {
-  check_cpu_contiguous(t, what, numel);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
-}
-
-// Momentum and variance: both float32 or both bfloat16. Returns whether they are bfloat16.
-bool check_states(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t numel) {
-  check_cpu_contiguous(exp_avg, "exp_avg", numel);
-  check_cpu_contiguous(exp_avg_sq, "exp_avg_sq", numel);
-  const auto dtype = exp_avg.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && exp_avg_sq.scalar_type() == dtype,
-              "exp_avg and exp_avg_sq must both be float32 or both bfloat16, got ", dtype, " and ",
-              exp_avg_sq.scalar_type());
-  return dtype == at::kBFloat16;
-}
-
-uint16_t* bf16_bits(const at::Tensor& t) {
-  return static_cast<uint16_t*>(t.data_ptr());
-}
-
 }  // namespace
 
+void cpu_adam_use_bf16_conversions(bool on) {
+  g_bf16_conversions.store(on, std::memory_order_relaxed);
+}
+
 const char* cpu_adam_simd_target() {
-  return HWY_DYNAMIC_DISPATCH(TargetName)();
+  const char* name = HWY_DYNAMIC_DISPATCH(TargetName)();
+  return bf16_conversions() && std::string_view(name) == "AVX3" ? "AVX3+BF16" : name;
 }
 
 void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, float* exp_avg,
                     float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants) {
   ensure_dispatch_ready();
   const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  const bool hw = bf16 != 0 && bf16_conversions();
   for_each_block(numel, [&](int64_t begin, int64_t end) {
+    if (hw) {
+      detail::adam_mixed_bf16_avx512bf16(half_param_grad + begin, master + begin, exp_avg + begin,
+                                         exp_avg_sq + begin, end - begin, constants);
+      return;
+    }
     HWY_DYNAMIC_DISPATCH(AdamMixedRange)
     (half_param_grad + begin, bf16, master + begin, exp_avg + begin, exp_avg_sq + begin,
      end - begin, constants);
@@ -491,7 +479,13 @@ void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master,
                     uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants) {
   ensure_dispatch_ready();
   const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  const bool hw = bf16 != 0 && bf16_conversions();
   for_each_block(numel, [&](int64_t begin, int64_t end) {
+    if (hw) {
+      detail::adam_mixed_bf16_avx512bf16(half_param_grad + begin, master + begin, exp_avg + begin,
+                                         exp_avg_sq + begin, end - begin, constants);
+      return;
+    }
     HWY_DYNAMIC_DISPATCH(AdamMixedRangeBf16States)
     (half_param_grad + begin, bf16, master + begin, exp_avg + begin, exp_avg_sq + begin,
      end - begin, constants);
@@ -501,7 +495,13 @@ void cpu_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master,
 void cpu_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
                    int64_t numel, const AdamStepConstants& constants) {
   ensure_dispatch_ready();
+  const bool hw = bf16_conversions();
   for_each_block(numel, [&](int64_t begin, int64_t end) {
+    if (hw) {
+      detail::adam_fp32_avx512bf16(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
+                                   end - begin, constants);
+      return;
+    }
     HWY_DYNAMIC_DISPATCH(AdamFp32RangeBf16States)
     (param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin, constants);
   });
@@ -519,7 +519,12 @@ void cpu_restore_half_from_master(uint16_t* half_param, HalfFormat format, const
                                   int64_t numel) {
   ensure_dispatch_ready();
   const int32_t bf16 = format == HalfFormat::kBFloat16 ? 1 : 0;
+  const bool hw = bf16 != 0 && bf16_conversions();
   for_each_block(numel, [&](int64_t begin, int64_t end) {
+    if (hw) {
+      detail::half_from_master_avx512bf16(half_param + begin, master + begin, end - begin);
+      return;
+    }
     HWY_DYNAMIC_DISPATCH(HalfFromMasterRange)
     (half_param + begin, bf16, master + begin, end - begin);
   });
@@ -538,55 +543,6 @@ void cpu_memory_rmw(float* data, int64_t numel) {
   for_each_block(numel, [&](int64_t begin, int64_t end) {
     HWY_DYNAMIC_DISPATCH(AddOneRange)(data + begin, end - begin);
   });
-}
-
-void adam_step_mixed(const at::Tensor& half_param_grad, const at::Tensor& master,
-                     const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                     const AdamStepConstants& constants) {
-  const int64_t numel = master.numel();
-  const HalfFormat format = half_format_of(half_param_grad, "half_param_grad");
-  check_cpu_contiguous(half_param_grad, "half_param_grad", numel);
-  check_fp32(master, "master", numel);
-  auto* half = static_cast<uint16_t*>(half_param_grad.data_ptr());
-  if (check_states(exp_avg, exp_avg_sq, numel)) {
-    cpu_adam_mixed(half, format, master.data_ptr<float>(), bf16_bits(exp_avg),
-                   bf16_bits(exp_avg_sq), numel, constants);
-  } else {
-    cpu_adam_mixed(half, format, master.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                   exp_avg_sq.data_ptr<float>(), numel, constants);
-  }
-}
-
-void adam_step_fp32(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                    const at::Tensor& exp_avg_sq, const AdamStepConstants& constants) {
-  const int64_t numel = param.numel();
-  check_fp32(param, "param", numel);
-  check_fp32(grad, "grad", numel);
-  if (check_states(exp_avg, exp_avg_sq, numel)) {
-    cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), bf16_bits(exp_avg),
-                  bf16_bits(exp_avg_sq), numel, constants);
-  } else {
-    cpu_adam_fp32(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(), numel, constants);
-  }
-}
-
-GradStats grad_stats(const at::Tensor& grad) {
-  check_cpu_contiguous(grad, "grad", grad.numel());
-  if (grad.scalar_type() == at::kFloat) {
-    return cpu_grad_stats_fp32(grad.data_ptr<float>(), grad.numel());
-  }
-  const HalfFormat format = half_format_of(grad, "grad");
-  return cpu_grad_stats_half(static_cast<const uint16_t*>(grad.data_ptr()), format, grad.numel());
-}
-
-void restore_half_from_master(const at::Tensor& half_param, const at::Tensor& master) {
-  const int64_t numel = master.numel();
-  const HalfFormat format = half_format_of(half_param, "half_param");
-  check_cpu_contiguous(half_param, "half_param", numel);
-  check_fp32(master, "master", numel);
-  cpu_restore_half_from_master(static_cast<uint16_t*>(half_param.data_ptr()), format,
-                               master.data_ptr<float>(), numel);
 }
 
 }  // namespace patrickstar

@@ -34,6 +34,48 @@ TEST(Scheduler, WarmupBudgetFollowsTheRatioAndTheLiveReading) {
               HasSubstr("chunk budget is 100"));
 }
 
+// "auto" chunk size (SchedulerOptions::warmup_overdraft): a warm-up moment whose chunks need more
+// than its budget goes on where the device itself has room (its capacity less the live reading and
+// the reserve) and is counted; past that room it is refused as before. Without the option, the
+// same moment is refused. replace_chunks then starts a warm-up over a new chunk table and keeps
+// the history.
+TEST(Scheduler, WarmupOverdraftGoesOnWithinTheDeviceAndIsCounted) {
+  SchedulerOptions options;
+  options.capacity_bytes = 1000;
+  options.overall_ratio = 0.8;
+  options.reserve_bytes = 50;
+  const auto moment = [](Scheduler& scheduler, PinnedMover& mover, int64_t live) {
+    scheduler.begin_iteration();
+    scheduler.at_moment(0, MomentKind::kPreBackward, {1, 2}, mover, live);
+  };
+  {
+    Scheduler refusing(options, equal_chunks(3, 200));
+    PinnedMover mover;
+    // 400 bytes of chunks, budget 800 - 400 - 50 = 350.
+    EXPECT_THAT(error_of([&] { moment(refusing, mover, 400); }), HasSubstr("chunk budget is 350"));
+  }
+  options.warmup_overdraft = true;
+  Scheduler scheduler(options, equal_chunks(3, 200));
+  PinnedMover mover;
+  moment(scheduler, mover, 400);  // room: 1000 - 400 - 50 = 550
+  EXPECT_EQ(scheduler.current_stats().overdrafts, 1);
+  EXPECT_EQ(scheduler.current_stats().budget_bytes, (std::vector<int64_t>{550}));
+  EXPECT_EQ(mover.resident, (std::set<int64_t>{1, 2}));
+  scheduler.end_iteration();
+  // Past the device's own room: refused.
+  EXPECT_THAT(error_of([&] { moment(scheduler, mover, 600); }), HasSubstr("chunk budget is"));
+  scheduler.abort_iteration();
+  // A new table: nothing resident, no trace, a warm-up again; the finished iteration is kept.
+  scheduler.replace_chunks(equal_chunks(6, 100));
+  EXPECT_FALSE(scheduler.has_trace());
+  EXPECT_EQ(scheduler.history().size(), 1u);
+  EXPECT_EQ(scheduler.history().back().overdrafts, 1);
+  PinnedMover fresh;
+  moment(scheduler, fresh, 400);
+  EXPECT_EQ(scheduler.current_stats().overdrafts, 0);
+  EXPECT_EQ(fresh.resident, (std::set<int64_t>{1, 2}));
+}
+
 // kStatic keeps every chunk it loads, so during the warm-up it takes the whole device next to the
 // live non-model bytes rather than the warm-up ratio's share.
 TEST(Scheduler, StaticWarmupBudgetIsTheWholeDevice) {

@@ -33,6 +33,10 @@ struct IterationReport {
   // Of d2h_bytes: chunks sent to the host for the host-side Adam (gradients in, new weights out);
   // they return at their next use. The rest of the traffic is the scheduler's choice.
   int64_t adam_host_d2h_bytes = 0;
+  // "default_chunk_size": "auto": this warm-up's trace did not fit the device with the chunk size
+  // in use, and the model moved into chunks of this many elements after the step (the least waste
+  // with which every moment fits; the next iteration is a warm-up again). 0: no change.
+  int64_t chunk_elems_retried = 0;
   // The moments differed from the trace, which was re-recorded in this iteration (a warm-up
   // schedule from that moment on); retraces counts such iterations since the engine was built.
   bool retraced = false;
@@ -95,8 +99,10 @@ struct RegistrationReport {
   int64_t params = 0;             // registered elements (tied parameters once)
   int64_t tensors = 0;
   int64_t trainable_params = 0;
+  // The chunk size in use (after "auto"'s retries, see IterationReport::chunk_elems_retried).
   int64_t chunk_elems = 0;
   int64_t chunks_per_kind = 0;
+  int64_t chunk_size_retries = 0;  // times "auto" moved the model into smaller chunks
   int64_t chunk_waste_elems = 0;
   double chunk_waste_fraction = 0;
   int64_t model_data_bytes = 0;   // every payload of every kind this rank owns (all, one rank)

@@ -83,6 +83,12 @@ struct SchedulerOptions {
   // true: the engine calls after_moment(m) when moment m's compute is done (its chunks may move
   // again) and the prefetch runs there; false: at_moment prefetches, with m's chunks still pinned.
   bool prefetch_after_compute = true;
+  // During the warm-up (no trace yet), a moment whose accessed chunks need more than its chunk
+  // budget goes on, within the device's own limit (capacity_bytes less the live non-model bytes
+  // and the reserve), instead of throwing; IterationStats::overdrafts counts such moments. The
+  // engine sets it for "default_chunk_size": "auto", which then moves the model into smaller
+  // chunks at the warm-up's step (set_trace would refuse that trace).
+  bool warmup_overdraft = false;
 };
 
 struct ChunkInfo {
@@ -147,6 +153,8 @@ struct IterationStats {
   int64_t peak_chunk_bytes = 0;
   int64_t peak_device_bytes = 0;      // chunks + non-model, when non-model is known
   std::vector<int64_t> budget_bytes;  // per moment
+  // Warm-up moments that went past their chunk budget (SchedulerOptions::warmup_overdraft).
+  int64_t overdrafts = 0;
 };
 
 // Usage (the engine):
@@ -161,6 +169,10 @@ class Scheduler {
 
   // Adds or updates a chunk (bytes and static flag).
   void set_chunk(int64_t chunk_id, ChunkInfo info);
+  // A new chunk table, outside an iteration (the engine moved the model into chunks of another
+  // size, every chunk on the host): the trace, the residency and the recency go, the next
+  // iteration is a warm-up; the history, the timeline and the clock stay.
+  void replace_chunks(std::map<int64_t, ChunkInfo> chunks);
   const std::map<int64_t, ChunkInfo>& chunks() const { return chunks_; }
   const SchedulerOptions& options() const { return options_; }
 

@@ -4,23 +4,24 @@
 //
 // Choice: Google Highway 1.0 with dynamic dispatch (AVX-512, AVX2, SSE4, NEON, SVE... from one
 // source; the target is picked at the first call on the running CPU, see cpu_adam_simd_target()).
-// Hand-written intrinsics were not tried: the mixed kernel already runs at ~90% of the measured
-// read-modify-write bandwidth. The lane-wise math is adam_update() of adam_rule.h exactly: fma
-// where torch fuses (on targets without FMA, SSE4 and older, per-lane std::fma keeps it exact),
-// true division, IEEE sqrt (Highway's Sqrt: an instruction, no errno); the library builds with
-// -ffp-contract=off so the compiler adds no fusion of its own. bf16 rounding is done on the bits
-// (Highway 1.0's DemoteTo truncates); fp16 uses the hardware conversion where it rounds to nearest
-// even (F16C, Arm) and a per-lane conversion elsewhere. The tail of a range goes through the same
-// vector code on a zero-padded stack copy, so every element sees identical arithmetic; a unit test
-// checks every target this CPU supports against the scalar rule, bit for bit.
-// Threads: at::parallel_for over at::get_num_threads() static blocks whose boundaries are aligned
-// to 64 elements (a multiple of every vector width and of a cache line), i.e. LibTorch's own
-// OpenMP pool (cpu_adam.cpp is compiled with -fopenmp for that). No allocation or lock in loops.
+// Hand-written intrinsics only where Highway 1.0 has no operation for an instruction the CPU has:
+// the AVX512-BF16 conversion (optimizer/src/cpu_adam_avx512bf16.h), used for the kernels that
+// store bf16 where Highway dispatches its AVX3 target on a CPU with it, same bits. The lane-wise
+// math is adam_update() of adam_rule.h exactly: fma where torch fuses (on targets without FMA, SSE4
+// and older, per-lane std::fma keeps it exact), true division, IEEE sqrt (Highway's Sqrt: an
+// instruction, no errno); the library builds with -ffp-contract=off so the compiler adds no fusion
+// of its own. bf16 rounding is done on the bits (Highway 1.0's DemoteTo truncates); fp16 uses the
+// hardware conversion where it rounds to nearest even (F16C, Arm) and a per-lane conversion
+// elsewhere. The tail of a range goes through the same vector code on a zero-padded stack copy, so
+// every element sees identical arithmetic; a unit test checks every target this CPU supports
+// against the scalar rule, bit for bit. Threads: at::parallel_for over at::get_num_threads() static
+// blocks whose boundaries are aligned to 64 elements (a multiple of every vector width and of a
+// cache line), i.e. LibTorch's own OpenMP pool (cpu_adam.cpp is compiled with -fopenmp for that).
+// No allocation or lock in loops.
 //
-// Figures (benchmarks/micro/adam_bench.cpp, 64M parameters, 2 threads, AVX-512, several runs on a
-// shared 2-core VM): mixed bf16 1.40-1.63 G params/s = 89-94% of the RMW bandwidth bound at 28
-// bytes/param; 2.1-2.25x ATen's _fused_adamw_ with the casts mixed precision needs; fp32
-// 0.97-1.02x ATen's fused fp32 kernel (both memory-bound there); 6-7x torch::optim::AdamW.
+// Figures: BENCHMARKS.md, "The host Adam against the memory stream"
+// (benchmarks/micro/adam_bench.cpp, 64M parameters, interleaved medians against ATen's fused fp32
+// kernel and a read-modify-write stream of the same threads, per SIMD target).
 //
 // Thread-safety: the functions are reentrant; concurrent calls on disjoint chunks are fine. The
 // caller owns every buffer; nothing is retained.
@@ -86,8 +87,16 @@ void cpu_memory_rmw(float* data, int64_t numel);
 // gradient's statistics do, which is why the step computes them on one thread).
 void cpu_adam_threads_on_this_thread(int threads);
 
-// Name of the Highway target the dispatcher picked on this CPU (e.g. "AVX3", "AVX2", "NEON").
+// Name of the Highway target the dispatcher picked on this CPU (e.g. "AVX3", "AVX2", "NEON"), and
+// "AVX3+BF16" where the kernels that store bf16 use the AVX512-BF16 conversion (below).
 const char* cpu_adam_simd_target();
+
+// Where the CPU has AVX512-BF16 and Highway's AVX3 target is dispatched, the kernels that store
+// bf16 (the half weight, bf16 states) convert with VCVTNEPS2BF16, one instruction for the eight of
+// the bit-pattern rounding, with the same bits (NaNs and denormals take the bit rule). On by
+// default; off runs Highway's kernels there too (the benchmarks compare the two). Not thread-safe
+// against kernels running.
+void cpu_adam_use_bf16_conversions(bool on);
 
 // ---- at::Tensor wrappers: check dtype/device/contiguity/sizes, then call the kernels above ----
 
