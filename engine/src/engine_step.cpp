@@ -433,11 +433,8 @@ IterationReport EngineCore::step() {
   report.prefetches = stats.prefetches;
   report.warm_start_h2d_bytes = stats.warm_start_h2d_bytes;
   scheduler_->end_iteration();
-  if (retry_chunk_elems_ > 0) {
-    report.chunk_elems_retried = retry_chunk_elems_;
-    retry_chunk_elems_ = 0;
-    move_to_chunk_size(report.chunk_elems_retried);
-  }
+  report.chunk_elems_retried = retry_chunk_elems_;
+  retry_chunk_elems_ = 0;
 
   report.iteration = iteration_;
   report.warmup = warmup;
@@ -453,6 +450,8 @@ IterationReport EngineCore::step() {
   report.early_updates_allowed = early_allowed;
   end_overlap_trial_iteration(overlap_applied, report);
   metrics_.keep(report);
+  // (After the report: its traffic and peaks are the old chunks'.)
+  if (report.chunk_elems_retried > 0) move_to_chunk_size(report.chunk_elems_retried);
 
   ++iteration_;
   tracker_.on(PhaseEvent::kStepDone);

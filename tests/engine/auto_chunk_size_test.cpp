@@ -158,6 +158,9 @@ TEST(AutoChunkSize, AWarmUpThatDoesNotFitMovesIntoSmallerChunksAndTrainsAsLibTor
   EXPECT_EQ(engine.registration().chunk_elems, moved_to);
   EXPECT_EQ(engine.registration().chunk_size_retries, 1);
   EXPECT_EQ(inspect(engine).chunks().chunk_elems(), moved_to);
+  // The warm-up's own report is the old chunks': what they moved, and the activations it measured.
+  EXPECT_GT(reports[0].h2d_bytes, 0);
+  EXPECT_GE(reports[0].non_model_peak_bytes, peak / 2);
   // The next iteration warms up over the new chunks; its trace fits, and the steady ones follow.
   EXPECT_TRUE(reports[1].warmup);
   for (int s = 1; s < kSteps; ++s) EXPECT_EQ(reports[s].chunk_elems_retried, 0) << s;
