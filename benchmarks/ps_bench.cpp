@@ -80,6 +80,10 @@ ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
 ABSL_FLAG(uint64_t, seed, 1234, "seed of the weights and the data");
 ABSL_FLAG(bool, checkpoint_activations, false,
           "recompute each GPT block in backward (activation checkpointing)");
+ABSL_FLAG(double, dropout, 0.0,
+          "dropout probability while training (GPT: after the embeddings, on the attention "
+          "probabilities and on each residual branch, as GPT-2; Llama: on the attention "
+          "probabilities, as transformers' attention_dropout); checkpointed blocks replay it");
 ABSL_FLAG(bool, find_max_model, false,
           "search, for each of --search-policies, the most layers (at --hidden) that complete "
           "--search-steps training steps within --device and --host-memory");
@@ -161,6 +165,10 @@ int run() {
 template <class Spec>
 int train(const ps::Config& config, Spec spec) {
   spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
+  const double dropout = absl::GetFlag(FLAGS_dropout);
+  TORCH_CHECK(dropout >= 0.0 && dropout < 1.0, "--dropout must be a probability in [0, 1), got ",
+              dropout);
+  if (dropout > 0.0) spec.dropout = dropout;  // else the spec's own (a Llama config.json's)
   TORCH_CHECK(absl::GetFlag(FLAGS_lora) >= 0,
               "--lora must be 0 (no adapters) or a positive rank, got ", absl::GetFlag(FLAGS_lora));
   spec.lora_rank = absl::GetFlag(FLAGS_lora);
@@ -386,7 +394,8 @@ int train(const ps::Config& config, Spec spec) {
                   world > 1 ? " (the whole global batch, on every rank)" : "");
     }
     baseline =
-        run_baseline(spec, config, batch, seq, steps, seed, lead, absl::GetFlag(FLAGS_init_from));
+        run_baseline(spec, config, batch, seq, steps, seed, lead, absl::GetFlag(FLAGS_init_from),
+                     world);
   }
 
   nlohmann::json out;
@@ -397,6 +406,7 @@ int train(const ps::Config& config, Spec spec) {
   out["dtype"] = std::string(ps::to_string(config.precision()));
   out["state_dtype"] = std::string(ps::to_string(config.optimizer.state_dtype));
   out["checkpoint_activations"] = spec.checkpoint_activations;
+  out["dropout"] = spec.dropout;
   out["lora_rank"] = spec.lora_rank;
   out["trainable_params"] = reg.trainable_params;
   out["batch"] = batch;

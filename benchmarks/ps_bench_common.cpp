@@ -1,6 +1,8 @@
 // ps_bench's shared pieces: see ps_bench_common.h.
 #include "ps_bench_common.h"
 #include <torch/torch.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -259,10 +262,42 @@ double megatron_flops(const ps::models::LlamaSpec& spec, int64_t batch, int64_t 
   return 8.0 * static_cast<double>(batch * seq) * macs;
 }
 
+namespace {
+
+// The step of `world` data-parallel ranks with dropout, in one process: rank r's rows of the batch,
+// from the random state every rank starts the step with; gradients averaged as the ranks' reduce
+// does. Returns the mean loss (no gradient left to take: backward ran per micro-batch).
+template <class Model>
+at::Tensor ranks_as_micro_batches(Model& model, const ps::models::TokenBatch& data, int world,
+                                  c10::Device device) {
+  at::Generator gen = device.is_cuda() ? at::globalContext().defaultGenerator(device)
+                                       : at::detail::getDefaultCPUGenerator();
+  at::Tensor start;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    start = gen.get_state();
+  }
+  const int64_t rows = data.tokens.size(0) / world;
+  double total = 0;
+  for (int r = 0; r < world; ++r) {
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(start);
+    }
+    at::Tensor loss = model->loss(data.tokens.narrow(0, r * rows, rows),
+                                  data.targets.narrow(0, r * rows, rows));
+    (loss / world).backward();
+    total += loss.template item<double>();
+  }
+  return at::scalar_tensor(total / world, at::kDouble);
+}
+
+}  // namespace
+
 template <class Spec>
 BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
                             int64_t steps, uint64_t seed, bool print,
-                            const std::string& init_from) {
+                            const std::string& init_from, int world) {
   auto model = make_model(spec, seed, init_from);
   ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
@@ -277,8 +312,10 @@ BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t 
     auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
     const auto start = Clock::now();
     adamw.zero_grad();
-    at::Tensor loss = model->loss(data.tokens, data.targets);
-    loss.backward();
+    at::Tensor loss = spec.dropout > 0.0 && world > 1
+                          ? ranks_as_micro_batches(model, data, world, batch_device(config))
+                          : model->loss(data.tokens, data.targets);
+    if (loss.requires_grad()) loss.backward();
     adamw.step();
     finish_device_work(config);
     const double t = seconds_since(start);
@@ -353,8 +390,8 @@ template ps::models::TokenBatch batch_of(const ps::models::GptSpec&, const ps::C
 template ps::models::TokenBatch batch_of(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
                                          int64_t, uint64_t);
 template BaselineResult run_baseline(const ps::models::GptSpec&, const ps::Config&, int64_t,
-                                     int64_t, int64_t, uint64_t, bool, const std::string&);
+                                     int64_t, int64_t, uint64_t, bool, const std::string&, int);
 template BaselineResult run_baseline(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
-                                     int64_t, int64_t, uint64_t, bool, const std::string&);
+                                     int64_t, int64_t, uint64_t, bool, const std::string&, int);
 
 }  // namespace ps_bench

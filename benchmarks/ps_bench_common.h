@@ -52,11 +52,13 @@ template <class Spec>
 ps::models::TokenBatch batch_of(const Spec& spec, const ps::Config& config, int64_t batch,
                                 int64_t seq, uint64_t seed);
 // Plain LibTorch + torch::optim::AdamW on the engine's initial weights (`init_from`: a Llama
-// checkpoint's) and data.
+// checkpoint's) and data. With dropout and `world` > 1 ranks, each step runs the ranks' rows as
+// `world` micro-batches, each from the random state the step started at (every rank's generator
+// was seeded alike and draws the same shapes), their gradients averaged: data parallel's masks.
 template <class Spec>
 BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
                             int64_t steps, uint64_t seed, bool print,
-                            const std::string& init_from = "");
+                            const std::string& init_from = "", int world = 1);
 int local_rank();
 std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values);
 // The model of `spec` built from `seed` (the baseline builds the same weights); a Llama from the

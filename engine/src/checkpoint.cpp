@@ -4,10 +4,16 @@
 #include <vector>
 
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -35,16 +41,77 @@ class CheckpointedForwardGuard {
   CheckpointedForwardGuard& operator=(const CheckpointedForwardGuard&) = delete;
 };
 
+// The states of the default generators a checkpointed block can draw from: the CPU's, and the CUDA
+// device's where the input lives there (or, for an input on the CPU, the current CUDA device's when
+// this process has already used it; one never used is not initialized for this).
+class RandomStates {
+ public:
+  static RandomStates capture(const at::Tensor& input) {
+    RandomStates states;
+    states.add(at::detail::getDefaultCPUGenerator());
+    if (input.is_cuda()) {
+      states.add(at::globalContext().defaultGenerator(input.device()));
+    } else if (at::globalContext().hasCUDA()) {
+      const auto& cuda = at::detail::getCUDAHooks();
+      const c10::DeviceIndex current = cuda.current_device();
+      if (current >= 0 && cuda.hasPrimaryContext(current)) {
+        states.add(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, current)));
+      }
+    }
+    return states;
+  }
+  // Sets every generator to the state it had at capture().
+  void restore() const {
+    for (const auto& [generator, state] : states_) {
+      at::Generator g = generator;
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
+  }
+
+ private:
+  void add(at::Generator generator) {
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      state = generator.get_state();
+    }
+    states_.emplace_back(std::move(generator), std::move(state));
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> states_;
+};
+
+// For the recompute: the generators replay the forward's states, and continue afterwards (also when
+// the recompute throws) from where the program had brought them.
+class ReplayedRandomStates {
+ public:
+  ReplayedRandomStates(const std::optional<RandomStates>& at_forward, const at::Tensor& input) {
+    if (!at_forward) return;
+    now_ = RandomStates::capture(input);
+    at_forward->restore();
+  }
+  ~ReplayedRandomStates() {
+    if (now_) now_->restore();
+  }
+  ReplayedRandomStates(const ReplayedRandomStates&) = delete;
+  ReplayedRandomStates& operator=(const ReplayedRandomStates&) = delete;
+
+ private:
+  std::optional<RandomStates> now_;
+};
+
 // The backward of one checkpointed call. A Node of our own rather than a torch::autograd::Function:
 // the node must own `fn`, which an AutogradContext (IValues only) cannot hold.
 class CheckpointBackward final : public torch::autograd::Node {
  public:
   CheckpointBackward(CheckpointFunction fn, ModuleHookHandler* handler,
-                     std::vector<ModuleHookHandler*> handlers, const at::Tensor& input)
+                     std::vector<ModuleHookHandler*> handlers, const at::Tensor& input,
+                     std::optional<RandomStates> random_states)
       : fn_(std::move(fn)),
         handler_(handler),
         handlers_(std::move(handlers)),
-        input_(input, /*is_output=*/false) {}
+        input_(input, /*is_output=*/false),
+        random_states_(std::move(random_states)) {}
 
   std::string name() const override { return "patrickstar::CheckpointBackward"; }
 
@@ -66,6 +133,7 @@ class CheckpointBackward final : public torch::autograd::Node {
       // made active again for modules no engine registered.
       at::AutoGradMode grad_mode(true);
       ActiveHandlerGuard active(handler_);
+      ReplayedRandomStates replayed(random_states_, input);
       output = fn_(input);
     }
     TORCH_CHECK(output.defined() && output.sizes() == grads[0].sizes(),
@@ -80,6 +148,7 @@ class CheckpointBackward final : public torch::autograd::Node {
   void release_variables() override {
     input_.reset_data();
     fn_ = nullptr;  // what fn captured may go now
+    random_states_.reset();
   }
 
  private:
@@ -87,6 +156,7 @@ class CheckpointBackward final : public torch::autograd::Node {
   ModuleHookHandler* handler_;
   std::vector<ModuleHookHandler*> handlers_;
   torch::autograd::SavedVariable input_;
+  std::optional<RandomStates> random_states_;  // at the forward (CheckpointOptions)
 };
 
 }  // namespace
@@ -111,11 +181,13 @@ void note_checkpointed_handler(ModuleHookHandler* handler) {
 }
 }  // namespace detail
 
-at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {
+at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input, CheckpointOptions options) {
   TORCH_CHECK(fn, "patrickstar::checkpoint: the function is empty");
   if (!at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return fn(input);
   at::Tensor output;
   std::vector<ModuleHookHandler*> handlers;
+  std::optional<RandomStates> random_states;
+  if (options.preserve_rng_state) random_states = RandomStates::capture(input);
   {
     at::NoGradGuard no_grad;
     CheckpointedForwardGuard checkpointed;
@@ -135,7 +207,8 @@ at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input) {
   // A fresh handle (fn may return its input or a view), which the checkpoint's node produces.
   output = output.detach();
   std::shared_ptr<CheckpointBackward> node(
-      new CheckpointBackward(std::move(fn), active_module_hook_handler(), std::move(handlers), input),
+      new CheckpointBackward(std::move(fn), active_module_hook_handler(), std::move(handlers), input,
+                             std::move(random_states)),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input));
   torch::autograd::set_history(output, node);

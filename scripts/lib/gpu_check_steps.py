@@ -178,7 +178,9 @@ def facts(ctx):
     f["torch_lib_dirs"] = ctx.torch.get("lib_dirs", [])
     ctx.rep.data["facts"] = f
     libs = [os.path.join(ctx.prefix, "usr", "lib", "x86_64-linux-gnu")] + f["torch_lib_dirs"]
-    ctx.env = {"LD_LIBRARY_PATH": ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":")}
+    ctx.env = {"LD_LIBRARY_PATH": ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":"),
+               # The reference files of this checkout, not the path compiled into prepared binaries.
+               "PATRICKSTAR_TEST_DATA": os.path.join(ctx.root, "tests", "data")}
     if not ctx.dry_run and (rc != 0 or not gpu) and not ctx.torch.get("cuda_available"):
         ctx.no_gpu = True
         ctx.rep.data["no_gpu"] = True

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "test_data.h"
 #include "distributed/ranks.h"
 #include "engine/gpt_training.h"
 #include "patrickstar/models/llama.h"
@@ -22,7 +23,7 @@ namespace {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
-const std::string kTiny = std::string(PATRICKSTAR_TEST_DATA) + "/llama/tiny";
+const std::string kTiny = patrickstar::testing::test_data_dir() + "/llama/tiny";
 
 models::Llama from_checkpoint() {
   models::Llama model(models::llama_spec_from_pretrained(kTiny));

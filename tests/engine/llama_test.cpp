@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include "test_data.h"
 #include "patrickstar/models/llama.h"
 #include "patrickstar/models/llama_pretrained.h"
 #include "patrickstar/patrickstar.h"
@@ -25,7 +26,7 @@ namespace patrickstar {
 namespace {
 
 std::string reference_folder(const std::string& name) {
-  return std::string(PATRICKSTAR_TEST_DATA) + "/llama/" + name;
+  return patrickstar::testing::test_data_dir() + "/llama/" + name;
 }
 
 // max |a - b| / max |b| (0 when b is all zeros and a equals it).

@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include "test_data.h"
 #include "error_message.h"
 #include "patrickstar/models/llama.h"
 #include "patrickstar/models/llama_pretrained.h"
@@ -28,8 +29,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-const std::string kTiny = std::string(PATRICKSTAR_TEST_DATA) + "/llama/tiny";
-const std::string kTied = std::string(PATRICKSTAR_TEST_DATA) + "/llama/tiny_tied_bf16";
+const std::string kTiny = patrickstar::testing::test_data_dir() + "/llama/tiny";
+const std::string kTied = patrickstar::testing::test_data_dir() + "/llama/tiny_tied_bf16";
 
 // Writes `tensors` (fp32 values, written as `dtype`) as a checkpoint in `folder`.
 SafetensorsSaveReport write(const std::string& folder,

@@ -5,6 +5,7 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/dropout.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randint.h>
@@ -73,10 +74,13 @@ std::vector<std::string> gpt_spec_names() {
   return names;
 }
 
-GptBlockImpl::GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank, double lora_alpha)
-    : heads_(heads) {
+GptBlockImpl::GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank, double lora_alpha,
+                           double dropout)
+    : heads_(heads), dropout_(dropout) {
   TORCH_CHECK(heads > 0 && hidden % heads == 0, "GPT block: hidden size ", hidden,
               " is not a multiple of the head count ", heads);
+  TORCH_CHECK(dropout >= 0.0 && dropout < 1.0, "GPT block: dropout ", dropout,
+              " is not a probability in [0, 1)");
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   qkv = register_module("qkv", torch::nn::Linear(hidden, 3 * hidden));
   proj = register_module("proj", torch::nn::Linear(hidden, hidden));
@@ -97,13 +101,14 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   if (qkv_lora) h = h + call(qkv_lora, normed);
   // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim]
   auto parts = h.view({batch, seq, 3, heads_, head_dim}).permute({2, 0, 3, 1, 4}).unbind(0);
-  at::Tensor attn = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0,
+  const double p = is_training() ? dropout_ : 0.0;
+  at::Tensor attn = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, p,
                                                      /*is_causal=*/true);
   attn = attn.transpose(1, 2).reshape({batch, seq, hidden});
   at::Tensor projected = call(proj, attn);
   if (proj_lora) projected = projected + call(proj_lora, attn);
-  at::Tensor y = x + projected;
-  return y + call(fc_out, at::gelu(call(fc, call(ln2, y))));
+  at::Tensor y = x + at::dropout(projected, p, is_training());
+  return y + at::dropout(call(fc_out, at::gelu(call(fc, call(ln2, y)))), p, is_training());
 }
 
 void GptBlockImpl::defer_base() {
@@ -128,7 +133,7 @@ GptImpl::GptImpl(const GptSpec& spec) : spec_(spec) {
   made(*wpe);
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < spec.layers; ++i) {
-    GptBlock block(spec.hidden, spec.heads, spec.lora_rank, spec.lora_alpha);
+    GptBlock block(spec.hidden, spec.heads, spec.lora_rank, spec.lora_alpha, spec.dropout);
     if (spec.deferred_init) block->defer_base();
     blocks->push_back(block);
   }
@@ -168,6 +173,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
               " exceeds the model's ", spec_.max_seq, " positions");
   at::Tensor positions = at::arange(seq, tokens.options());
   at::Tensor x = call(wte, tokens) + call(wpe, positions);
+  if (spec_.dropout > 0.0) x = at::dropout(x, spec_.dropout, is_training());
   for (auto& block : *blocks) {
     GptBlockImpl* b = block->as<GptBlockImpl>();
     if (spec_.checkpoint_activations) {

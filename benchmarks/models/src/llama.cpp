@@ -108,7 +108,7 @@ at::Tensor RmsNormImpl::forward(const at::Tensor& x) {
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaSpec& spec)
-    : heads_(spec.heads), kv_heads_(spec.kv_heads), head_dim_(spec.head_dim()) {
+    : heads_(spec.heads), kv_heads_(spec.kv_heads), head_dim_(spec.head_dim()), dropout_(spec.dropout) {
   const int64_t h = spec.hidden, kv = spec.kv_heads * head_dim_;
   auto linear = [](int64_t in, int64_t out) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
@@ -144,7 +144,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
             .expand({batch, kv_heads_, rep, seq, head_dim_})
             .reshape({batch, heads_, seq, head_dim_});
   }
-  at::Tensor attn = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  const double p = is_training() ? dropout_ : 0.0;
+  at::Tensor attn = at::scaled_dot_product_attention(q, k, v, {}, p, /*is_causal=*/true);
   return call(o_proj, attn.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
 }
 
@@ -193,6 +194,8 @@ LlamaImpl::LlamaImpl(const LlamaSpec& spec) : spec_(spec) {
               "Llama spec \"", spec.name, "\": hidden size ", spec.hidden, ", ", spec.heads,
               " heads and ", spec.kv_heads,
               " key/value heads need heads | hidden, kv_heads | heads and an even head size");
+  TORCH_CHECK(spec.dropout >= 0.0 && spec.dropout < 1.0, "Llama spec \"", spec.name, "\": dropout ",
+              spec.dropout, " is not a probability in [0, 1)");
   TORCH_CHECK(spec.rope_type == "default" || spec.rope_type == "llama3", "Llama spec \"", spec.name,
               "\": rotary type \"", spec.rope_type,
               "\" is not supported (\"default\" or \"llama3\")");

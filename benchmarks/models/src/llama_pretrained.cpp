@@ -90,6 +90,7 @@ LlamaSpec llama_spec_from_pretrained(const std::string& folder) {
   spec.vocab = integer("vocab_size");
   spec.max_seq = j.contains("max_position_embeddings") ? integer("max_position_embeddings") : 2048;
   spec.rms_eps = number(j, "rms_norm_eps", 1e-6);
+  spec.dropout = number(j, "attention_dropout", 0.0);
   spec.tie_embeddings = flag("tie_word_embeddings", false);  // LlamaConfig's default
   if (j.contains("pad_token_id") && !j["pad_token_id"].is_null()) {
     spec.pad_token_id = integer("pad_token_id");
@@ -156,6 +157,7 @@ std::string llama_config_json(const LlamaSpec& spec, at::ScalarType dtype) {
       {"vocab_size", spec.vocab},
       {"max_position_embeddings", spec.max_seq},
       {"rms_norm_eps", spec.rms_eps},
+      {"attention_dropout", spec.dropout},
       {"tie_word_embeddings", spec.tie_embeddings},
       // Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling.
       {"rope_parameters", rope},

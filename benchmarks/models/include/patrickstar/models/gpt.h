@@ -36,6 +36,11 @@ struct GptSpec {
   // Run each block through patrickstar::checkpoint: a block keeps only its input for backward and
   // computes its forward again there. Less activation memory for one more forward of the blocks.
   bool checkpoint_activations = false;
+  // Dropout probability, as GPT-2's config applies it (embd_pdrop, attn_pdrop and resid_pdrop all
+  // equal): after the embeddings' sum, on the attention probabilities, and after each residual
+  // branch (attention projection, MLP) before it is added. Applied while the module is training;
+  // 0 draws nothing. With checkpoint_activations the recompute replays the masks (checkpoint.h).
+  double dropout = 0.0;
   // Fine-tuning with low-rank adapters (lora.h) when positive: each block's attention projections
   // (qkv and proj) get a LoraAdapter of this rank, and every other parameter is frozen
   // (requires_grad false) when the model is built.
@@ -68,7 +73,8 @@ std::vector<std::string> gpt_spec_names();
 class GptBlockImpl : public torch::nn::Module {
  public:
   // lora_rank > 0: qkv and proj get adapters (qkv_lora, proj_lora) of that rank.
-  GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank = 0, double lora_alpha = 16.0);
+  GptBlockImpl(int64_t hidden, int64_t heads, int64_t lora_rank = 0, double lora_alpha = 16.0,
+               double dropout = 0.0);
   at::Tensor forward(const at::Tensor& x);
   // Defers the parameters of every submodule but the adapters (GptSpec::deferred_init).
   void defer_base();
@@ -79,6 +85,7 @@ class GptBlockImpl : public torch::nn::Module {
 
  private:
   int64_t heads_;
+  double dropout_;
 };
 TORCH_MODULE(GptBlock);
 

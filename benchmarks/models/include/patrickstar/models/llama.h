@@ -55,6 +55,10 @@ struct LlamaSpec {
   // parameter from its name and torch::manual_seed's seed, or from a checkpoint:
   // LlamaImpl::initialize_from).
   bool checkpoint_activations = false;
+  // Dropout on the attention probabilities while training (transformers' attention_dropout, read
+  // from config.json by llama_spec_from_pretrained; Llama's own configs have 0). With
+  // checkpoint_activations the recompute replays the masks (patrickstar/engine/checkpoint.h).
+  double dropout = 0.0;
   int64_t lora_rank = 0;
   double lora_alpha = 16.0;
   bool deferred_init = false;
@@ -99,6 +103,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
+  double dropout_;  // LlamaSpec::dropout
 };
 TORCH_MODULE(LlamaAttention);
 
