@@ -391,7 +391,9 @@ int train(const ps::Config& config, Spec spec) {
   if (absl::GetFlag(FLAGS_baseline)) {
     if (lead) {
       std::printf("baseline: plain LibTorch + torch::optim::AdamW (fp32), same weights and data%s\n",
-                  world > 1 ? " (the whole global batch, on every rank)" : "");
+                  world == 1      ? ""
+                  : spec.dropout > 0 ? " (the ranks' rows as micro-batches from one random state, on every rank)"
+                                     : " (the whole global batch, on every rank)");
     }
     baseline =
         run_baseline(spec, config, batch, seq, steps, seed, lead, absl::GetFlag(FLAGS_init_from),

@@ -16,6 +16,12 @@ if(NOT PATRICKSTAR_CCACHE STREQUAL "OFF" AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
         CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
         CCACHE_MAXSIZE=${PATRICKSTAR_CCACHE_SIZE} ${PATRICKSTAR_CCACHE_PROGRAM})
     set(CMAKE_CXX_COMPILER_LAUNCHER ${_ps_ccache})
+    # clang writes the mtimes of its inputs into a precompiled header and refuses one whose inputs
+    # have other mtimes (a fresh clone's): ccache's documentation asks for this flag. (GCC's
+    # precompiled headers carry no mtimes.)
+    if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+      add_compile_options("SHELL:-Xclang -fno-pch-timestamp")
+    endif()
     set(CMAKE_CUDA_COMPILER_LAUNCHER ${_ps_ccache})
     message(STATUS "patrickstar: compiling through ccache (${PATRICKSTAR_CCACHE_PROGRAM}, base ${PROJECT_SOURCE_DIR})")
   elseif(PATRICKSTAR_CCACHE STREQUAL "ON")

@@ -1,5 +1,6 @@
 # cmake --install: headers, static libraries and a CMake package, so a LibTorch trainer can
 #   find_package(patrickstar CONFIG REQUIRED)   target_link_libraries(app PRIVATE patrickstar::patrickstar)
+# (and patrickstar::models for the model zoo). Test-only headers (each folder's testing/) stay out.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -8,7 +9,7 @@ install(TARGETS ${_ps_targets} EXPORT patrickstarTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(folder patrickstar chunk comm memtracer optimizer engine)
+foreach(folder patrickstar chunk comm memtracer optimizer engine models)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 install(EXPORT patrickstarTargets NAMESPACE patrickstar::

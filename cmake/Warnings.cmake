@@ -47,7 +47,8 @@ function(ps_target_defaults target)
 endfunction()
 
 # ps_add_library(<name>): the library of folder <name>: sources <name>/src/*.cpp, public headers in
-# <name>/include/patrickstar/<name>/, target ps_<name>, exported as patrickstar::<name>.
+# <name>/include/patrickstar/<name>/ (installed), test-only headers in <name>/testing/ (not installed),
+# target ps_<name>, exported as patrickstar::<name>.
 function(ps_add_library name)
   file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/src/*.cpp)
   if(NOT sources AND NOT ARGN)
@@ -59,6 +60,11 @@ function(ps_add_library name)
   target_compile_features(ps_${name} PUBLIC cxx_std_20)
   target_include_directories(ps_${name} PUBLIC
     $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:include>)
+  # Test-only headers (<name>/testing/patrickstar/<name>/: introspection, fault injection): seen by
+  # this build tree's tests and benchmarks, neither installed nor exported.
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/testing)
+    target_include_directories(ps_${name} PUBLIC $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/testing>)
+  endif()
   ps_link_torch(ps_${name})
   ps_target_defaults(ps_${name})
   set_target_properties(ps_${name} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME patrickstar_${name})

@@ -74,7 +74,7 @@ def sources_digest():
     """A digest of the sources the binaries are built from (the GPU machine gets no .git)."""
     import hashlib
     digest = hashlib.sha256()
-    for folder in ("chunk", "comm", "optimizer", "memtracer", "engine", "patrickstar", "benchmarks",
+    for folder in ("chunk", "comm", "optimizer", "memtracer", "engine", "patrickstar", "models", "benchmarks",
                    "tests", "cmake"):
         for base, dirs, files in os.walk(os.path.join(ROOT, folder)):
             dirs.sort()
@@ -264,6 +264,10 @@ def run(args, out):
         rep.interrupt(ctx.current, "interrupted by %s after %.0f s" % (e, time.time() - started))
         rc = 124
     finally:
+        # The final report is written whole: a signal now (timeout's TERM as the window closes) is
+        # ignored instead of cutting the write short.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         rep.write(final=True)
         say("%s in %.0f s; report: %s (%s)" % (rep.data["status"], time.time() - started, out,
                                                ", ".join(rep.files())))

@@ -182,9 +182,10 @@ class LoraChunks : public test::OnTestDevice {};
 
 TEST_F(LoraChunks, FrozenParametersHaveTheirOwnChunksAndTheStepMovesNoneOfThem) {
   models::Gpt model = lora_model();
+  // The capacity goes in with the config, before use_test_device adds CUDA's allowance to it.
   Config config = test::tight_config(
-      R"({"default_chunk_size": 32768, "optimizer": {"params": {"use_hybrid_adam": false}}})");
-  config.device.capacity_bytes = int64_t{64} << 20;
+      R"({"default_chunk_size": 32768, "optimizer": {"params": {"use_hybrid_adam": false}},
+          "client": {"device": {"capacity_bytes": 67108864}}})");
   Engine engine(model.ptr(), config);
   const ChunkStore& store = inspect(engine).chunks();
   const Layout& layout = store.layout();
@@ -355,7 +356,7 @@ TEST_F(LoraLean, AGradientAssignedToAFrozenParameterIsRefusedUntilReset) {
   test::train_step(engine, model, 0, &loss);
   test::train_step(reference, reference_model, 0, &expected);
   at::Tensor w = model->named_parameters()["blocks.1.fc.weight"];
-  auto batch = test::batch_of_step(1);
+  auto batch = test::on_test_device(test::batch_of_step(1));
   engine.zero_grad();
   at::Tensor out;
   {
@@ -363,7 +364,8 @@ TEST_F(LoraLean, AGradientAssignedToAFrozenParameterIsRefusedUntilReset) {
     out = model->loss(batch.tokens, batch.targets);
   }
   engine.backward(out);
-  w.mutable_grad() = torch::ones(w.sizes());
+  // On the parameter's device (the GPU under PATRICKSTAR_TEST_DEVICE=cuda), as a trainer would.
+  w.mutable_grad() = torch::ones(w.sizes(), torch::TensorOptions().device(test::test_device()));
   for (int attempt = 0; attempt < 2; ++attempt) {  // refused again, nothing half-applied
     const std::string error = test::error_of([&] { engine.step(); });
     EXPECT_NE(error.find("blocks.1.fc.weight"), std::string::npos) << error;

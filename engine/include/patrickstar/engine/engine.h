@@ -35,8 +35,9 @@
 // points autograd and the doors call (forward doors, backward hooks, gradients, a backward's start
 // and end) are serialized by a recursive mutex, since on CUDA autograd runs a backward's CPU and GPU
 // work on different threads. Nothing else may be called from two threads at once.
-// What tests and benchmarks look at inside (the chunk store, the scheduler, the tiers) is in
-// engine_inspect.h; the implementation is private (engine/src, docs/design.md "Architecture").
+// What this project's tests and benchmarks look at inside (the chunk store, the scheduler, the
+// tiers) is in engine_inspect.h, a test-only header (engine/testing/, not installed); the
+// implementation is private (engine/src, docs/design.md "Architecture").
 // Ownership: the engine shares ownership of the model, and owns its chunks, tiers, scheduler,
 // tracer and optimizer. Two engines may live side by side; on the emulated device each measures
 // its own peaks (a peak window of its own), on CUDA they share the caching allocator's peak, which

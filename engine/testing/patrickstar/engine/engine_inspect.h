@@ -1,5 +1,6 @@
-// What tests and benchmarks look at inside an Engine: its chunk store, scheduler, tracer, tiers,
-// the Adam placement and the communicator. Training code does not need it (engine.h is the API);
+// What this project's tests and benchmarks look at inside an Engine: its chunk store, scheduler,
+// tracer, tiers, the Adam placement and the communicator. Test-only: seen by this build tree (the
+// engine library's testing/ folder), not installed. Training code does not need it (engine.h is the API);
 // everything here is read-only except the tiers, whose peaks a benchmark may reset.
 // The chunk store is replaced when "default_chunk_size": "auto" moves the model into smaller
 // chunks (a step whose IterationReport::chunk_elems_retried is not 0): a reference to it taken

@@ -4,6 +4,7 @@
 // and device tiers (MemoryTier::allocate) and LibTorch's CPU allocations through the counting
 // allocator (CountingCpuAllocator::allocate, installed on the emulated device). Disarmed, the cost
 // is one relaxed atomic load per allocation. Process-wide; meant for one test thread at a time.
+// Test-only: seen by this build tree (the chunk library's testing/ folder), not installed.
 //
 //   allocation_faults::arm(12);
 //   try { train_step(); } catch (const c10::Error&) { ... }
