@@ -70,6 +70,110 @@ Trial run_trial(const ps::models::GptSpec& spec, const ps::Config& config, int64
   return trial;
 }
 
+namespace {
+
+// The most layers one policy trains, and the first failing trial's error ("" when --max-layers
+// stopped the search).
+struct Best {
+  std::string policy;
+  int64_t layers = 0;
+  Trial trial;
+  std::string stop;
+};
+
+// The limit that stopped a policy, in a word or two, from its first failing trial's error.
+std::string limit_of(const std::string& error) {
+  if (error.empty()) return "--max-layers";
+  auto has = [&](const char* s) { return error.find(s) != std::string::npos; };
+  if (has("bytes of host memory")) return "host memory";
+  if (has("static_on_device")) return "device: every half weight";
+  if (has("activations and temporaries")) return "device: activations";
+  if (has("chunk budget") || has("more chunk bytes")) return "device: a moment's chunks";
+  if (has("disk") || has("No space")) return "disk";
+  if (has("out of memory") || has("OutOfMemory")) return "memory (a tier refused)";
+  return "other (see the JSON)";
+}
+
+// `policy`'s most layers of `shape` (up to max_layers): layer counts doubled until a trial fails,
+// then bisected between the last that trained and the first that failed.
+Best search_policy(const std::string& policy, const ps::Config& base_config,
+                   const ps::models::GptSpec& shape, const std::string& base_name, int64_t batch,
+                   int64_t seq, int64_t steps, uint64_t seed, int64_t max_layers) {
+  nlohmann::json j = base_config.to_json();
+  j["client"]["scheduler"]["policy"] = policy;
+  j["client"]["mem_tracer"]["with_static_partition"] = policy == "static";
+  ps::Config config = ps::Config::from_json(j);
+  config.warnings.clear();  // reported once by main, not by every trial's engine
+  auto attempt = [&](int64_t layers) {
+    ps::models::GptSpec spec = shape;
+    spec.layers = layers;
+    spec.name = absl::StrCat(base_name, "-h", shape.hidden, "-L", layers);
+    std::printf("  %-7s layers %5lld  %12lld params ... ", policy.c_str(),
+                static_cast<long long>(layers), static_cast<long long>(spec.parameter_count()));
+    std::fflush(stdout);
+    Trial t = run_trial(spec, config, batch, seq, steps, seed);
+    if (t.ok) {
+      std::printf("ok (%.1f s)\n", t.seconds);
+    } else {
+      std::printf("fails (%.1f s): %s\n", t.seconds, t.error.c_str());
+    }
+    std::fflush(stdout);
+    return t;
+  };
+  Best b{policy, 0, {}, {}};
+  int64_t bad = max_layers + 1;  // smallest layer count known to fail
+  for (int64_t layers = 1;; layers = std::min(layers * 2, max_layers)) {
+    Trial t = attempt(layers);
+    if (!t.ok) {
+      bad = layers;
+      b.stop = t.error;
+      break;
+    }
+    b.layers = layers;
+    b.trial = t;
+    if (layers == max_layers) break;
+  }
+  while (b.layers > 0 && bad - b.layers > 1) {
+    const int64_t mid = b.layers + (bad - b.layers) / 2;
+    Trial t = attempt(mid);
+    if (t.ok) {
+      b.layers = mid;
+      b.trial = t;
+    } else {
+      bad = mid;
+      b.stop = t.error;
+    }
+  }
+  return b;
+}
+
+// The table, and its rows as JSON.
+nlohmann::json print_results(const std::vector<Best>& best) {
+  nlohmann::json results = nlohmann::json::array();
+  std::printf("\n%-8s %8s %14s %16s %16s %16s %16s  %s\n", "policy", "layers", "params",
+              "model data", "states on dev.", "device peak", "host peak", "limit (one more layer)");
+  for (const Best& b : best) {
+    std::printf("%-8s %8lld %14lld %16s %16s %16s %16s  %s\n", b.policy.c_str(),
+                static_cast<long long>(b.layers), static_cast<long long>(b.trial.params),
+                mib(static_cast<double>(b.trial.model_data_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.device_state_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.device_peak_bytes)).c_str(),
+                mib(static_cast<double>(b.trial.host_peak_bytes)).c_str(), limit_of(b.stop).c_str());
+    results.push_back({{"policy", b.policy},
+                       {"max_layers", b.layers},
+                       {"params", b.trial.params},
+                       {"limit", limit_of(b.stop)},
+                       {"limit_error", b.stop},
+                       {"device_state_bytes", b.trial.device_state_bytes},
+                       {"model_data_bytes", b.trial.model_data_bytes},
+                       {"device_peak_bytes", b.trial.device_peak_bytes},
+                       {"host_peak_bytes", b.trial.host_peak_bytes}});
+  }
+  return results;
+}
+
+}  // namespace
+
 int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& base, int64_t batch,
                    int64_t seq, uint64_t seed) {
   TORCH_CHECK(base_config.device.host_capacity_bytes > 0,
@@ -101,93 +205,10 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
               static_cast<long long>(steps));
   std::fflush(stdout);
 
-  nlohmann::json results = nlohmann::json::array();
-  struct Best {
-    std::string policy;
-    int64_t layers = 0;
-    Trial trial;
-    std::string stop;  // the first failing trial's error ("" when --max-layers stopped the search)
-  };
-  // The limit that stopped a policy, in a word or two, from its first failing trial's error.
-  auto limit_of = [](const std::string& error) -> std::string {
-    if (error.empty()) return "--max-layers";
-    auto has = [&](const char* s) { return error.find(s) != std::string::npos; };
-    if (has("bytes of host memory")) return "host memory";
-    if (has("static_on_device")) return "device: every half weight";
-    if (has("activations and temporaries")) return "device: activations";
-    if (has("chunk budget") || has("more chunk bytes")) return "device: a moment's chunks";
-    if (has("disk") || has("No space")) return "disk";
-    if (has("out of memory") || has("OutOfMemory")) return "memory (a tier refused)";
-    return "other (see the JSON)";
-  };
   std::vector<Best> best;
   for (const std::string& policy : policies) {
-    nlohmann::json j = base_config.to_json();
-    j["client"]["scheduler"]["policy"] = policy;
-    j["client"]["mem_tracer"]["with_static_partition"] = policy == "static";
-    ps::Config config = ps::Config::from_json(j);
-    config.warnings.clear();  // reported once by main, not by every trial's engine
-    auto attempt = [&](int64_t layers) {
-      ps::models::GptSpec spec = shape;
-      spec.layers = layers;
-      spec.name = absl::StrCat(base.name, "-h", shape.hidden, "-L", layers);
-      std::printf("  %-7s layers %5lld  %12lld params ... ", policy.c_str(),
-                  static_cast<long long>(layers), static_cast<long long>(spec.parameter_count()));
-      std::fflush(stdout);
-      Trial t = run_trial(spec, config, batch, seq, steps, seed);
-      if (t.ok) {
-        std::printf("ok (%.1f s)\n", t.seconds);
-      } else {
-        std::printf("fails (%.1f s): %s\n", t.seconds, t.error.c_str());
-      }
-      std::fflush(stdout);
-      return t;
-    };
-    Best b{policy, 0, {}, {}};
-    int64_t bad = max_layers + 1;  // smallest layer count known to fail
-    for (int64_t layers = 1;; layers = std::min(layers * 2, max_layers)) {
-      Trial t = attempt(layers);
-      if (!t.ok) {
-        bad = layers;
-        b.stop = t.error;
-        break;
-      }
-      b.layers = layers;
-      b.trial = t;
-      if (layers == max_layers) break;
-    }
-    while (b.layers > 0 && bad - b.layers > 1) {
-      const int64_t mid = b.layers + (bad - b.layers) / 2;
-      Trial t = attempt(mid);
-      if (t.ok) {
-        b.layers = mid;
-        b.trial = t;
-      } else {
-        bad = mid;
-        b.stop = t.error;
-      }
-    }
-    best.push_back(b);
-  }
-
-  std::printf("\n%-8s %8s %14s %16s %16s %16s %16s  %s\n", "policy", "layers", "params",
-              "model data", "states on dev.", "device peak", "host peak", "limit (one more layer)");
-  for (const Best& b : best) {
-    std::printf("%-8s %8lld %14lld %16s %16s %16s %16s  %s\n", b.policy.c_str(),
-                static_cast<long long>(b.layers), static_cast<long long>(b.trial.params),
-                mib(static_cast<double>(b.trial.model_data_bytes)).c_str(),
-                mib(static_cast<double>(b.trial.device_state_bytes)).c_str(),
-                mib(static_cast<double>(b.trial.device_peak_bytes)).c_str(),
-                mib(static_cast<double>(b.trial.host_peak_bytes)).c_str(), limit_of(b.stop).c_str());
-    results.push_back({{"policy", b.policy},
-                       {"max_layers", b.layers},
-                       {"params", b.trial.params},
-                       {"limit", limit_of(b.stop)},
-                       {"limit_error", b.stop},
-                       {"device_state_bytes", b.trial.device_state_bytes},
-                       {"model_data_bytes", b.trial.model_data_bytes},
-                       {"device_peak_bytes", b.trial.device_peak_bytes},
-                       {"host_peak_bytes", b.trial.host_peak_bytes}});
+    best.push_back(search_policy(policy, base_config, shape, base.name, batch, seq, steps, seed,
+                                 max_layers));
   }
   nlohmann::json out;
   out["hidden"] = shape.hidden;
@@ -200,7 +221,7 @@ int find_max_model(const ps::Config& base_config, const ps::models::GptSpec& bas
   out["device_capacity_bytes"] = base_config.device.capacity_bytes;
   out["host_capacity_bytes"] = base_config.device.host_capacity_bytes;
   out["search_steps"] = steps;
-  out["results"] = results;
+  out["results"] = print_results(best);
   auto params_of = [&](const std::string& policy) -> int64_t {
     for (const Best& b : best) {
       if (b.policy == policy) return b.trial.params;
