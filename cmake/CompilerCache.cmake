@@ -4,6 +4,11 @@
 # of the same sources, then compiles only what changed. PATRICKSTAR_CCACHE: AUTO (when ccache is on
 # the path; scripts/setup installs it), ON (a missing ccache is an error), OFF. The cache itself is
 # ccache's own (CCACHE_DIR, default ~/.cache/ccache), capped at PATRICKSTAR_CCACHE_SIZE.
+# A precompiled header is not byte-reproducible, and ccache keys a translation unit by the one it
+# uses; it keys the header's own compile by the .gch already beside it, if any. So a fresh build
+# folder (a clone, CI) hits the entries an earlier fresh build folder of the same sources stored,
+# while a precompiled header rebuilt over an older one (flags changed in place) misses, and so does
+# everything compiled with it.
 set(PATRICKSTAR_CCACHE AUTO CACHE STRING "Compile through ccache: AUTO, ON, OFF")
 set_property(CACHE PATRICKSTAR_CCACHE PROPERTY STRINGS AUTO ON OFF)
 set(PATRICKSTAR_CCACHE_SIZE 25G CACHE STRING "ccache's max_size for the builds of this project")
