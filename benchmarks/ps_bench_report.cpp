@@ -44,11 +44,14 @@ void RunTotals::add(int64_t step, int64_t steps, const ps::IterationReport& r, p
     // A group gather all-gathers world_size param chunks, a group reduce sends world_size fp32
     // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes,
     // not in fp16) and the squared gradient norm (8 bytes).
-    // (The store is taken at each step: "auto" may have moved the model into smaller chunks.)
-    const ps::ChunkStore& store = inspect(engine).chunks();
-    const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ps::ChunkKind::kParam, 0));
+    // (The chunk size is read at each step, from the registration report: "auto" may have moved
+    // the model into smaller chunks. Not from the chunk store: inspecting it writes in a delayed
+    // update in flight, and the run would train without the delay it measures.)
+    const int64_t chunk_elems = engine.registration().chunk_elems;
+    const int64_t param_chunk =
+        chunk_elems * (config.precision() == ps::Precision::kFp32 ? int64_t{4} : int64_t{2});
     formula_ok = formula_ok && r.gather_bytes == r.group_gathers * world * param_chunk &&
-                 r.reduce_bytes == r.group_reduces * world * store.chunk_elems() * 4 &&
+                 r.reduce_bytes == r.group_reduces * world * chunk_elems * 4 &&
                  r.all_reduce_bytes == (config.precision() == ps::Precision::kFp16 ? 0 : 4) + 8;
   }
   if (const auto& h = inspect(engine).scheduler().history(); !h.empty() && !h.back().warmup) {

@@ -10,4 +10,8 @@ std::string test_data_dir() {
   return PATRICKSTAR_TEST_DATA;
 }
 
+std::string source_file(const std::string& relative) {
+  return test_data_dir() + "/../../" + relative;
+}
+
 }  // namespace patrickstar::testing

@@ -10,7 +10,7 @@
 
 namespace patrickstar {
 
-// adam_placement_ comes sized, nothing kept on the device (register_parameters).
+// The pipeline's AdamPlacement comes sized, nothing kept on the device (register_parameters).
 std::string EngineCore::place_states_on_device(int64_t shortfall) {
   const int64_t n = store().chunks_per_kind();
   // Where the states could not go, say why (the caller adds it to the host budget's error).
@@ -18,7 +18,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
     return "";  // the disk tier's staging figure says it all
   }
   if (distributed()) {
-    return absl::StrCat("; with ", world_, " ranks no optimizer state is placed on the device at "
+    return absl::StrCat("; with ", dp_.world(), " ranks no optimizer state is placed on the device at "
                         "registration (one process only)");
   }
   if (config_.delayed_update.enabled) {
@@ -46,14 +46,14 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
     for (auto kind = kinds.rbegin(); kind != kinds.rend(); ++kind) {  // variance first
       if (placed >= shortfall) continue;
       const ChunkId id = store().chunk_id(*kind, index);
-      adam_placement_.keep_state_on_device(id, index);
+      pipeline_->placement().keep_state_on_device(id, index);
       placed += store().chunk_bytes(id);
     }
   }
   // Those indices' Adam runs on the device: at the step every kind of theirs is there at once.
   int64_t step_bytes = 0;
   for (int64_t index = 0; index < n; ++index) {
-    if (!adam_placement_.device_only(index)) continue;
+    if (!pipeline_->placement().device_only(index)) continue;
     for (int k = 0; k < kChunkKindCount; ++k) {
       const auto kind = static_cast<ChunkKind>(k);
       if (store().has_kind(kind)) step_bytes += store().chunk_bytes(store().chunk_id(kind, index));
@@ -75,7 +75,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
                        "more than its ", usable, " usable bytes (a smaller chunk size helps)");
   }
   if (!why.empty()) {
-    adam_placement_.clear_kept();
+    pipeline_->placement().clear_kept();
     return why;
   }
   metrics_.registration().device_state_bytes = placed;

@@ -1,6 +1,6 @@
 #include "disk_states.h"
 
-#include "engine_internal.h"
+#include "scope_timer.h"
 
 #include <algorithm>
 #include <chrono>

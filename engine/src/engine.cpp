@@ -27,11 +27,8 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
                std::shared_ptr<Communicator> comm)
-    : model_(std::move(model)), config_(std::move(config)), comm_(std::move(comm)) {
+    : model_(std::move(model)), config_(std::move(config)), dp_(std::move(comm)) {
   TORCH_CHECK(model_ != nullptr, "patrickstar::Engine: the model is null");
-  if (comm_ == nullptr) comm_ = make_local_communicator();
-  rank_ = comm_->rank();
-  world_ = comm_->world_size();
   // A Config built in code skips from_json's check of this pair; before the device's own checks,
   // so it is refused the same on every machine.
   TORCH_CHECK(config_.device.type == DeviceType::kEmulated ||
@@ -47,33 +44,19 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   TORCH_CHECK(unavailable.empty(), "patrickstar::Engine: device type \"cuda\": ", unavailable,
               "; the emulated device trains on any machine (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
-  TORCH_CHECK(config_.device.type == DeviceType::kEmulated || world_ == 1,
-              "patrickstar::Engine: device type \"cuda\" with ", world_,
+  TORCH_CHECK(config_.device.type == DeviceType::kEmulated || dp_.world() == 1,
+              "patrickstar::Engine: device type \"cuda\" with ", dp_.world(),
               " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
               "data parallel runs on the emulated device)");
   // From here on config().device.capacity_bytes is the capacity in use, never "auto".
   config_.device.capacity_bytes = resolved_device_capacity(config_);
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
-  mixed_ = config_.precision() != Precision::kFp32;
-  grad_space_ = !mixed_ || config_.gradient_accumulation_steps > 1;
-  // Non-model memory is what LibTorch's CPU allocator serves; the counter must see it from now on.
-  CountingCpuAllocator& counter = CountingCpuAllocator::install();
-  if (config_.device.type == DeviceType::kCuda) {
-    // On a GPU it is the caching allocator's: chunk payloads do not come from it (the CUDA tier
-    // allocates them itself), so everything it counts is non-model memory.
-    probe_ = make_cuda_memory_probe(0);
-    probe_->reset_peak();
-  } else {
-    auto probe = std::make_unique<CpuMemoryProbe>(counter);
-    cpu_probe_ = probe.get();
-    probe_ = std::move(probe);
-  }
-  if (world_ > 1) {
-    auto gathered = std::make_unique<GatheredBytesProbe>(std::move(probe_));
-    gathered_probe_ = gathered.get();
-    probe_ = std::move(gathered);
-  }
+  gradients_.space = !mixed() || config_.gradient_accumulation_steps > 1;
+  pipeline_ = std::make_unique<StepPipeline>(pipeline_wiring());
+  // Non-model memory: what LibTorch's CPU allocator serves (the counter sees it from now on), or
+  // on a GPU the caching allocator's (chunk payloads do not come from it).
+  probe_ = std::make_unique<NonModelProbe>(config_.device.type, dp_.distributed());
   report_config_warnings();
   // A module belongs to one engine: refuse before anything moves.
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
@@ -90,7 +73,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   } catch (...) {
     // A failing allocation after the parameters moved (register_parameters restores them itself
     // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
-    give_back_model(/*may_gather=*/false);
+    give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
     throw;
   }
   // From now on the doors of the model's modules find this engine.
@@ -115,30 +98,31 @@ void EngineCore::note_model_construction_peak(int64_t bytes) {
 
 EngineCore::~EngineCore() {
   try {
-    cancel_early_updates();  // the model gets the weights of its last step
-    land_delayed_update(/*even_mid_iteration=*/true);  // and of the delayed update in flight
+    // The model gets the weights of its last step, and of the delayed update in flight.
+    pipeline_->access(/*even_mid_iteration=*/true);
   } catch (const std::exception& e) {
     TORCH_WARN(
         "patrickstar: settling the optimizer thread's updates failed while the engine "
         "goes: ",
         e.what());
   }
-  overlap_.reset();  // the optimizer thread stops
-  delayed_.reset();
+  pipeline_->stop_threads();
   for (const auto& [module, name] : params_.module_names())
     unregister_module_handler(*module, this);
-  if (!gathered_scopes_.empty()) {
+  if (!params_.scopes().empty()) {
     TORCH_WARN(
-        "patrickstar: the engine is destroyed while ", gathered_scopes_.size(),
-        " GatheredParameters scope", gathered_scopes_.size() == 1 ? " is" : "s are",
+        "patrickstar: the engine is destroyed while ", params_.scopes().size(),
+        " GatheredParameters scope", params_.scopes().size() == 1 ? " is" : "s are",
         " open: their values are not written back (the model gets the fp32 master weights, while "
         "anything holds it)");
-    for (GatheredParameters* scope : gathered_scopes_) scope->engine_ = nullptr;
+    for (GatheredParameters* scope : params_.scopes()) engine_gone(*scope);
   }
-  give_back_model(/*may_gather=*/std::uncaught_exceptions() == 0);
+  // (Its threads stopped, the pipeline has nothing left to take back or land.)
+  give_back_model(pipeline_->access(/*even_mid_iteration=*/true),
+                  /*may_gather=*/std::uncaught_exceptions() == 0);
 }
 
-void EngineCore::give_back_model(bool may_gather) {
+void EngineCore::give_back_model(const StateAccess& access, bool may_gather) {
   if (storage_.store == nullptr) return;
   for (Param& p : params_) p.grad.consumed = false;
   clear_gradient_handles();  // no grad() may keep pointing into a chunk
@@ -150,29 +134,48 @@ void EngineCore::give_back_model(bool may_gather) {
   // the parameters keep their fences (reading one throws) and nothing points at the engine.
   std::vector<at::Tensor> masters(static_cast<size_t>(store().chunks_per_kind()));
   if (distributed()) {
-    std::string failure;
-    if (!may_gather) {
-      failure = "an exception is unwinding on this rank";
-    } else {
-      try {
-        for (int64_t i = 0; i < store().chunks_per_kind(); ++i)
-          masters[i] = master_chunk_everywhere(i);
-      } catch (const std::exception& e) {
-        failure = e.what();
-      }
-    }
+    const std::string failure = gather_masters(access, may_gather, masters);
     if (!failure.empty()) {
-      TORCH_WARN("patrickstar: the engine was destroyed without gathering the fp32 weights from "
-                 "the other ranks (", failure, "); the model's parameters are left without values");
-      for (const Param& p : params_) {
-        if (!p.tensor.defined()) continue;
-        if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
-        point_at_nothing(p);
-      }
-      for (const at::Tensor& b : cast_buffers_) b.set_data(b.to(at::kFloat));
+      leave_model_without_values(failure);
       return;
     }
   }
+  // Parameters and buffers whose value could not be allocated (out of memory); the parameters
+  // first, then the buffers.
+  int64_t lost = give_back_parameters(access, masters);
+  lost += give_back_buffers();
+  if (lost > 0) {
+    TORCH_WARN("patrickstar: the engine could not give ", lost, " of the model's tensors their "
+               "fp32 values back (out of memory, or a chunk lost to a failed copy); they are left "
+               "without values");
+  }
+}
+
+std::string EngineCore::gather_masters(const StateAccess& access, bool may_gather,
+                                      std::vector<at::Tensor>& masters) {
+  if (!may_gather) return "an exception is unwinding on this rank";
+  try {
+    for (int64_t i = 0; i < store().chunks_per_kind(); ++i)
+      masters[i] = master_chunk_everywhere(access, i);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return std::string();
+}
+
+void EngineCore::leave_model_without_values(const std::string& failure) {
+  TORCH_WARN("patrickstar: the engine was destroyed without gathering the fp32 weights from "
+             "the other ranks (", failure, "); the model's parameters are left without values");
+  for (const Param& p : params_) {
+    if (!p.tensor.defined()) continue;
+    if (p.tensor.requires_grad() && p.tensor.is_leaf()) clear_post_accumulate_grad_hook(p.tensor);
+    point_at_nothing(p);
+  }
+  for (const at::Tensor& b : params_.cast_buffers()) b.set_data(b.to(at::kFloat));
+}
+
+int64_t EngineCore::give_back_parameters(const StateAccess& access,
+                                         const std::vector<at::Tensor>& masters) {
   int64_t lost = 0;  // parameters whose value could not be allocated (out of memory)
   // The engine holds the last reference to the model (its handles went first, as at the end of
   // the scope that made them; one process): the root module can no longer be reached, and fp32
@@ -199,7 +202,7 @@ void EngineCore::give_back_model(bool may_gather) {
       try {
         if (values) {
           value = distributed() ? value_in(masters[static_cast<size_t>(index)], p.id)
-                                : fp32_copy(weight_view(p.id));
+                                : fp32_copy(access.weight(p.id));
         }
       } catch (const std::exception&) {
         ++lost;
@@ -221,23 +224,32 @@ void EngineCore::give_back_model(bool may_gather) {
       }
     }
     if (distributed()) continue;
-    try {
-      finish_state_views();  // read only: frees the disk tier's staged states (if any)
-    } catch (const std::exception&) {
-    }
-    for (int k = 0; k < kChunkKindCount; ++k) {
-      const auto kind = static_cast<ChunkKind>(k);
-      if (!store().has_kind(kind)) continue;
-      try {
-        store().release(store().chunk_id(kind, index));
-      } catch (const std::exception&) {
-        // A tensor still in COMPUTE: the payload goes with the store.
-      }
-    }
-    storage_.host->empty_cache();
-    storage_.device->empty_cache();
+    release_index_payloads(access, index);
   }
-  for (const at::Tensor& b : cast_buffers_) {
+  return lost;
+}
+
+void EngineCore::release_index_payloads(const StateAccess& access, int64_t index) {
+  try {
+    access.finish_views();  // read only: frees the disk tier's staged states (if any)
+  } catch (const std::exception&) {
+  }
+  for (int k = 0; k < kChunkKindCount; ++k) {
+    const auto kind = static_cast<ChunkKind>(k);
+    if (!store().has_kind(kind)) continue;
+    try {
+      store().release(store().chunk_id(kind, index));
+    } catch (const std::exception&) {
+      // A tensor still in COMPUTE: the payload goes with the store.
+    }
+  }
+  storage_.host->empty_cache();
+  storage_.device->empty_cache();
+}
+
+int64_t EngineCore::give_back_buffers() {
+  int64_t lost = 0;  // buffers whose fp32 or CPU copy could not be allocated
+  for (const at::Tensor& b : params_.cast_buffers()) {
     try {
       b.set_data(b.to(at::kCPU, at::kFloat));
     } catch (const std::exception&) {
@@ -253,11 +265,7 @@ void EngineCore::give_back_model(bool may_gather) {
       ++lost;
     }
   }
-  if (lost > 0) {
-    TORCH_WARN("patrickstar: the engine could not give ", lost, " of the model's tensors their "
-               "fp32 values back (out of memory, or a chunk lost to a failed copy); they are left "
-               "without values");
-  }
+  return lost;
 }
 
 }  // namespace patrickstar

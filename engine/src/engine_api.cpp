@@ -10,7 +10,7 @@ namespace patrickstar {
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, Config config,
                std::shared_ptr<Communicator> comm)
-    : core_(std::make_unique<EngineCore>(std::move(model), std::move(config), std::move(comm))) {}
+    : core_(std::make_unique<engine_detail::EngineImpl>(std::move(model), std::move(config), std::move(comm))) {}
 Engine::~Engine() = default;
 
 torch::nn::Module& Engine::module() const { return core_->module(); }

@@ -39,27 +39,21 @@
 #include "patrickstar/memtracer/trace.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
-#include "adam_placement.h"
-#include "chunk_size_choice.h"
-#include "comm_groups.h"
-#include "delayed_update.h"
+#include "chunk_size_retry.h"
+#include "data_parallel.h"
 #include "gradient_state.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
 #include "model_storage.h"
-#include "overlap_trial.h"
+#include "non_model_probe.h"
 #include "param_table.h"
-#include "step_overlap.h"
+#include "parameter_gathering.h"
+#include "step_pipeline.h"
 
 namespace patrickstar {
-namespace engine_detail {
-class GatheredBytesProbe;  // engine/src/engine_internal.h
-}  // namespace engine_detail
-
 class GatheredParameters;
 
-
-class EngineCore final : public ModuleHookHandler {
+class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGathering {
  public:
   // engine.h documents what each of these does for the user; Engine forwards to them.
   EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
@@ -93,32 +87,29 @@ class EngineCore final : public ModuleHookHandler {
   void set_record_timeline(bool on);
   const MemoryBreakdown& device_peak_breakdown() const { return metrics_.device_peak(); }
   const MemoryBreakdown& host_peak_breakdown() const { return metrics_.host_peak(); }
-  int64_t iteration() const { return iteration_; }
-  int64_t retrace_count() const { return retraces_; }
-  double loss_scale() const { return adam_->loss_scale(); }
-  int rank() const { return rank_; }
-  int world_size() const { return world_; }
+  int64_t iteration() const { return tracker_.iteration(); }
+  int64_t retrace_count() const { return tracker_.retraces(); }
+  double loss_scale() const { return pipeline_->adam().loss_scale(); }
+  int rank() const { return dp_.rank(); }
+  int world_size() const { return dp_.world(); }
 
   // What tests and benchmarks inspect (engine_inspect.h documents them).
   // (Updates the overlapped step made ahead are undone first: the chunks hold what the serial
   // step's would.)
   // (A delayed update in flight is written in first: the chunks hold the weights it makes.)
   const ChunkStore& chunks() const {
-    cancel_early_updates();
-    settle_delayed_update();
+    pipeline_->access();
     return store();
   }
   const Scheduler& scheduler() const { return *scheduler_; }
   const TraceRecorder& tracer() const { return *recorder_; }
   MemoryTier& device_tier() const { return *storage_.device; }
   MemoryTier& host_tier() const { return *storage_.host; }
-  const std::vector<bool>& adam_on_device() const { return adam_placement_.on_device(); }
+  const std::vector<bool>& adam_on_device() const { return pipeline_->placement().on_device(); }
   bool host_only(int64_t chunk_index) const { return storage_.host_only[chunk_index]; }
-  bool owns(int64_t chunk_index) const { return store().layout().owner_rank(chunk_index) == rank_; }
-  const Communicator& communicator() const { return *comm_; }
-  std::vector<CopySpan> optimizer_spans() const {
-    return overlap_ != nullptr ? overlap_->spans() : std::vector<CopySpan>{};
-  }
+  bool owns(int64_t chunk_index) const { return dp_.owns(store().layout(), chunk_index); }
+  const Communicator& communicator() const { return dp_.comm(); }
+  std::vector<CopySpan> optimizer_spans() const { return pipeline_->optimizer_spans(); }
 
   // ModuleHookHandler (called by the doors).
   int64_t pre_forward(torch::nn::Module& module) override;
@@ -148,7 +139,33 @@ class EngineCore final : public ModuleHookHandler {
   };
   class Mover;
 
-  void register_parameters();  // engine_registration.cpp
+  void register_parameters();  // engine_registration.cpp: the stages below, in this order
+  // What one stage hands to the next (defined in engine_registration.cpp, its only user).
+  struct Registration;
+  // Collects each parameter once and checks it (nothing moves); leaves the list, the CPU
+  // embedding's parameters and each parameter's module for packing.
+  void collect_parameters(Registration& reg);
+  // Decides the chunk kinds, the layout groups and the chunk size; leaves the packed layout.
+  void pack_layout(Registration& reg);
+  // Builds the tiers and the chunk store over that layout, no payload allocated; leaves which
+  // indices are lean and host-only in storage_.
+  void build_store(Registration& reg);
+  // Checks the host budget before anything moves (states on the device for good where it lacks)
+  // and opens the disk tier; leaves Adam's placement and this rank's share of the model data.
+  void place_model_data(Registration& reg);
+  // Allocates the payloads index by index, copies the weights in (deferred values, checkpoint
+  // reads) and fences the parameters; leaves the parameter table complete.
+  void fill_chunks(Registration& reg);
+  // fill_chunks failed: the parameters it moved get their values back (false where some could not).
+  bool restore_moved(const Registration& reg);
+  // Hooks the trainable parameters' gradients, moves (casts) the buffers; leaves the model ready.
+  void attach_model(const Registration& reg);
+  // Builds the scheduler, the tracer, the optimizer thread and the mover over the filled store.
+  void build_scheduling();
+  // Builds HybridAdam (and, data parallel, the comm groups); leaves only the report to write.
+  void build_optimizer();
+  // Writes the registration report's figures.
+  void report_registration(const Registration& reg);
   // --- what is built over the chunk layout, and "auto"'s retry (engine_layout.cpp) ---
   // The scheduler's chunk table: the store's chunks, their sizes and device-only states.
   std::map<int64_t, ChunkInfo> scheduler_chunks() const;
@@ -161,11 +178,12 @@ class EngineCore final : public ModuleHookHandler {
   void note_warmup_need(int64_t moment, const ModuleInfo& module, MomentKind kind, bool with_grads);
   // The warm-up's trace does not fit the device (`why`, check_trace's error): with the retry armed,
   // picks the least-waste smaller chunk size with which every moment of `trace` fits, for after the
-  // step (retry_chunk_elems_); throws when there is none or the move would not fit the host, and
-  // rethrows `why` when the retry is not armed.
+  // step (ChunkSizeRetry::chosen); throws when there is none or the move would not fit the host,
+  // and rethrows `why` when the retry is not armed.
   void choose_retry_chunk_size(const Trace& trace, const c10::Error& why);
-  // After the step: the model moves into chunks of `chunk_elems` (every kind's slots copied, kind
-  // by kind); the scheduler and the mover are rebuilt; the next iteration is a warm-up.
+  // After the step: the model moves into chunks of `chunk_elems`, the size the retry chose (every
+  // kind's slots copied, kind by kind); the scheduler and the mover are rebuilt; the next
+  // iteration is a warm-up.
   void move_to_chunk_size(int64_t chunk_elems);
   // Registration gave up: every chunk and the parameter table go (the parameters are restored by
   // the caller where they moved).
@@ -173,7 +191,21 @@ class EngineCore final : public ModuleHookHandler {
   // The model's parameters become plain fp32 tensors with the master weights again (the
   // destructor; a constructor that fails after registration). may_gather: data parallel, the
   // other ranks take part (false while an error unwinds: they are elsewhere).
-  void give_back_model(bool may_gather);
+  void give_back_model(const engine_detail::StateAccess& access, bool may_gather);
+  // Data parallel: every chunk index's fp32 master from its owner into `masters`; returns why not
+  // ("" when gathered), and then leave_model_without_values takes over.
+  std::string gather_masters(const engine_detail::StateAccess& access, bool may_gather,
+                             std::vector<at::Tensor>& masters);
+  // Warns with `failure`; every parameter keeps its fence, and the cast buffers go back to fp32.
+  void leave_model_without_values(const std::string& failure);
+  // One chunk index at a time, its parameters get their values (from `masters` with data parallel)
+  // and (one process) its payloads are released; returns how many values could not be made.
+  int64_t give_back_parameters(const engine_detail::StateAccess& access,
+                               const std::vector<at::Tensor>& masters);
+  // One process: chunk index `index`'s payloads of every kind go back to the system.
+  void release_index_payloads(const engine_detail::StateAccess& access, int64_t index);
+  // The buffers go back to the CPU (the cast ones in fp32); returns how many could not be moved.
+  int64_t give_back_buffers();
   void report_config_warnings() const;
   ModuleInfo& module_info(torch::nn::Module& module);
   // A moment: tick, record, schedule the chunks of `module`'s parameters (plus gradient chunks when
@@ -228,18 +260,24 @@ class EngineCore final : public ModuleHookHandler {
   void clear_gradient_handles();
   // One parameter's gradient dropped (set_to_none on it alone): its slot zeroed or its half weight
   // restored from the fp32 master.
-  void drop_gradient(Param& p);
+  // `access`: where restores_half_weight(p) (mixed precision without a gradient space, a
+  // gradient in the half slot of an index this rank owns), the access to its master.
+  void drop_gradient(Param& p, const engine_detail::StateAccess* access);
+  bool restores_half_weight(const Param& p) const;
   // A forward between doors whose graph is gone (its loss was dropped): forgotten.
   void forget_dropped_forward();
-  // GatheredParameters: checks every id, then makes each a real fp32 tensor with the master
-  // weights; gather_end writes them back (write_back) and returns them to their fences.
-  void gather_begin(const std::vector<TensorId>& ids, bool write_back);
-  void gather_end(const std::vector<TensorId>& ids, bool write_back);
+  // ParameterGathering (GatheredParameters; gathered_parameters.cpp).
+  TensorId gathered_id(const at::Tensor& t) const override { return id_of(t); }
+  bool cast_buffer(const at::Tensor& buffer) const override;
+  int64_t parameter_version(TensorId id) const override;
+  void gather_begin(const std::vector<TensorId>& ids, bool write_back) override;
+  void gather_end(const std::vector<TensorId>& ids, bool write_back) override;
+  void add_scope(GatheredParameters* scope) override;
+  void remove_scope(GatheredParameters* scope) override;
   // The registered parameter behind `t`, or -1.
   TensorId id_of(const at::Tensor& t) const { return params_.id_of(t); }
-  friend class GatheredParameters;
   // --- data parallel (engine_distributed.cpp) ---
-  bool distributed() const { return world_ > 1; }
+  bool distributed() const { return dp_.distributed(); }
   int64_t comm_group_of(TensorId id) const;
   // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
   // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones
@@ -262,10 +300,11 @@ class EngineCore final : public ModuleHookHandler {
   void release_remote(bool discard);
   void release_group(int64_t group);
   void broadcast_initial_state(const std::vector<std::pair<std::string, at::Tensor>>& params);
-  // Every rank agrees: true when `local` is true on every rank (one small all-reduce).
-  bool all_ranks_agree(bool local) const;
+  // Every parameter's fp32 value, by name (fp32_state_dict, save_weights).
+  std::vector<std::pair<std::string, at::Tensor>> fp32_values(
+      const engine_detail::StateAccess& access) const;
   // fp32 master of chunk index i on every rank (broadcast from its owner).
-  at::Tensor master_chunk_everywhere(int64_t index) const;
+  at::Tensor master_chunk_everywhere(const engine_detail::StateAccess& access, int64_t index) const;
   // Tensor `id`'s value, shaped and its own, from a copy of its chunk (as the one above returns).
   at::Tensor value_in(const at::Tensor& chunk, TensorId id) const;
   void decide_adam_placement();
@@ -282,138 +321,69 @@ class EngineCore final : public ModuleHookHandler {
   // did (or the disk tier handles it), else why not, for the host-budget error.
   std::string place_states_on_device(int64_t shortfall);
   IterationReport run_adam();
-  // --- the overlapped step (engine_overlap.cpp) ---
-  struct RunSpan {  // a run of consecutive tensors with gradients, at one Adam step
-    int64_t begin = 0;
-    int64_t end = 0;
-    int64_t step = 0;
+  // The step's parts (engine_step.cpp). Its moment: ticked, recorded, scheduled; where each
+  // index's Adam runs, which indices update, and the bytes the host's Adam brings home.
+  struct StepMoment {
+    int64_t moment = 0;
+    bool warmup = false;
+    std::vector<bool> on_device;
+    std::vector<bool> updates;
+    int64_t adam_host_d2h_bytes = 0;
   };
-  struct RunAt {  // a step run's chunk index and span
-    int64_t index = 0;
-    RunSpan span;
-  };
-  std::vector<RunSpan> run_spans(int64_t index) const;
-  // Index `index`'s Adam views of one span (its states from the disk tier: none given).
-  AdamChunk adam_views(int64_t index, const RunSpan& span, bool states_from_disk) const;
-  // At backward moment `moment`: hands every index whose chunks the trace no longer accesses
-  // before the step to the optimizer thread (when the overlap applies at all).
-  void start_early_updates(int64_t moment);
-  void start_early_update(int64_t index);
-  // "auto" on the emulated device overlaps only where a core is free of compute (always on CUDA).
-  bool auto_overlap_may_run() const;
-  // Whether the overlap applies to a backward now: on, not paused, no disk tier, a steady iteration
-  // with its Adam placement decided (and under "auto" a core for it). A backward may update ahead
-  // when it does and, under "auto", the trial's way is the overlapped one.
-  bool overlap_applies() const;
-  bool early_updates_may_start() const;
-  // The end of step(): under "auto", gives the trial this iteration's wall time (step end to step
-  // end; `measurable`: overlap_applies() held for its backward, so it ran the trial's way) and puts
-  // a decision made into `report`.
-  void end_overlap_trial_iteration(bool measurable, IterationReport& report);
-  // Host-Adam kernel threads for an optimizer thread (the overlapped step's, the delayed update's):
-  // on a GPU the host's cores are its; on the emulated device compute keeps its threads and the
-  // optimizer thread takes the cores left (at least one).
-  int optimizer_thread_kernels() const;
-  void undo_early_update(engine_detail::EarlyIndex& job) const;
-  // What was updated ahead for `index` (or every index) is undone: its chunks or gradients are
-  // about to be read or changed.
-  void cancel_early_update(int64_t index) const;
-  void cancel_early_updates() const;
-  // The step: each run updated ahead whose index's runs are the step's carries its update.
-  void attach_early_updates(std::vector<AdamChunk>& runs, const std::vector<RunAt>& where,
-                            const std::vector<bool>& on_device);
-  // --- the delayed update (engine_delayed.cpp) ---
-  // This step's update is handed to the delayed update's thread (past its warm-up steps, in the
-  // steady state).
-  bool delayed_due() const;
-  // The step's part: copies what the next forward and backward overwrite, puts the weights back
-  // in the half slots that held gradients, and hands over the update of `views` (this step's runs,
-  // at `where`; the update in flight was landed before they were made).
-  void hand_over_delayed_update(const std::vector<AdamChunk>& views,
-                                const std::vector<RunAt>& where);
-  // Takes the update in flight, if any, and writes the weights it made into the parameters, except
-  // the half slots that hold this iteration's gradients (they get theirs at the step); its report
-  // waits in delayed_taken_ for the next step's. The step calls it first; so does anything that
-  // reads or replaces the weights or the optimizer state outside training.
-  // In the middle of a forward and its backward it only waits for the update (the weights stay
-  // those the forward began with), unless `even_mid_iteration` (the engine's end).
-  void land_delayed_update(bool even_mid_iteration = false);
-  void settle_delayed_update() const;  // the same, for the const readers (the state functions)
-  // Writes the weights of the update `taken` made (fp32: from its buffers; mixed: each half weight
-  // rounded from its fp32 master, skipping half slots that hold gradients when `skip_gradients`).
-  void write_delayed_weights(const engine_detail::DelayedJob& taken, bool skip_gradients);
-  void write_half_weights(int64_t index, int64_t begin, int64_t end, bool skip_gradients);
-  // An optimizer-state view of one parameter (master, momentum, variance) wherever it lives: with a
-  // disk tier its chunk index is staged into host memory (one index at a time). After a pass of
-  // such views, finish_state_views() writes back what was written (`write`) and frees the staging.
-  at::Tensor state_view(TensorId id, ChunkKind kind, bool write = false) const;
-  void finish_state_views() const;
-
+  StepMoment step_moment();
+  // Gradients kept at zero (zero_grad(false)) that no loss reached this iteration: stepped too.
+  void step_kept_zero_gradients();
+  // step()'s checks before anything changes: no read-write GatheredParameters, backward passes
+  // as gradient_accumulation_steps asks.
+  void check_step_allowed();
+  // A gradient assigned to grad() where the engine shows none is refused, after `discard`.
+  void refuse_undelivered_gradients(const std::function<void()>& discard);
+  // The update (run_adam, with the Adam placement decided first), timed, with its disk figures;
+  // `step_failed` runs before a failure is rethrown.
+  IterationReport update_timed(const std::function<void()>& step_failed);
+  // After the update: tensor states, Adam step counts, gradients consumed.
+  void settle_parameters(const IterationReport& report);
+  // The warm-up's trace set (or recorded again), the scheduler's figures and the report's.
+  void report_iteration(IterationReport& report, bool warmup);
+  // Every chunk an update reads is in the tier where its Adam runs.
+  void check_adam_tiers(const StepMoment& at) const;
+  // The warm-up's trace must fit the device before any weight changes ("auto": or a smaller
+  // chunk size is chosen for after the step).
+  void check_warmup_trace();
+  // The pipeline's view of the engine's components (the constructor wires it once).
+  engine_detail::PipelineWiring pipeline_wiring();
   std::shared_ptr<torch::nn::Module> model_;
   Config config_;
-  bool mixed_ = false;
+  // Data parallel: the ranks, the comm groups, the collectives (data_parallel.h). With one process
+  // it answers for one rank and issues no collective.
+  engine_detail::DataParallel dp_;
+  // bf16 or fp16: half weights and gradients, fp32 masters.
+  bool mixed() const { return config_.precision() != Precision::kFp32; }
   // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
-  ChunkKind master_kind() const { return mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam; }
+  ChunkKind master_kind() const { return pipeline_->master_kind(); }
   // The optimizer states of a chunk index, which live where its Adam runs (or in the disk tier's
   // files): the fp32 master in mixed precision (in fp32 the params are the master and move with the
   // doors), momentum, variance. Their bytes: every kind is fp32 of the chunk's size.
   std::vector<ChunkKind> state_kinds() const {
-    if (mixed_) return {ChunkKind::kParamFp32, ChunkKind::kMomentum, ChunkKind::kVariance};
+    if (mixed()) return {ChunkKind::kParamFp32, ChunkKind::kMomentum, ChunkKind::kVariance};
     return {ChunkKind::kMomentum, ChunkKind::kVariance};
-  }
-  bool is_state_kind(ChunkKind kind) const {
-    return kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
-           (mixed_ && kind == ChunkKind::kParamFp32);
   }
   // Whether chunk index `index` holds frozen parameters in its param chunk alone (ModelStorage).
   bool lean(int64_t index) const { return storage_.lean[static_cast<size_t>(index)]; }
   bool lean_param(TensorId id) const { return lean(store().layout().placement(id).chunk_index); }
-  // The weights a parameter's fp32 value comes from: its master (state_view), or for a lean
-  // index its param chunk (in mixed precision the half weight, which is all there is).
-  at::Tensor weight_view(TensorId id, bool write = false) const {
-    return lean_param(id) ? store().view(id, ChunkKind::kParam)
-                          : state_view(id, master_kind(), write);
-  }
-  // Whether chunk index `index` holds a parameter that trains (false: every tensor in it frozen).
-  bool index_trains(int64_t index) const {
-    for (TensorId t : store().layout().tensors_in_chunk(index)) {
-      if (params_[t].trainable) return true;
-    }
-    return false;
-  }
-  int64_t state_bytes(int64_t index) const {
-    int64_t bytes = 0;
-    for (ChunkKind kind : state_kinds())
-      bytes += store().chunk_bytes(store().chunk_id(kind, index));
-    return bytes;
-  }
-  bool grad_space_ = false;  // a separate kGrad chunk list (fp32, or accumulation > 1)
   // The registered parameters and the modules whose doors open over them (param_table.h).
   engine_detail::ParamTable params_;
 
   engine_detail::ModelStorage storage_;  // tiers, chunk store, disk tier (model_storage.h)
   ChunkStore& store() const { return *storage_.store; }
-  std::unique_ptr<MemoryProbe> probe_;
-  // The CPU probe on the emulated device: probe_ itself, or with data parallel the base probe that
-  // probe_ wraps.
-  CpuMemoryProbe* cpu_probe_ = nullptr;
-  // Data parallel: probe_, which adds the gathered groups' device bytes to the base probe's.
-  engine_detail::GatheredBytesProbe* gathered_probe_ = nullptr;
-  bool probe_floor_set_ = false;
-  // "default_chunk_size": "auto" (engine_layout.cpp): the registered tensors not placed yet (every
-  // size is packed from it), whether a warm-up whose trace does not fit retries with a smaller
-  // size (one process, no disk tier, no delayed update, no states placed on the device for good),
-  // the warm-up's moments as the choice sees them, the size chosen at its step (0: none), and why.
-  Layout layout_base_;
-  bool chunk_retry_armed_ = false;
-  std::vector<engine_detail::MomentNeed> warmup_needs_;
-  int64_t retry_chunk_elems_ = 0;
-  std::string retry_reason_;
+  // Non-model memory as the tracer and the scheduler read it (non_model_probe.h).
+  std::unique_ptr<engine_detail::NonModelProbe> probe_;
+  // "default_chunk_size": "auto"'s retry with a smaller size (chunk_size_retry.h).
+  engine_detail::ChunkSizeRetry retry_;
   std::function<int64_t()> clock_;  // the scheduler's, the copy thread's and the optimizer thread's
   std::unique_ptr<TraceRecorder> recorder_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Mover> mover_;
-  std::unique_ptr<HybridAdam> adam_;
   HookTable hooks_;
   // Held by every entry point autograd or a door calls (the doors, the backward hooks, gradients,
   // a backward's start and end): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
@@ -423,39 +393,20 @@ class EngineCore final : public ModuleHookHandler {
 
   engine_detail::IterationTracker tracker_;  // the phase of the iteration (iteration_tracker.h)
   engine_detail::GradientState gradients_;  // half slots, grad() handles, marker (gradient_state.h)
-  int64_t retraces_ = 0;
-  bool retraced_this_iteration_ = false;
-  int64_t iteration_ = 0;
   engine_detail::OpenDoors<OpenScope> doors_;    // the doors open now, by token (param_table.h)
-  int64_t open_moment_ = -1;                     // the last moment, until close_moment()
-  engine_detail::AdamPlacement adam_placement_;  // where each index's Adam runs (adam_placement.h)
   engine_detail::IterationMetrics metrics_;      // reports, history, peaks (iteration_metrics.h)
-  std::vector<GatheredParameters*> gathered_scopes_;  // open scopes (told when the engine goes)
-  std::vector<at::Tensor> cast_buffers_;  // fp32 buffers cast to the compute dtype (mixed precision)
 
-  // Data parallel.
-  std::shared_ptr<Communicator> comm_;
-  int rank_ = 0;
-  int world_ = 1;
-  engine_detail::CommGroups groups_;
-  // The overlapped step: the optimizer thread (null when off), each index's last moment in the
-  // trace, the indices looked at in this backward; paused after a step that clipped or skipped.
-  std::unique_ptr<engine_detail::StepOverlap> overlap_;
-  std::vector<int64_t> early_last_use_;
-  std::vector<bool> early_tried_;
-  bool early_last_use_known_ = false;
-  bool overlap_on_ = false;    // the config's key, or set_overlap_step()
-  bool overlap_auto_ = false;  // "auto": measured (overlap_trial_), where a core is free of compute
-  engine_detail::OverlapTrial overlap_trial_;
-  std::optional<std::chrono::steady_clock::time_point> last_step_end_;  // the trial's clock
-  bool early_paused_ = false;
-  bool early_verify_ = false;            // grad() views were shown since the last step
-  mutable int64_t early_cancelled_ = 0;  // indices taken back since the last step
-  // The delayed update (null unless zero_optimization.delayed_param_update): its thread and
-  // buffers, and the report of the update landed since the last step (for the step's report).
-  std::unique_ptr<engine_detail::DelayedUpdate> delayed_;
-  std::optional<StepReport> delayed_taken_;
-  mutable double collective_seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
+  // The optimizer side: Adam, its placement, the overlapped step, the delayed update
+  // (step_pipeline.h). Declared after the storage it reads: it goes first.
+  std::unique_ptr<engine_detail::StepPipeline> pipeline_;
 };
+
+namespace engine_detail {
+// What Engine holds (engine.h names this, not EngineCore): the engine itself.
+class EngineImpl final : public EngineCore {
+ public:
+  using EngineCore::EngineCore;
+};
+}  // namespace engine_detail
 
 }  // namespace patrickstar

@@ -1,23 +1,9 @@
-// The engine's side of the disk tier: optimizer-state views wherever the states live, and the
-// source that streams the host Adam's states from their files; and ModelStorage's out-of-line
-// members (here, where DiskStates is complete).
-#include "engine_core.h"
-
+// The source that streams the host Adam's states from the disk tier's files, and ModelStorage's
+// out-of-line members (here, where DiskStates is complete).
 #include "disk_states.h"
-#include "engine_internal.h"
+#include "model_storage.h"
 
 namespace patrickstar {
-using namespace engine_detail;  // NOLINT: this folder's private helpers
-
-at::Tensor EngineCore::state_view(TensorId id, ChunkKind kind, bool write) const {
-  if (storage_.disk == nullptr) return store().view(id, kind);
-  return storage_.disk->view(id, kind, write);
-}
-
-void EngineCore::finish_state_views() const {
-  if (storage_.disk != nullptr) storage_.disk->finish_views();
-}
-
 namespace engine_detail {
 
 ModelStorage::ModelStorage() = default;

@@ -41,13 +41,13 @@ int64_t EngineCore::comm_group_of(TensorId id) const {
 void EngineCore::broadcast_initial_state(
     const std::vector<std::pair<std::string, at::Tensor>>& params) {
   torch::NoGradGuard no_grad;
-  ScopeTimer timer(collective_seconds_);
+  const ScopeTimer timer = dp_.timed();
   auto broadcast = [&](const at::Tensor& t) {
     if (t.is_contiguous()) {
-      comm_->broadcast(t, 0);
+      dp_.comm().broadcast(t, 0);
     } else {
       at::Tensor staging = t.contiguous();
-      comm_->broadcast(staging, 0);
+      dp_.comm().broadcast(staging, 0);
       t.copy_(staging);
     }
   };
@@ -64,18 +64,18 @@ void EngineCore::gather_group(int64_t group) {
   // The overlapped step: this rank's chunk of the group updated ahead (a frozen parameter read
   // again in this backward, an evaluation before the step) is undone first, so that every rank
   // receives the weights of before the step.
-  cancel_early_update(groups_.index(group, rank_));
+  pipeline_->on_index_used(dp_.groups().index(group, dp_.rank()));
   // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
   // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
   // the other ranks' chunks, freed with the last of them (release_group).
-  std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_)
-      slots[static_cast<size_t>(r)] = store().chunk_id(ChunkKind::kParam, groups_.index(group, r));
+  std::vector<ChunkId> slots(static_cast<size_t>(dp_.world()), -1);
+  for (int r = 0; r < dp_.world(); ++r) {
+    if (r != dp_.rank())
+      slots[static_cast<size_t>(r)] = store().chunk_id(ChunkKind::kParam, dp_.groups().index(group, r));
   }
-  const ChunkId own = store().chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
-  const bool on_host = storage_.host_only[static_cast<size_t>(groups_.index(group, 0))];
-  const int64_t bytes = world_ * store().chunk_bytes(own);
+  const ChunkId own = store().chunk_id(ChunkKind::kParam, dp_.groups().index(group, dp_.rank()));
+  const bool on_host = storage_.host_only[static_cast<size_t>(dp_.groups().index(group, 0))];
+  const int64_t bytes = dp_.world() * store().chunk_bytes(own);
   at::Tensor buffer;
   try {
     if (!on_host) {
@@ -86,22 +86,22 @@ void EngineCore::gather_group(int64_t group) {
     }
     buffer = store().allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
   } catch (c10::Error& e) {
-    e.add_context(absl::StrCat("while gathering comm group ", group, " (", world_,
+    e.add_context(absl::StrCat("while gathering comm group ", group, " (", dp_.world(),
                                " param chunks, ", bytes, " bytes) onto the ",
                                on_host ? "host" : "device", "; chunks pinned by tensors in use: ",
                                describe_pinned()));
     throw;
   }
   {
-    ScopeTimer timer(collective_seconds_);
-    comm_->all_gather(store().chunk_view(own), buffer);
+    const ScopeTimer timer = dp_.timed();
+    dp_.comm().all_gather(store().chunk_view(own), buffer);
   }
   if (!on_host) {
-    gathered_probe_->add(bytes);
-    metrics_.note_gathered_bytes(gathered_probe_->gathered_bytes());
+    probe_->add_gathered(bytes);
+    metrics_.note_gathered_bytes(probe_->gathered_bytes());
   }
-  groups_.on_gathered(group);
-  for (int64_t index : groups_.indices(group)) {
+  dp_.groups().on_gathered(group);
+  for (int64_t index : dp_.groups().indices(group)) {
     for (TensorId t : store().layout().tensors_in_chunk(index)) params_[t].touched = false;
   }
 }
@@ -110,23 +110,23 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!groups_.gathered(g)) {
+    if (!dp_.groups().gathered(g)) {
       // A backward leaves a lean group (frozen: never reduced, so never dropped by a reduction)
       // behind when it needs the next one: backward visits the groups in reverse order, so the
       // frozen base is never gathered whole on the device (a group needed again is gathered
       // again).
-      if (tracker_.in_backward() && lean(groups_.index(g, 0))) release_lean_groups_except(ids);
+      if (tracker_.in_backward() && lean(dp_.groups().index(g, 0))) release_lean_groups_except(ids);
       gather_group(g);
     }
     Param& p = params_[id];
     if (!p.touched) {
       p.touched = true;
-      groups_.on_used(g);
+      dp_.groups().on_used(g);
     }
     // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the
     // Mover allocates it on the device); a CPU embedding's, which is never scheduled, on the host.
     const int64_t index = store().layout().placement(id).chunk_index;
-    if (!with_grad_chunks || !grad_space_ || !p.trainable ||
+    if (!with_grad_chunks || !gradients_.space || !p.trainable ||
         !storage_.host_only[static_cast<size_t>(index)]) {
       continue;
     }
@@ -136,16 +136,16 @@ void EngineCore::ensure_gathered(const std::vector<TensorId>& ids, bool with_gra
 }
 
 void EngineCore::release_group(int64_t group) {
-  const int64_t first = groups_.index(group, 0);
-  if (groups_.gathered(group) && !storage_.host_only[static_cast<size_t>(first)]) {
-    gathered_probe_->add(-world_ * store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
+  const int64_t first = dp_.groups().index(group, 0);
+  if (dp_.groups().gathered(group) && !storage_.host_only[static_cast<size_t>(first)]) {
+    probe_->add_gathered(-dp_.world() * store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
   }
-  for (int64_t index : groups_.indices(group)) {
+  for (int64_t index : dp_.groups().indices(group)) {
     if (owns(index)) continue;
     store().release(store().chunk_id(ChunkKind::kParam, index));
-    if (grad_space_) store().release(store().chunk_id(ChunkKind::kGrad, index));
+    if (gradients_.space) store().release(store().chunk_id(ChunkKind::kGrad, index));
   }
-  groups_.on_released(group);
+  dp_.groups().on_released(group);
 }
 
 namespace {
@@ -160,11 +160,11 @@ bool any_in_compute(const ChunkStore& store, bool grad_space, Indices indices) {
 }  // namespace
 
 void EngineCore::release_lean_groups_except(const std::vector<TensorId>& ids) {
-  for (int64_t g = 0; g < groups_.count(); ++g) {
-    if (!groups_.gathered(g) || !lean(groups_.index(g, 0)) || groups_.has_gradients(g)) continue;
+  for (int64_t g = 0; g < dp_.groups().count(); ++g) {
+    if (!dp_.groups().gathered(g) || !lean(dp_.groups().index(g, 0)) || dp_.groups().has_gradients(g)) continue;
     if (std::any_of(ids.begin(), ids.end(), [&](TensorId id) { return comm_group_of(id) == g; }))
       continue;
-    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
+    if (any_in_compute(store(), gradients_.space, dp_.groups().indices(g))) continue;
     release_group(g);
   }
 }
@@ -173,8 +173,8 @@ void EngineCore::release_used_groups(const std::vector<TensorId>& ids) {
   if (!distributed() || tracker_.in_backward()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!groups_.gathered(g) || groups_.has_gradients(g) || !groups_.all_used(g)) continue;
-    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
+    if (!dp_.groups().gathered(g) || dp_.groups().has_gradients(g) || !dp_.groups().all_used(g)) continue;
+    if (any_in_compute(store(), gradients_.space, dp_.groups().indices(g))) continue;
     release_group(g);
   }
 }
@@ -183,9 +183,9 @@ void EngineCore::reduce_ready_groups(const std::vector<TensorId>& ids) {
   if (!distributed()) return;
   for (TensorId id : ids) {
     const int64_t g = comm_group_of(id);
-    if (!groups_.has_gradients(g)) continue;
-    bool ready = !any_in_compute(store(), grad_space_, groups_.indices(g));
-    for (int64_t index : groups_.indices(g)) {
+    if (!dp_.groups().has_gradients(g)) continue;
+    bool ready = !any_in_compute(store(), gradients_.space, dp_.groups().indices(g));
+    for (int64_t index : dp_.groups().indices(g)) {
       if (!ready) break;
       for (TensorId t : store().layout().tensors_in_chunk(index)) {
         const Param& p = params_[t];
@@ -204,17 +204,17 @@ void EngineCore::reduce_group(int64_t group) {
   // The overlapped step: this rank's index of the group updated ahead before this reduction (its
   // gradients came in an earlier backward of the iteration, none in this one) is undone first: the
   // reduction writes what the update reads.
-  cancel_early_update(groups_.index(group, rank_));
+  pipeline_->on_index_used(dp_.groups().index(group, dp_.rank()));
   {
-    ScopeTimer timer(collective_seconds_);
-    for (int owner = 0; owner < world_; ++owner) {
-      const int64_t index = groups_.index(group, owner);
-      if (grad_space_) {
+    const ScopeTimer timer = dp_.timed();
+    for (int owner = 0; owner < dp_.world(); ++owner) {
+      const int64_t index = dp_.groups().index(group, owner);
+      if (gradients_.space) {
         // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
         // micro-batches reduced, receives the sum in place.
         const ChunkId c = store().chunk_id(ChunkKind::kGrad, index);
         if (store().tier(c) == Tier::kNone) store().allocate(c, Tier::kHost);  // nothing here
-        comm_->reduce_sum(store().chunk_view(c), owner);
+        dp_.comm().reduce_sum(store().chunk_view(c), owner);
         continue;
       }
       // Mixed precision without a gradient space: the half slots hold the gradients. They are
@@ -227,8 +227,8 @@ void EngineCore::reduce_group(int64_t group) {
         const TensorPlacement& where = store().layout().placement(t);
         sum.narrow(0, where.offset_elems, where.numel).zero_();
       }
-      sum.mul_(1.0 / world_);
-      comm_->reduce_sum(sum, owner);
+      sum.mul_(1.0 / dp_.world());
+      dp_.comm().reduce_sum(sum, owner);
       if (!owns(index)) continue;
       at::Tensor& kept = gradients_.reduced[static_cast<size_t>(index)];
       kept = kept.defined() ? kept.add_(sum) : sum;
@@ -239,41 +239,34 @@ void EngineCore::reduce_group(int64_t group) {
       }
     }
   }
-  groups_.on_reduced();
+  dp_.groups().on_reduced();
   release_group(group);
 }
 
 void EngineCore::reduce_remaining_groups() {
   if (!distributed()) return;
-  for (int64_t g = 0; g < groups_.count(); ++g) {
-    if (groups_.has_gradients(g)) reduce_group(g);
+  for (int64_t g = 0; g < dp_.groups().count(); ++g) {
+    if (dp_.groups().has_gradients(g)) reduce_group(g);
   }
 }
 
 void EngineCore::release_remote(bool discard) {
   if (!distributed()) return;
-  for (int64_t g = 0; g < groups_.count(); ++g) {
-    if (!discard && groups_.has_gradients(g)) continue;
-    if (any_in_compute(store(), grad_space_, groups_.indices(g))) continue;
-    bool present = groups_.gathered(g);
-    for (int64_t index : groups_.indices(g)) {
+  for (int64_t g = 0; g < dp_.groups().count(); ++g) {
+    if (!discard && dp_.groups().has_gradients(g)) continue;
+    if (any_in_compute(store(), gradients_.space, dp_.groups().indices(g))) continue;
+    bool present = dp_.groups().gathered(g);
+    for (int64_t index : dp_.groups().indices(g)) {
       if (present) break;
-      present = !owns(index) && grad_space_ &&
+      present = !owns(index) && gradients_.space &&
                 store().tier(store().chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
     }
     if (present) release_group(g);
   }
 }
 
-bool EngineCore::all_ranks_agree(bool local) const {
-  if (!distributed()) return local;
-  ScopeTimer timer(collective_seconds_);
-  at::Tensor disagree = at::full({1}, local ? 0.0f : 1.0f, at::kFloat);
-  comm_->all_reduce(disagree, ReduceOp::kMax);
-  return disagree.item<float>() == 0.0f;
-}
-
-at::Tensor EngineCore::master_chunk_everywhere(int64_t index) const {
+at::Tensor EngineCore::master_chunk_everywhere(const StateAccess& /*access*/,
+                                                int64_t index) const {
   // A lean index's weights are its param chunk (widened from the half weights in mixed precision).
   const ChunkKind master = lean(index) ? ChunkKind::kParam : master_kind();
   at::Tensor buffer =
@@ -282,7 +275,7 @@ at::Tensor EngineCore::master_chunk_everywhere(int64_t index) const {
                 .chunk_view(store().chunk_id(master, index))
                 .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
           : at::empty({store().chunk(store().chunk_id(master, index)).capacity_elems}, at::kFloat);
-  comm_->broadcast(buffer, static_cast<int>(index % world_));
+  dp_.comm().broadcast(buffer, static_cast<int>(index % dp_.world()));
   return buffer;
 }
 

@@ -111,17 +111,14 @@ void EngineCore::forget_dropped_forward() {
 
 void EngineCore::begin_iteration_if_needed() {
   if (tracker_.in_iteration()) return;
-  if (!probe_floor_set_ && cpu_probe_ != nullptr) {
-    // What the process holds before the first forward (the trainer's dataset, its own state) is
-    // host memory: the emulated device is charged for what iterations allocate.
-    cpu_probe_->set_floor_bytes(CountingCpuAllocator::installed()->live_bytes());
-    probe_floor_set_ = true;
-  }
+  // What the process holds before the first forward (the trainer's dataset, its own state) is
+  // host memory: the emulated device is charged for what iterations allocate.
+  probe_->set_floor_once();
   sync_trainable();
-  retraced_this_iteration_ = false;
-  open_moment_ = -1;
+  tracker_.clear_retraced();
+  tracker_.set_open_moment(-1);
   metrics_.begin_iteration(running_totals(),
-                           gathered_probe_ != nullptr ? gathered_probe_->gathered_bytes() : 0);
+                           probe_->gathered_bytes());
   storage_.device->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
@@ -139,12 +136,12 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   };
   for (TensorId id : module.params) {
     add_chunk(store().chunk_of(id, ChunkKind::kParam));
-    if (with_grad_chunks && grad_space_ && params_[id].trainable) {
+    if (with_grad_chunks && gradients_.space && params_[id].trainable) {
       add_chunk(store().chunk_of(id, ChunkKind::kGrad));
     }
   }
   // Chunks updated ahead that this moment reads or writes (the trace said they were done).
-  for (int64_t c : chunk_ids) cancel_early_update(store().index_of(c));
+  for (int64_t c : chunk_ids) pipeline_->on_index_used(store().index_of(c));
   close_moment();
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);
@@ -152,9 +149,9 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   note_warmup_need(m, module, kind, with_grad_chunks);
   try {
     scheduler_->at_moment(m, kind, chunk_ids, *mover_, probe_->live_bytes());
-    open_moment_ = m;
+    tracker_.set_open_moment(m);
     note_memory(module.label);
-    if (kind == MomentKind::kPreBackward) start_early_updates(m);
+    if (kind == MomentKind::kPreBackward) pipeline_->on_backward_moment(m, tracker_.retraced());
   } catch (c10::Error& e) {
     e.add_context(absl::StrCat("while making the chunks of module ", module.label,
                                " resident; chunks pinned by tensors in use: ", describe_pinned()));
@@ -164,7 +161,7 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
     Param& p = params_[id];
     if (p.compute_refs++ > 0) continue;
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
-    if (with_grad_chunks && grad_space_ && p.trainable) {
+    if (with_grad_chunks && gradients_.space && p.trainable) {
       store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     }
     // A scheduled moment computes on the device (a CPU embedding's chunks stay on the host).
@@ -183,16 +180,13 @@ void EngineCore::follow_trace(MomentKind kind, const std::string& label) {
   if (recorder_->matches_next(kind, label, &why)) return;
   // DeepSpeed's ZeRO-3 does the same with its trace: invalidate it and record again. This
   // iteration schedules as a warm-up from here; its moments become the trace at step().
-  cancel_early_updates();  // the placement they assumed is forgotten
-  early_last_use_known_ = false;
+  pipeline_->on_retrace();  // what the overlap and the placement assumed is forgotten
   recorder_->rewarm();
   scheduler_->drop_trace();
-  adam_placement_.forget();
-  ++retraces_;
-  retraced_this_iteration_ = true;
+  tracker_.note_retrace();
   TORCH_WARN("patrickstar: ", why,
              ": the order of moments changed (the control flow, or a new loop shape); the trace is "
-             "re-recorded from here (retrace ", retraces_, ")");
+             "re-recorded from here (retrace ", tracker_.retraces(), ")");
 }
 
 void EngineCore::abandon_forward() {
@@ -204,7 +198,7 @@ void EngineCore::abandon_forward() {
     }
     p.forget_segments();
   }
-  open_moment_ = -1;
+  tracker_.set_open_moment(-1);
   recorder_->rewind_to(tracker_.forward_start_moment());
   tracker_.on(PhaseEvent::kForwardAbandoned);
   release_remote(/*discard=*/false);
@@ -212,8 +206,8 @@ void EngineCore::abandon_forward() {
 
 void EngineCore::close_moment() {
   // The previous moment's compute is over: the scheduler may prefetch for the next ones now.
-  if (open_moment_ >= 0) scheduler_->after_moment(open_moment_, *mover_);
-  open_moment_ = -1;
+  if (tracker_.open_moment() >= 0) scheduler_->after_moment(tracker_.open_moment(), *mover_);
+  tracker_.set_open_moment(-1);
 }
 
 std::string EngineCore::describe_pinned() const {
@@ -252,8 +246,9 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
     ensure_gathered(info.params, /*with_grad_chunks=*/false);
     // It reads the weights: updates made ahead in the backward before are undone (in fp32 the
     // parameter is the master the optimizer thread updates in place).
-    for (TensorId id : info.params) cancel_early_update(store().layout().placement(id).chunk_index);
-    land_delayed_update();  // and the delayed update in flight is written in
+    std::vector<int64_t> indices;
+    for (TensorId id : info.params) indices.push_back(store().layout().placement(id).chunk_index);
+    pipeline_->on_evaluation_reads(indices);  // and the delayed update in flight is written in
     for (TensorId id : info.params) {
       Param& p = params_[id];
       if (p.compute_refs++ > 0) continue;
@@ -361,7 +356,7 @@ void EngineCore::forward_failed(int64_t token) {
 std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   TORCH_CHECK(doors_.valid(token), "patrickstar: internal: unknown door token ", token);
-  if (mixed_) {
+  if (mixed()) {
     // Floating-point inputs are cast to the compute dtype (as DeepSpeed does in fp16); integer
     // inputs (indices) are left alone.
     const at::ScalarType half = param_dtype(config_.precision());

@@ -55,11 +55,11 @@ void EngineCore::show_gradients(GradientsShown when) {
     if (!p.grad.defined) continue;
     at::Tensor handle;
     const bool view = views_possible &&
-                      ((when == GradientsShown::kAfterBackward && (grad_space_ || p.has_grad)) ||
-                       (when == GradientsShown::kAfterStep && grad_space_));
+                      ((when == GradientsShown::kAfterBackward && (gradients_.space || p.has_grad)) ||
+                       (when == GradientsShown::kAfterStep && gradients_.space));
     if (view) {
       const at::Tensor slot =
-          store().view(p.id, grad_space_ ? ChunkKind::kGrad : ChunkKind::kParam);
+          store().view(p.id, gradients_.space ? ChunkKind::kGrad : ChunkKind::kParam);
       p.grad.storage = storage_without_memory(
           slot.numel() * static_cast<int64_t>(slot.element_size()), slot.device());
       repoint(p.grad.storage, slot.data_ptr());
@@ -134,7 +134,7 @@ void EngineCore::take_gradient_edits(bool door) {
     }
   }
   // Gradients changed since the optimizer thread read them: what it updated ahead is undone.
-  if (edited || !reset.empty() || !assigned.empty()) cancel_early_updates();
+  if (edited || !reset.empty() || !assigned.empty()) pipeline_->on_gradients_change();
   std::vector<Param*> dropped = reset;  // reset, or a marker zeroed in place
   dropped.insert(dropped.end(), zeroed.begin(), zeroed.end());
   const bool whole = !dropped.empty() && static_cast<int64_t>(dropped.size()) == with_handle;
@@ -173,22 +173,33 @@ void EngineCore::take_gradient_edits(bool door) {
     return;
   }
   if (!dropped.empty()) {
-    for (Param* p : dropped) drop_gradient(*p);
-    finish_state_views();
+    // Half weights restored from their fp32 masters (written by the delayed update in flight).
+    const bool restores = std::any_of(dropped.begin(), dropped.end(), [&](const Param* p) {
+      return restores_half_weight(*p);
+    });
+    std::optional<StateAccess> access;
+    if (restores) access.emplace(pipeline_->access());
+    for (Param* p : dropped) drop_gradient(*p, access ? &*access : nullptr);
+    if (access) access->finish_views();
     gradients_.in_half_slots = false;
-    for (const Param& p : params_) gradients_.in_half_slots |= p.has_grad && !grad_space_;
+    for (const Param& p : params_) gradients_.in_half_slots |= p.has_grad && !gradients_.space;
   }
   show_gradients(GradientsShown::kWithdrawn);
 }
 
-void EngineCore::drop_gradient(Param& p) {
-  if (grad_space_) {
+bool EngineCore::restores_half_weight(const Param& p) const {
+  return !gradients_.space && p.has_grad && owns(store().layout().placement(p.id).chunk_index);
+}
+
+void EngineCore::drop_gradient(Param& p, const StateAccess* access) {
+  if (gradients_.space) {
     if (!distributed() || owns(store().layout().placement(p.id).chunk_index)) {
       store().view(p.id, ChunkKind::kGrad).zero_();
     }
-  } else if (p.has_grad && owns(store().layout().placement(p.id).chunk_index)) {
-    land_delayed_update();  // the master it comes back from, written by the update in flight
-    store().view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+  } else if (restores_half_weight(p)) {
+    TORCH_INTERNAL_ASSERT(access != nullptr, "patrickstar: internal: a half weight restored "
+                          "without access to the states");
+    store().view(p.id, ChunkKind::kParam).copy_(access->state(p.id, ChunkKind::kParamFp32));
   }
   p.has_grad = false;
   p.grad.consumed = false;

@@ -1,6 +1,7 @@
 #include "engine_core.h"
 
 #include <algorithm>
+#include <optional>
 
 #include <ATen/ops/isfinite.h>
 #include <c10/util/Exception.h>
@@ -13,7 +14,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 void EngineCore::backward_started() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
   if (tracker_.in_backward()) return;
-  cancel_early_updates();  // another backward adds to the gradients updated ahead
+  pipeline_->on_gradients_change();  // another backward adds to the gradients updated ahead
   zero_grad_if_marker_reset();
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   // A backward over a graph older than the last step (retain_graph): an iteration of its own.
@@ -53,7 +54,7 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
     if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
     store().set_state(id, ChunkKind::kParam,
                       p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
-    if (grad_space_ && p.trainable &&
+    if (gradients_.space && p.trainable &&
         store().state(id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(id, ChunkKind::kGrad, TensorState::kHold);
     }
@@ -72,8 +73,8 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
               "module's door (ModuleScope), or is the optimizer's weight_decay");
   torch::NoGradGuard no_grad;
   // A gradient for an index updated ahead (later than the trace said): that update is undone.
-  cancel_early_update(store().layout().placement(id).chunk_index);
-  if (!grad_space_ && p.segments > 1) {
+  pipeline_->on_index_used(store().layout().placement(id).chunk_index);
+  if (!gradients_.space && p.segments > 1) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
     // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
     // the weight until the end of backward; the gradients add up in fp32 meanwhile.
@@ -86,12 +87,12 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     return;
   }
   if (p.compute_refs == 0) {  // a gradient without its module's pre-backward: take the slot now
-    ensure_gathered({id}, grad_space_);
+    ensure_gathered({id}, gradients_.space);
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
-    if (grad_space_) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+    if (gradients_.space) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     p.compute_refs = 1;
   }
-  if (grad_space_) {
+  if (gradients_.space) {
     at::Tensor slot = store().view(id, ChunkKind::kGrad);
     // The slot is where its chunk is: on the device after a pre-backward, anywhere when the branch
     // above took it (on CUDA, maybe a host chunk for a device gradient), and add_ does not cross
@@ -100,7 +101,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     // Zeroed by zero_grad(): the first micro-batch adds to zeros. Data parallel: the average over
     // ranks (the owner's chunk accumulates the reduced sums of earlier micro-batches).
     if (distributed()) {
-      slot.add_(here, 1.0 / world_);
+      slot.add_(here, 1.0 / dp_.world());
     } else {
       slot.add_(here);
     }
@@ -113,13 +114,13 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   param.mutable_grad().reset();
   p.has_grad = true;
   p.grad.defined = true;
-  gradients_.in_half_slots = !grad_space_;
+  gradients_.in_half_slots = !gradients_.space;
   p.compute_refs = 0;
   store().set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
   point_at_nothing(p);
   if (distributed()) {
     ++p.grads_this_backward;
-    groups_.on_gradient(comm_group_of(id));
+    dp_.groups().on_gradient(comm_group_of(id));
     reduce_ready_groups({id});
   }
 }
@@ -128,11 +129,11 @@ void EngineCore::flush_pending_gradients() {
   torch::NoGradGuard no_grad;
   for (Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
-    cancel_early_update(store().layout().placement(p.id).chunk_index);
+    pipeline_->on_index_used(store().layout().placement(p.id).chunk_index);
     ensure_gathered({p.id}, /*with_grad_chunks=*/false);
     if (distributed()) {
       ++p.grads_this_backward;
-      groups_.on_gradient(comm_group_of(p.id));
+      dp_.groups().on_gradient(comm_group_of(p.id));
     }
     if (store().state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
@@ -160,7 +161,7 @@ void EngineCore::backward(const at::Tensor& loss) {
   if (config_.precision() != Precision::kFp16) {
     // Data parallel: every rank drops the forward when any rank's loss is not finite (else the
     // others would wait for it in the gradient reduction).
-    const bool finite = all_ranks_agree(at::isfinite(loss).item<bool>());
+    const bool finite = dp_.all_agree(at::isfinite(loss).item<bool>());
     if (!finite) {
       const double value = loss.item<double>();
       abandon_forward();
@@ -172,8 +173,8 @@ void EngineCore::backward(const at::Tensor& loss) {
                                 : "");
     }
   }
-  const double factor = adam_->loss_scale() / config_.gradient_accumulation_steps;
-  cancel_early_updates();    // another backward adds to the gradients updated ahead
+  const double factor = pipeline_->adam().loss_scale() / config_.gradient_accumulation_steps;
+  pipeline_->on_gradients_change();  // another backward adds to the gradients updated ahead
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   tracker_.on(PhaseEvent::kBackwardBegins);
   const char* what = "patrickstar: the backward failed; the iteration was discarded (its gradients "
@@ -235,7 +236,7 @@ void EngineCore::finish_backward() {
     } else if (state == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.forget_segments();
@@ -247,21 +248,14 @@ void EngineCore::finish_backward() {
   release_remote(/*discard=*/false);
   tracker_.on(PhaseEvent::kBackwardEnds);
   show_gradients(GradientsShown::kAfterBackward);
-  if (overlap_ != nullptr && gradients_.views_shown) {
-    // The trainer may write the gradients through the views once this returns (clipping): the
-    // optimizer thread finishes what it was given first (all of it: which updates are made ahead
-    // does not depend on timing), so it reads no gradient the trainer writes. In-place edits
-    // through .data() leave no version, so the step compares fingerprints.
-    overlap_->drain();
-    early_verify_ = true;
-  }
+  pipeline_->on_backward_end(gradients_.views_shown);
 }
 
 
 void EngineCore::discard_gradients() {
-  cancel_early_updates();  // the fp32 masters the half weights come back from, as they were
+  pipeline_->on_gradients_change();  // the fp32 masters the half weights come back from, as they were
   torch::NoGradGuard no_grad;
-  const bool restore = mixed_ && !grad_space_;
+  const bool restore = mixed() && !gradients_.space;
   // Gradient chunks written since they were last zeroed: those of indices holding a parameter that
   // trains or that received a gradient (trained before it was frozen). A frozen base's are zero.
   std::vector<bool> written(static_cast<size_t>(store().chunks_per_kind()), false);
@@ -272,9 +266,10 @@ void EngineCore::discard_gradients() {
   }
   // The delayed update in flight writes those masters: where half slots hold gradients it is
   // written in first, so that every weight is its (not only the restored ones).
+  std::optional<StateAccess> access;
   if (restore &&
       std::any_of(params_.begin(), params_.end(), [](const Param& p) { return p.has_grad; })) {
-    land_delayed_update();
+    access.emplace(pipeline_->access());
   }
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
   release_remote(/*discard=*/true);
@@ -284,18 +279,18 @@ void EngineCore::discard_gradients() {
   // error handling: a master that cannot be read (a disk tier's file gone) is reported as a warning
   // after the rest is done, never thrown from here.
   std::string unrestored;
-  if (restore) {
+  if (access.has_value()) {
     for (TensorId id : tensors_in_chunk_order(store().layout())) {
       const Param& p = params_[id];
       if (!p.has_grad || !owns(store().layout().placement(id).chunk_index)) continue;
       try {
-        store().view(p.id, ChunkKind::kParam).copy_(state_view(p.id, ChunkKind::kParamFp32));
+        store().view(p.id, ChunkKind::kParam).copy_(access->state(p.id, ChunkKind::kParamFp32));
       } catch (const std::exception& e) {
         if (unrestored.empty()) unrestored = p.name + ": " + e.what();
       }
     }
     try {
-      finish_state_views();
+      access->finish_views();
     } catch (const std::exception& e) {
       if (unrestored.empty()) unrestored = e.what();
     }
@@ -315,13 +310,13 @@ void EngineCore::discard_gradients() {
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.has_grad = false;
     p.pending_grad.reset();
   }
-  if (grad_space_) {
+  if (gradients_.space) {
     for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
       if (!owns(i) || !written[static_cast<size_t>(i)]) continue;
       store().chunk_view(store().chunk_id(ChunkKind::kGrad, i)).zero_();
@@ -332,18 +327,14 @@ void EngineCore::discard_gradients() {
 }
 
 void EngineCore::drop_iteration() {
-  cancel_early_updates();  // weights and optimizer state as before the iteration
-  early_last_use_known_ = false;
-  early_verify_ = false;
-  early_cancelled_ = 0;  // the next iteration's report counts its own
-  if (overlap_ != nullptr) overlap_->take_busy_seconds();
+  pipeline_->on_iteration_dropped();  // weights and optimizer state as before the iteration
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (Param& p : params_) {
     const TensorState state = store().state(p.id, ChunkKind::kParam);
     if (state == TensorState::kCompute || state == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (grad_space_ && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.compute_refs = 0;
@@ -351,7 +342,7 @@ void EngineCore::drop_iteration() {
     point_at_nothing(p);
   }
   discard_gradients();
-  open_moment_ = -1;
+  tracker_.set_open_moment(-1);
   doors_.clear();
   if (tracker_.in_iteration()) {
     recorder_->abort_iteration();
@@ -361,7 +352,7 @@ void EngineCore::drop_iteration() {
 }
 
 void EngineCore::zero_grad(bool set_to_none) {
-  cancel_early_updates();
+  pipeline_->on_gradients_change();
   // set_to_none false: LibTorch keeps the gradients defined (zeros), and its step updates those
   // parameters even where the next loss does not reach them.
   std::vector<char> kept;
@@ -379,7 +370,7 @@ void EngineCore::zero_grad(bool set_to_none) {
   // step) keeps the trace it had.
   if (after_backward) {
     recorder_->rewind_to(0);
-    open_moment_ = -1;
+    tracker_.set_open_moment(-1);
   }
   if (!set_to_none) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].grad.defined = kept[i] != 0;

@@ -20,20 +20,12 @@
 #include "patrickstar/chunk/chunk_store.h"
 #include "patrickstar/engine/config.h"
 #include "engine_core.h"
+#include "scope_timer.h"
 #include "patrickstar/memtracer/memory_probe.h"
 #include "patrickstar/memtracer/scheduler.h"
 
 namespace patrickstar {
 namespace engine_detail {
-
-// Every kind of chunk an index's Adam update reads or writes (those the store has).
-inline constexpr ChunkKind kAdamKinds[] = {ChunkKind::kParam, ChunkKind::kGrad,
-                                           ChunkKind::kParamFp32, ChunkKind::kMomentum,
-                                           ChunkKind::kVariance};
-
-// The most elements of one Adam run (an AdamChunk of the step): 4 Mi elements, undo buffers of
-// 48 MiB (56 in mixed precision) when the overlapped step updates it ahead.
-inline constexpr int64_t kAdamRunElems = int64_t{1} << 22;
 
 // Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
 // states in this order stages each chunk of a disk tier once (first-fit placement puts later small
@@ -110,23 +102,6 @@ std::unique_ptr<CopyEngine> make_copy_engine(const Config& config);
 // Empty when `config`'s device can be used here; else why not (no CUDA in this build, no GPU).
 std::string device_unavailable_reason(const Config& config);
 
-// Adds the wall time of its scope to `total` (the iteration report's collective time, the disk
-// tier's waits).
-class ScopeTimer {
- public:
-  explicit ScopeTimer(double& total)
-      : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~ScopeTimer() {
-    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-  ScopeTimer(const ScopeTimer&) = delete;
-  ScopeTimer& operator=(const ScopeTimer&) = delete;
-
- private:
-  double& total_;
-  std::chrono::steady_clock::time_point start_;
-};
-
 // The device bytes the engine plans with: capacity x overall_gpu_mem_ratio (rounded down) less
 // the scheduler's reserve, as the scheduler's budgets count them.
 inline int64_t usable_device_bytes(const Config& config) {
@@ -134,31 +109,6 @@ inline int64_t usable_device_bytes(const Config& config) {
                                          config.mem_tracer.overall_gpu_mem_ratio)) -
          config.scheduler.reserve_bytes;
 }
-
-// Data parallel: the device memory of gathered comm groups (other ranks' param chunks, placed by
-// the doors, not by the scheduler) read as non-model memory on top of `base`, so the warm-up trace
-// measures them at every moment and the scheduler's budgets leave room for them. The peak is an
-// upper bound: base's peak plus the gathered bytes' peak in the same window.
-class GatheredBytesProbe final : public MemoryProbe {
- public:
-  explicit GatheredBytesProbe(std::unique_ptr<MemoryProbe> base) : base_(std::move(base)) {}
-  int64_t live_bytes() const override { return base_->live_bytes() + now_; }
-  int64_t peak_bytes() const override { return base_->peak_bytes() + peak_; }
-  void reset_peak() override {
-    base_->reset_peak();
-    peak_ = now_;
-  }
-  void add(int64_t bytes) {
-    now_ += bytes;
-    peak_ = std::max(peak_, now_);
-  }
-  int64_t gathered_bytes() const { return now_; }
-
- private:
-  std::unique_ptr<MemoryProbe> base_;
-  int64_t now_ = 0;
-  int64_t peak_ = 0;
-};
 
 inline at::ScalarType param_dtype(Precision precision) {
   switch (precision) {

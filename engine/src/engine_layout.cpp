@@ -32,7 +32,7 @@ std::map<int64_t, ChunkInfo> EngineCore::scheduler_chunks() const {
     chunk_table[id] = ChunkInfo{
         store().chunk_bytes(id),
         store().kind_of(id) == ChunkKind::kParam && !storage_.host_only[store().index_of(id)],
-        adam_placement_.state_on_device(id)};
+        pipeline_->placement().state_on_device(id)};
   }
   return chunk_table;
 }
@@ -45,91 +45,35 @@ void EngineCore::build_scheduler() {
   options.warmup_ratio = config_.mem_tracer.warmup_gpu_chunk_mem_ratio;
   options.policy = config_.scheduler.policy;
   options.prefetch_depth = config_.scheduler.prefetch_depth;
-  options.warmup_overdraft = chunk_retry_armed_;
+  options.warmup_overdraft = retry_.armed();
   scheduler_ = std::make_unique<Scheduler>(options, scheduler_chunks());
   scheduler_->set_clock(clock_);
 }
 
 void EngineCore::build_mover() {
   mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
-  if (delayed_ != nullptr) {
-    // A chunk move waits for the update in flight where it reads or writes the chunk (the states).
-    mover_->before_move = [this](int64_t id) {
-      if (delayed_->pending() && is_state_kind(store().kind_of(id))) delayed_->join();
-    };
-  } else if (overlap_ != nullptr) {
-    mover_->before_move = [this](int64_t id) { overlap_->quiesce(store().index_of(id)); };
-  }
+  // The optimizer threads leave a chunk before it moves.
+  mover_->before_move = [this](int64_t id) { pipeline_->before_chunk_move(id); };
 }
 
 void EngineCore::note_warmup_need(int64_t moment, const ModuleInfo& module, MomentKind kind,
                                   bool with_grads) {
-  if (!chunk_retry_armed_ || scheduler_->has_trace()) return;
-  if (static_cast<size_t>(moment) >= warmup_needs_.size()) {
-    warmup_needs_.resize(static_cast<size_t>(moment) + 1);
-  }
-  MomentNeed& need = warmup_needs_[static_cast<size_t>(moment)];
+  if (!retry_.armed() || scheduler_->has_trace()) return;
+  MomentNeed need;
   need.label = absl::StrCat(moment_kind_name(kind), " '", module.label, "'");
   need.module = module.label;
   need.tensors = module.params;
   need.with_grads = with_grads;
+  retry_.note_need(moment, std::move(need));
 }
 
 void EngineCore::choose_retry_chunk_size(const Trace& trace, const c10::Error& why) {
-  retry_chunk_elems_ = 0;
-  TORCH_INTERNAL_ASSERT(chunk_retry_armed_, "choose_retry_chunk_size without the retry armed");
-  // Every door moment of this warm-up with the budget the trace gives it: the device's usable
-  // bytes less the larger of its interval's non-model peak and the next one's, as check_trace
-  // counts them. Step moments bring no chunk to the device in a warm-up (every Adam runs on the
-  // host there).
-  std::vector<MomentNeed> needs;
-  for (int64_t m = 0; m < trace.size() && m < static_cast<int64_t>(warmup_needs_.size()); ++m) {
-    const Moment& moment = trace.moments[static_cast<size_t>(m)];
-    MomentNeed need = warmup_needs_[static_cast<size_t>(m)];
-    // (An entry of a forward that was forgotten, whose index a later moment took: not this one.)
-    if (moment.kind == MomentKind::kStep || need.module != moment.label) continue;
-    need.budget_bytes = usable_device_bytes(config_) -
-                        std::max(moment.non_model_bytes, trace.next_non_model_bytes(m));
-    needs.push_back(std::move(need));
-  }
   DeviceCosts costs;
   costs.param_elem_bytes = chunk_element_bytes(store().dtype(ChunkKind::kParam));
-  costs.grad_elem_bytes = grad_space_ ? chunk_element_bytes(store().dtype(ChunkKind::kGrad)) : 0;
+  costs.grad_elem_bytes = gradients_.space ? chunk_element_bytes(store().dtype(ChunkKind::kGrad)) : 0;
   costs.trainable.resize(params_.size());
   for (const Param& p : params_) costs.trainable[static_cast<size_t>(p.id)] = p.trainable;
-  const SizeChoice choice = choose_chunk_size(
-      layout_base_, auto_size_grid(layout_base_.max_numel()), store().chunk_elems(), needs, costs);
-  const std::string reason = why.what_without_backtrace();
-  TORCH_CHECK(choice.chunk_elems > 0,
-              "patrickstar: \"default_chunk_size\": \"auto\" chose chunks of ",
-              store().chunk_elems(),
-              " elements (the least waste) and the warm-up's trace does "
-              "not fit the device: ",
-              reason, "; and no smaller chunk size fits every moment: ", choice.tightest, " bytes");
-  // The move allocates one chunk kind next to the model data at a time: it must fit the host.
-  const MemoryTier& host = *storage_.host;
-  if (host.capacity_bytes() != MemoryTier::kUnlimited) {
-    Layout layout = layout_base_;
-    layout.finalize(choice.chunk_elems);
-    int64_t largest_kind = 0;
-    for (const ChunkKindSpec& spec : store().kinds()) {
-      largest_kind = std::max(largest_kind, (layout.total_numel() + layout.waste_elems()) *
-                                                chunk_element_bytes(spec.dtype));
-    }
-    TORCH_CHECK(
-        host.used_bytes() + largest_kind <= host.capacity_bytes(),
-        "patrickstar: \"default_chunk_size\": \"auto\" chose chunks of ", store().chunk_elems(),
-        " elements and the warm-up's trace does not fit the "
-        "device: ",
-        reason, "; chunks of ", choice.chunk_elems,
-        " elements would fit, but moving the model into them needs ", largest_kind,
-        " bytes of host memory beyond the ", host.used_bytes(),
-        " in use and the host "
-        "budget is ",
-        host.capacity_bytes(), " bytes: set \"default_chunk_size\" to ", choice.chunk_elems);
-  }
-  retry_chunk_elems_ = choice.chunk_elems;
-  retry_reason_ = reason;
+  retry_.choose(trace, why, usable_device_bytes(config_), store(), costs, *storage_.host);
 }
 
 void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
@@ -138,22 +82,15 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
   const int64_t waste_before = store().layout().waste_elems();
   const int64_t overdrafts = scheduler_->current_stats().overdrafts;
   store().finish_copies();
-  Layout layout = layout_base_;
-  layout.finalize(chunk_elems);
+  std::string reason;  // why the warm-up's trace did not fit, for the warning
+  retry_.take_chosen(&reason);
+  Layout layout = retry_.layout(chunk_elems);
   auto fresh = std::make_unique<ChunkStore>(std::move(layout), store().kinds(), *storage_.host,
                                             *storage_.device);
   const Layout& placed = fresh->layout();
   const int64_t n = placed.chunk_count();
-  std::vector<bool> host_only(static_cast<size_t>(n)), lean(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    host_only[static_cast<size_t>(i)] = (placed.chunk_group(i) & 1) != 0;
-    lean[static_cast<size_t>(i)] =
-        (placed.chunk_group(i) & 2) != 0 && config_.frozen_parameters == FrozenParameters::kLean;
-    if (!lean[static_cast<size_t>(i)]) continue;
-    for (const ChunkKindSpec& spec : fresh->kinds()) {
-      if (spec.kind != ChunkKind::kParam) fresh->omit(fresh->chunk_id(spec.kind, i));
-    }
-  }
+  const bool lean_frozen = config_.frozen_parameters == FrozenParameters::kLean;
+  ModelStorage::omit_lean_states(*fresh, lean_frozen);
   // Kind by kind: the new chunks of a kind are allocated on the host, every tensor's slot copied
   // into them, and the old chunks of that kind freed, so the host holds one kind beyond the model
   // data at most. (After the step: no tensor is in use, no gradient view is shown.)
@@ -174,16 +111,11 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
     storage_.device->empty_cache();
   }
   for (Param& p : params_) p.eval_copy.reset();
-  storage_.store = std::move(fresh);
-  storage_.host_only = std::move(host_only);
-  storage_.lean = std::move(lean);
-  if (storage_.copy_queue != nullptr) store().set_copy_queue(storage_.copy_queue.get());
-  adam_placement_.init(store().chunk_count(), n);
+  storage_.replace_store(std::move(fresh), lean_frozen);
+  pipeline_->on_new_layout(store().chunk_count(), n);
   scheduler_->replace_chunks(scheduler_chunks());  // (its history stays, for the reports)
   build_mover();
   recorder_->rewarm();  // the next iteration is a warm-up over the new chunks
-  warmup_needs_.clear();
-  early_last_use_known_ = false;
 
   RegistrationReport& r = metrics_.registration();
   r.chunk_elems = placed.chunk_elems();
@@ -199,7 +131,7 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
       " elements (the least waste, ", waste_before,
       " elements empty) the warm-up's trace "
       "does not fit the device (",
-      retry_reason_, ")",
+      reason, ")",
       overdrafts > 0 ? absl::StrCat("; ", overdrafts,
                                     " of its moments went past the chunk "
                                     "budget, within the device's capacity")
@@ -207,7 +139,6 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
       ". The model now trains with chunks of ", chunk_elems, " elements, the least waste (",
       placed.waste_elems(),
       " elements empty) with which every moment fits; the next iteration is a warm-up again");
-  retry_reason_.clear();
 }
 
 }  // namespace patrickstar

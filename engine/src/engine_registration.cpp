@@ -3,6 +3,11 @@
 // throws, nothing stays registered and the parameters that moved get their values back from the
 // chunks; the error says when some could not (another rank's, with data parallel). Data parallel:
 // the values are rank 0's from the start (broadcast before anything moves).
+//
+// register_parameters() runs the stages below in order; engine_core.h says what each leaves for the
+// next. Until the chunks are filled a stage that throws undoes what registration did so far (the
+// parameter table before the store exists, every chunk after: abandon_registration); after that,
+// the constructor gives the model back as a destroyed engine does (give_back_model).
 #include "engine_core.h"
 
 #include <algorithm>
@@ -37,16 +42,57 @@ std::string outside_door_message(const std::string& param, const std::string& ow
 }
 }  // namespace
 
+// What one stage of registration hands to the next. It lives as long as register_parameters(),
+// as these did when they were its locals.
+struct EngineCore::Registration {
+  explicit Registration(const torch::nn::Module& model) : initializers(model) {}
+
+  // collect_parameters: the initializers of deferred parameters (deferred_init.h), the parameters
+  // once each in named_parameters() order (tied ones once; the position is the id), a CPU
+  // embedding's parameters, and where each parameter is used (for its fence's message).
+  const InitializerLookup initializers;
+  std::vector<std::pair<std::string, at::Tensor>> unique;
+  std::unordered_set<const c10::TensorImpl*> embedding_params;
+  std::unordered_map<const c10::TensorImpl*, std::string> owner_of;
+  // pack_layout: the training dtype (the param kind's), the chunk kinds, whether frozen chunk
+  // indices are lean (the config's "frozen_parameters"), and the layout, until the store takes it.
+  at::ScalarType half = at::kFloat;
+  std::vector<ChunkKindSpec> kinds;
+  bool lean = false;
+  Layout layout;
+  // place_model_data: this rank's share of the model data, and the host staging for the disk
+  // tier's states (for the report).
+  int64_t owned_bytes = 0;
+  int64_t staging_bytes = 0;
+  // fill_chunks: which parameters were deferred (by id), and the parameters whose storage is the
+  // engine's fence now (what restore_moved gives back).
+  std::vector<bool> was_deferred;
+  std::vector<TensorId> moved;
+};
+
 void EngineCore::abandon_registration() {
   storage_.drop_chunks();
   params_.clear();
 }
 
 void EngineCore::register_parameters() {
-  // 1. Collect and check, touching nothing. A deferred parameter (deferred_init.h) has no data
-  //    yet: its initializer gives its value when its chunk index is filled (step 3).
-  const InitializerLookup initializers(*model_);
-  std::vector<std::pair<std::string, at::Tensor>> unique;
+  Registration reg(*model_);
+  collect_parameters(reg);
+  pack_layout(reg);
+  build_store(reg);
+  place_model_data(reg);
+  // From the first copy into a chunk to the end of registration, autograd records nothing.
+  torch::NoGradGuard no_grad;
+  fill_chunks(reg);
+  attach_model(reg);
+  build_scheduling();
+  build_optimizer();
+  report_registration(reg);
+}
+
+void EngineCore::collect_parameters(Registration& reg) {
+  // Collect and check, touching nothing. A deferred parameter (deferred_init.h) has no data yet:
+  // its initializer gives its value when its chunk index is filled (fill_chunks).
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
     if (params_.id_of(t) >= 0) continue;  // tied: registered once
@@ -58,23 +104,20 @@ void EngineCore::register_parameters() {
     }
     if (is_deferred(t)) {
       try {
-        initializers.check(item.key());
+        reg.initializers.check(item.key());
       } catch (...) {
         params_.clear();
         throw;
       }
     }
     params_.add(t);
-    unique.emplace_back(item.key(), t);
+    reg.unique.emplace_back(item.key(), t);
   }
-  TORCH_CHECK(!unique.empty(), "patrickstar::Engine: the model has no parameters to train");
+  TORCH_CHECK(!reg.unique.empty(), "patrickstar::Engine: the model has no parameters to train");
   // Data parallel: every rank starts from rank 0's weights and buffers (as DDP does).
-  if (distributed()) broadcast_initial_state(unique);
+  if (distributed()) broadcast_initial_state(reg.unique);
   // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
   // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
-  std::unordered_set<const c10::TensorImpl*> embedding_params;
-  // Where each parameter is used, for the error an operator reading it outside its door throws.
-  std::unordered_map<const c10::TensorImpl*, std::string> owner_of;
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
     const torch::nn::Module* module = item.value().get();
     params_.name_module(module, item.key().empty() ? "<root>" : item.key());
@@ -85,27 +128,30 @@ void EngineCore::register_parameters() {
     int64_t own = 0;
     for (const at::Tensor& t : module->parameters(/*recurse=*/false)) {
       own += t.numel();
-      if (cpu_embedding) embedding_params.insert(t.unsafeGetTensorImpl());
-      owner_of.emplace(
+      if (cpu_embedding) reg.embedding_params.insert(t.unsafeGetTensorImpl());
+      reg.owner_of.emplace(
           t.unsafeGetTensorImpl(),
           absl::StrCat("module '", params_.module_name(module), "', ", module->name()));
     }
     metrics_.registration().largest_module_param_bytes =
         std::max(metrics_.registration().largest_module_param_bytes, 4 * own);
   }
+}
+
+void EngineCore::pack_layout(Registration& reg) {
   // The chunk kinds, and what one element of a chunk index costs in all of them (and lean: its
   // param kind alone).
-  const at::ScalarType half = param_dtype(config_.precision());
-  std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, half}};
-  if (mixed_) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
+  reg.half = param_dtype(config_.precision());
+  std::vector<ChunkKindSpec> kinds = {{ChunkKind::kParam, reg.half}};
+  if (mixed()) kinds.push_back({ChunkKind::kParamFp32, at::kFloat});
   const at::ScalarType moments =
       config_.optimizer.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat;
   kinds.push_back({ChunkKind::kMomentum, moments});
   kinds.push_back({ChunkKind::kVariance, moments});
-  if (grad_space_) kinds.push_back({ChunkKind::kGrad, at::kFloat});
+  if (gradients_.space) kinds.push_back({ChunkKind::kGrad, at::kFloat});
   int64_t full_elem_bytes = 0;
   for (const ChunkKindSpec& spec : kinds) full_elem_bytes += chunk_element_bytes(spec.dtype);
-  const int64_t lean_elem_bytes = chunk_element_bytes(half);
+  const int64_t lean_elem_bytes = chunk_element_bytes(reg.half);
 
   // Layout groups: bit 0, a CPU embedding's (kept on the host); bit 1, frozen at registration.
   // Frozen parameters get chunks of their own, so that a step moves none of those chunks (nothing
@@ -115,15 +161,16 @@ void EngineCore::register_parameters() {
   // which lean frozen chunks repay only when the frozen base is large next to a chunk. So there
   // the split is made when it takes fewer bytes than frozen and trained parameters sharing chunks
   // (all of them with full state), and never with "full_state".
-  const bool lean = config_.frozen_parameters == FrozenParameters::kLean;
+  reg.lean = config_.frozen_parameters == FrozenParameters::kLean;
+  const bool lean = reg.lean;
   auto pack = [&](bool split_frozen) {
-    Layout layout(world_);
-    for (const auto& [name, t] : unique) {
-      const int group = (embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
+    Layout layout(dp_.world());
+    for (const auto& [name, t] : reg.unique) {
+      const int group = (reg.embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
                         (t.requires_grad() || !split_frozen ? 0 : 2);
       layout.add_tensor(name, t.sizes(), group);
     }
-    if (!distributed()) layout_base_ = layout;  // "auto"'s retry packs other sizes from it
+    if (!distributed()) retry_.keep_base(layout);  // "auto"'s retry packs other sizes from it
     try {
       if (config_.chunk_size_auto) {
         const SizeGrid grid = auto_size_grid(layout.max_numel());
@@ -149,8 +196,9 @@ void EngineCore::register_parameters() {
     return bytes;
   };
   Layout layout = pack(/*split_frozen=*/!distributed() || lean);
-  const bool any_frozen = std::any_of(
-      unique.begin(), unique.end(), [](const auto& item) { return !item.second.requires_grad(); });
+  const bool any_frozen = std::any_of(reg.unique.begin(), reg.unique.end(), [](const auto& item) {
+    return !item.second.requires_grad();
+  });
   if (distributed() && lean && any_frozen) {
     Layout shared = pack(/*split_frozen=*/false);
     if (chunk_bytes_with_lean(shared) < chunk_bytes_with_lean(layout)) layout = std::move(shared);
@@ -165,9 +213,14 @@ void EngineCore::register_parameters() {
                "\"default_chunk_size\" out of the config (or set \"auto\") and the engine picks "
                "the size with the least waste");
   }
+  reg.kinds = std::move(kinds);
+  reg.layout = std::move(layout);
+}
 
-  // 2. Memory: tiers and chunks, every payload on the host to start with (but optimizer states
-  //    the host budget cannot hold: on the device for good, or in the disk tier's files).
+void EngineCore::build_store(Registration& reg) {
+  // Memory: tiers and chunks, every payload on the host to start with (but optimizer states the
+  // host budget cannot hold: on the device for good, or in the disk tier's files, which
+  // place_model_data decides). No payload is allocated here.
   const int64_t host_capacity = config_.device.host_capacity_bytes > 0
                                     ? config_.device.host_capacity_bytes
                                     : MemoryTier::kUnlimited;
@@ -175,43 +228,35 @@ void EngineCore::register_parameters() {
   const bool on_cuda = config_.device.type == DeviceType::kCuda;
   storage_.host = std::make_unique<HostTier>(host_capacity, on_cuda ? Pin::kAuto : Pin::kNever);
   storage_.device = make_device_tier(config_);
-  storage_.store =
-      std::make_unique<ChunkStore>(std::move(layout), kinds, *storage_.host, *storage_.device);
+  storage_.store = std::make_unique<ChunkStore>(std::move(reg.layout), reg.kinds, *storage_.host,
+                                                *storage_.device);
   if (config_.scheduler.async_moves) {
     storage_.copy_queue = make_copy_engine(config_);
     store().set_copy_queue(storage_.copy_queue.get());
   }
+  // A CPU embedding's chunk indices stay on the host; frozen ones (group bit 1) are lean unless the
+  // config keeps full state for them, and then only their param chunk holds bytes from here on.
+  storage_.set_lean_from_layout(reg.lean);
+}
+
+void EngineCore::place_model_data(Registration& reg) {
   const Layout* placed = &store().layout();
-  storage_.host_only.assign(static_cast<size_t>(placed->chunk_count()), false);
-  storage_.lean.assign(static_cast<size_t>(placed->chunk_count()), false);
-  for (int64_t i = 0; i < placed->chunk_count(); ++i) {
-    storage_.host_only[i] = (placed->chunk_group(i) & 1) != 0;
-    // Frozen at registration (group bit 1): lean unless the config keeps full state for them.
-    // Only the param chunk holds bytes from here on.
-    storage_.lean[i] = (placed->chunk_group(i) & 2) != 0 && lean;
-    if (!storage_.lean[i]) continue;
-    for (const ChunkKindSpec& spec : kinds) {
-      if (spec.kind != ChunkKind::kParam) store().omit(store().chunk_id(spec.kind, i));
-    }
-  }
   // This rank's share of the model data (every chunk with one process).
-  int64_t owned_bytes = 0;
   for (ChunkId id = 0; id < store().chunk_count(); ++id) {
-    if (owns(store().index_of(id))) owned_bytes += store().chunk_bytes(id);
+    if (owns(store().index_of(id))) reg.owned_bytes += store().chunk_bytes(id);
   }
   // The disk tier: the optimizer states (every index's, until a step's placement brings the device
   // Adam's home) live in files; the host holds at most three indices' states at once (the one
   // Adam updates, the next one read ahead, the last one written behind).
   std::vector<ChunkKind> disk_kinds;
   int64_t disk_state_bytes = 0;
-  int64_t staging_bytes = 0;
   if (config_.offload_optimizer.nvme) {
     if (distributed()) {
       abandon_registration();
       TORCH_CHECK(false,
                   "patrickstar::Engine: the disk tier (zero_optimization.offload_optimizer "
                   "\"nvme\") runs with one process; this job has ",
-                  world_, " ranks");
+                  dp_.world(), " ranks");
     }
     disk_kinds = state_kinds();
     int64_t largest = 0;
@@ -221,12 +266,12 @@ void EngineCore::register_parameters() {
       disk_state_bytes += bytes;
       largest = std::max(largest, bytes);
     }
-    staging_bytes = std::min<int64_t>(3, placed->chunk_count()) * largest;
+    reg.staging_bytes = std::min<int64_t>(3, placed->chunk_count()) * largest;
   }
-  int64_t host_need = owned_bytes - disk_state_bytes + staging_bytes;
+  int64_t host_need = reg.owned_bytes - disk_state_bytes + reg.staging_bytes;
   // What the host budget cannot hold: optimizer states on the device for good, where allowed.
   std::string no_device_placement;
-  adam_placement_.init(store().chunk_count(), placed->chunk_count());
+  pipeline_->placement().init(store().chunk_count(), placed->chunk_count());
   if (storage_.host->capacity_bytes() != MemoryTier::kUnlimited &&
       storage_.host->used_bytes() + host_need > storage_.host->capacity_bytes()) {
     no_device_placement = place_states_on_device(storage_.host->used_bytes() + host_need -
@@ -245,7 +290,7 @@ void EngineCore::register_parameters() {
                          ? absl::StrCat("; that is with ", disk_state_bytes,
                                         " bytes of optimizer "
                                         "states in the disk tier and ",
-                                        staging_bytes, " bytes of host staging for them")
+                                        reg.staging_bytes, " bytes of host staging for them")
                          : std::string(),
                      no_device_placement, "; nothing was registered");
   }
@@ -258,19 +303,21 @@ void EngineCore::register_parameters() {
       throw;
     }
   }
+}
 
-  // 3. Values into chunks, one chunk index at a time: its weight payloads are allocated, its
-  //    tensors copied in and their original storage freed, and only then its optimizer payloads
-  //    are allocated. So the host holds at most the model data plus one chunk of fp32 weights
-  //    still waiting (RegistrationReport::host_peak_bytes_during_init measures it).
-  torch::NoGradGuard no_grad;
+void EngineCore::fill_chunks(Registration& reg) {
+  // Values into chunks, one chunk index at a time: its weight payloads are allocated, its tensors
+  // copied in and their original storage freed, and only then its optimizer payloads are
+  // allocated. So the host holds at most the model data plus one chunk of fp32 weights still
+  // waiting (RegistrationReport::host_peak_bytes_during_init measures it).
+  const Layout* placed = &store().layout();
   CountingCpuAllocator& counter = *CountingCpuAllocator::installed();
   int64_t model_bytes_at_start = 0;
   // Deferred parameters (no data yet), by id: their values come from their initializers.
-  std::vector<bool> was_deferred(unique.size());
-  for (size_t k = 0; k < unique.size(); ++k) {
-    was_deferred[k] = is_deferred(unique[k].second);
-    if (!was_deferred[k]) model_bytes_at_start += unique[k].second.nbytes();
+  reg.was_deferred.resize(reg.unique.size());
+  for (size_t k = 0; k < reg.unique.size(); ++k) {
+    reg.was_deferred[k] = is_deferred(reg.unique[k].second);
+    if (!reg.was_deferred[k]) model_bytes_at_start += reg.unique[k].second.nbytes();
   }
   const int64_t live_at_start = counter.live_bytes();
   ScopedPeakWindow window(counter);  // this registration's own (another engine may be training)
@@ -284,31 +331,9 @@ void EngineCore::register_parameters() {
   };
   sample();
   params_.create_entries();
-  std::vector<TensorId> moved;  // parameters whose storage is now the engine's fence
-  moved.reserve(unique.size());
-  // A failing system allocation mid-way (the budget was checked): the parameters already moved
-  // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
-  // precision). Data parallel: another rank's values never came here, so those cannot. A deferred
-  // parameter is deferred again (its initializer gives the same value to the next registration).
-  auto restore_moved = [&]() -> bool {
-    bool all = true;
-    for (TensorId id : moved) {
-      Param& p = params_[id];
-      if (was_deferred[static_cast<size_t>(id)]) {
-        p.tensor.set_data(deferred_tensor(p.tensor.sizes(), at::kFloat));
-        continue;
-      }
-      try {
-        TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
-        p.tensor.set_data(fp32_copy(weight_view(id)));
-      } catch (...) {
-        all = false;
-      }
-    }
-    return all;
-  };
+  reg.moved.reserve(reg.unique.size());
   auto give_up = [&] {
-    const bool restored = restore_moved();
+    const bool restored = restore_moved(reg);
     abandon_registration();  // the disk tier's files go too
     return restored;
   };
@@ -319,15 +344,15 @@ void EngineCore::register_parameters() {
       const bool full = !storage_.lean[static_cast<size_t>(index)];
       if (mine) {
         store().allocate(store().chunk_id(ChunkKind::kParam, index), Tier::kHost);
-        if (mixed_ && full) {
+        if (mixed() && full) {
           const ChunkId master = store().chunk_id(ChunkKind::kParamFp32, index);
           store().allocate(master,
-                           adam_placement_.state_on_device(master) ? Tier::kDevice : Tier::kHost);
+                           pipeline_->placement().state_on_device(master) ? Tier::kDevice : Tier::kHost);
         }
       }
       sample();
       for (TensorId id : placed->tensors_in_chunk(index)) {
-        const auto& [name, t] = unique[static_cast<size_t>(id)];
+        const auto& [name, t] = reg.unique[static_cast<size_t>(id)];
         Param& p = params_[id];
         p.name = name;
         p.tensor = t;
@@ -335,27 +360,28 @@ void EngineCore::register_parameters() {
         p.trainable = t.requires_grad();
         if (mine) {
           // A deferred parameter's value exists from here to its copies (one parameter at a time).
-          const at::Tensor value =
-              was_deferred[static_cast<size_t>(id)] ? initializers.value_of(name, t.sizes()) : t;
+          const at::Tensor value = reg.was_deferred[static_cast<size_t>(id)]
+                                       ? reg.initializers.value_of(name, t.sizes())
+                                       : t;
           store().view(p.id, ChunkKind::kParam).copy_(value);
-          if (mixed_ && full) store().view(p.id, ChunkKind::kParamFp32).copy_(value);
+          if (mixed() && full) store().view(p.id, ChunkKind::kParamFp32).copy_(value);
         }
-        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(half));
+        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(reg.half));
         // A CPU embedding's parameters compute on the host; the others where the device tier is.
         const c10::Device where = storage_.host_only[static_cast<size_t>(index)]
                                       ? c10::Device(c10::kCPU)
                                       : storage_.device->device();
         p.live = storage_without_memory(nbytes, where);
         p.fence = fence_storage(
-            nbytes, outside_door_message(name, owner_of[t.unsafeGetTensorImpl()]), where);
-        t.set_data(tensor_over(p.fence, t.sizes(), half));
-        moved.push_back(id);
+            nbytes, outside_door_message(name, reg.owner_of[t.unsafeGetTensorImpl()]), where);
+        t.set_data(tensor_over(p.fence, t.sizes(), reg.half));
+        reg.moved.push_back(id);
       }
       sample();
       for (ChunkKind kind : {ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGrad}) {
         if (!mine || !full || !store().has_kind(kind)) continue;
         const ChunkId id = store().chunk_id(kind, index);
-        store().allocate(id, adam_placement_.state_on_device(id) ? Tier::kDevice : Tier::kHost);
+        store().allocate(id, pipeline_->placement().state_on_device(id) ? Tier::kDevice : Tier::kHost);
       }
       sample();
       if (storage_.disk != nullptr && full)
@@ -372,6 +398,34 @@ void EngineCore::register_parameters() {
     give_up();
     throw;
   }
+}
+
+bool EngineCore::restore_moved(const Registration& reg) {
+  // A failing system allocation mid-way (the budget was checked): the parameters already moved
+  // get their values back from the chunks, which hold them exactly (the fp32 copy in mixed
+  // precision). Data parallel: another rank's values never came here, so those cannot. A deferred
+  // parameter is deferred again (its initializer gives the same value to the next registration).
+  const Layout* placed = &store().layout();
+  // (Nothing trained yet: there is nothing to take back or land.)
+  const StateAccess access = pipeline_->access();
+  bool all = true;
+  for (TensorId id : reg.moved) {
+    Param& p = params_[id];
+    if (reg.was_deferred[static_cast<size_t>(id)]) {
+      p.tensor.set_data(deferred_tensor(p.tensor.sizes(), at::kFloat));
+      continue;
+    }
+    try {
+      TORCH_CHECK(owns(placed->placement(id).chunk_index), "another rank's parameter");
+      p.tensor.set_data(fp32_copy(access.weight(id)));
+    } catch (...) {
+      all = false;
+    }
+  }
+  return all;
+}
+
+void EngineCore::attach_model(const Registration& reg) {
   for (const Param& p : params_) {
     if (!p.trainable) continue;
     const TensorId id = p.id;
@@ -384,27 +438,29 @@ void EngineCore::register_parameters() {
   // Buffers live where the model computes (on CUDA: the GPU; the engine gives them back on the
   // CPU). Inputs are the trainer's to move, as in LibTorch.
   for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
-    const bool cast = mixed_ && b.scalar_type() == at::kFloat;
-    if (cast) cast_buffers_.push_back(b);
+    const bool cast = mixed() && b.scalar_type() == at::kFloat;
+    if (cast) params_.add_cast_buffer(b);
     if (cast || b.device() != storage_.device->device()) {
-      b.set_data(b.to(storage_.device->device(), cast ? half : b.scalar_type()));
+      b.set_data(b.to(storage_.device->device(), cast ? reg.half : b.scalar_type()));
     }
   }
+}
 
-  // 4. Scheduler, tracer, optimizer. "auto" retries a warm-up whose trace does not fit with a
-  // smaller chunk size (engine_layout.cpp), where moving the model between layouts is simple: one
-  // process, no disk tier's files, no delayed update's buffers, no states on the device for good.
-  chunk_retry_armed_ = config_.chunk_size_auto && !distributed() && storage_.disk == nullptr &&
+void EngineCore::build_scheduling() {
+  // "auto" retries a warm-up whose trace does not fit with a smaller chunk size
+  // (engine_layout.cpp), where moving the model between layouts is simple: one process, no disk
+  // tier's files, no delayed update's buffers, no states on the device for good.
+  retry_.arm(config_.chunk_size_auto && !distributed() && storage_.disk == nullptr &&
                        !config_.delayed_update.enabled &&
                        metrics_.registration().device_state_bytes == 0 &&
-                       config_.scheduler.policy != EvictionPolicy::kStatic;
+                       config_.scheduler.policy != EvictionPolicy::kStatic);
   // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
   // set_record_spans; none on CUDA) and the optimizer thread's, so that a trace shows them on one
   // time line.
   clock_ = microseconds_since_now();
   build_scheduler();
   if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(clock_);
-  recorder_ = std::make_unique<TraceRecorder>(probe_.get());
+  recorder_ = std::make_unique<TraceRecorder>(probe_->get());
   // The optimizer threads' buffers are host-tier blocks (pinned on CUDA): within its capacity, and
   // outside the CPU allocator whose bytes the emulated device's probe measures as activations.
   MemoryTier* host = storage_.host.get();
@@ -419,7 +475,7 @@ void EngineCore::register_parameters() {
     TORCH_CHECK(!distributed(),
                 "patrickstar: zero_optimization.delayed_param_update runs in one "
                 "process; this is data parallel over ",
-                world_, " processes");
+                dp_.world(), " processes");
     // Its copies (of the gradients; in fp32 also of the weights) take what the host holds beyond
     // every chunk: evictions to the host must always find room. (A lean parameter never has a
     // gradient to copy.)
@@ -427,18 +483,18 @@ void EngineCore::register_parameters() {
     for (const Param& p : params_) {
       if (!lean_param(p.id)) elements += store().layout().numel(p.id);
     }
-    const int64_t copies = elements * (!mixed_ ? 8 : grad_space_ ? 6 : 2);
+    const int64_t copies = elements * (!mixed() ? 8 : gradients_.space ? 6 : 2);
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       const int64_t room = host->capacity_bytes() - store().total_chunk_bytes();
       TORCH_CHECK(copies <= room,
                   "patrickstar: zero_optimization.delayed_param_update keeps "
                   "copies of ",
-                  copies, " bytes (", !mixed_ ? "the gradients and weights" : "the gradients",
+                  copies, " bytes (", !mixed() ? "the gradients and weights" : "the gradients",
                   ") in host memory, but the host tier holds only ", std::max<int64_t>(room, 0),
                   " bytes beyond the model's chunks; raise "
                   "host_capacity_bytes or turn the delayed update off");
     }
-    delayed_ = std::make_unique<DelayedUpdate>(host_blocks);
+    pipeline_->build_thread(StepPipeline::Thread::kDelayed, 0, host_blocks, clock_);
   } else if (!config_.offload_optimizer.nvme) {
     // The overlapped step's optimizer thread (started by its first job): no disk tier. The undo
     // buffers take only what the chunks never need: with a host capacity, what it holds beyond
@@ -448,14 +504,13 @@ void EngineCore::register_parameters() {
       max_bytes =
           std::clamp<int64_t>(host->capacity_bytes() - store().total_chunk_bytes(), 0, max_bytes);
     }
-    overlap_ = std::make_unique<StepOverlap>(max_bytes, host_blocks);
-    overlap_->set_clock(clock_);
-    overlap_on_ = config_.overlap_step.mode != OverlapMode::kOff;
-    overlap_auto_ = config_.overlap_step.mode == OverlapMode::kAuto;
+    pipeline_->build_thread(StepPipeline::Thread::kOverlap, max_bytes, host_blocks, clock_);
   }
 
   build_mover();
+}
 
+void EngineCore::build_optimizer() {
   AdamOptions adam_options;
   adam_options.lr(config_.optimizer.lr)
       .beta1(config_.optimizer.beta1)
@@ -474,20 +529,23 @@ void EngineCore::register_parameters() {
     s.min_loss_scale = config_.fp16.min_loss_scale;
     scaler = LossScaler(s);
   }
-  adam_ = std::make_unique<HybridAdam>(adam_options, scaler);
+  pipeline_->build_adam(adam_options, std::move(scaler), gradients_.space);
   if (distributed()) {
     // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
-    const int64_t groups = placed->chunk_count() / world_;
+    const Layout* placed = &store().layout();
+    const int64_t groups = placed->chunk_count() / dp_.world();
     std::vector<int64_t> tensors(static_cast<size_t>(groups), 0);
     for (int64_t i = 0; i < placed->chunk_count(); ++i) {
       tensors[static_cast<size_t>(placed->comm_group(i))] +=
           static_cast<int64_t>(placed->tensors_in_chunk(i).size());
     }
-    groups_.init(world_, tensors);
+    dp_.groups().init(dp_.world(), tensors);
     gradients_.reduced.resize(static_cast<size_t>(placed->chunk_count()));
   }
+}
 
-  // 5. Figures.
+void EngineCore::report_registration(const Registration& reg) {
+  const Layout* placed = &store().layout();
   RegistrationReport& r = metrics_.registration();
   r.tensors = static_cast<int64_t>(params_.size());
   r.params = placed->total_numel();
@@ -498,14 +556,15 @@ void EngineCore::register_parameters() {
   r.chunks_per_kind = placed->chunk_count();
   r.chunk_waste_elems = placed->waste_elems();
   r.chunk_waste_fraction = placed->waste_fraction();
-  r.model_data_bytes = owned_bytes;  // this rank's share (everything with one process)
+  r.model_data_bytes = reg.owned_bytes;  // this rank's share (everything with one process)
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
   r.disk_bytes = storage_.disk != nullptr ? storage_.disk->disk_bytes() : 0;
   // With a disk tier the host holds the rest, plus one index's states while they are written.
-  r.init_goal_bytes =
-      r.model_data_bytes - r.disk_bytes - r.device_state_bytes + r.largest_module_param_bytes +
-      (storage_.disk != nullptr ? staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0);
+  const int64_t staging =
+      storage_.disk != nullptr ? reg.staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0;
+  r.init_goal_bytes = r.model_data_bytes - r.disk_bytes - r.device_state_bytes +
+                      r.largest_module_param_bytes + staging;
 }
 
 }  // namespace patrickstar

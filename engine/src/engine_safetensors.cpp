@@ -13,8 +13,8 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 SafetensorsSaveReport EngineCore::save_safetensors(const std::string& folder,
                                                    const SafetensorsOptions& options) const {
-  cancel_early_updates();   // the states as they were before the backward
-  settle_delayed_update();  // with the delayed update in flight written in
+  // The states as they were before the backward, with the delayed update in flight written in.
+  const StateAccess access = pipeline_->access();
   const Layout& layout = store().layout();
   // The plan: every parameter written, in chunk order (the order the values come in).
   std::vector<std::string> written_as(params_.size());
@@ -51,17 +51,17 @@ SafetensorsSaveReport EngineCore::save_safetensors(const std::string& folder,
   };
   for (int64_t i = 0; i < layout.chunk_count(); ++i) {
     if (!distributed()) {
-      for (TensorId id : layout.tensors_in_chunk(i)) write(id, weight_view(id));
-      finish_state_views();  // one chunk staged at a time (disk tier)
+      for (TensorId id : layout.tensors_in_chunk(i)) write(id, access.weight(id));
+      access.finish_views();  // one chunk staged at a time (disk tier)
     } else {
-      const at::Tensor chunk = master_chunk_everywhere(i);  // a collective
+      const at::Tensor chunk = master_chunk_everywhere(access, i);  // a collective
       if (!writer) continue;                                // only rank 0 writes
       for (TensorId id : layout.tensors_in_chunk(i)) write(id, value_in(chunk, id));
     }
   }
   SafetensorsSaveReport report;
   if (writer) guarded([&] { report = writer->commit(); });
-  if (distributed() && !all_ranks_agree(error.empty()) && error.empty()) {
+  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
     error = "save_safetensors: rank 0 could not write \"" + folder + "\" (its error says why)";
   }
   TORCH_CHECK(error.empty(), error);

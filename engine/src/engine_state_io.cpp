@@ -19,21 +19,25 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() const {
-  cancel_early_updates();   // the states as they were before the backward
-  settle_delayed_update();  // with the delayed update in flight written in
+  // The states as they were before the backward, with the delayed update in flight written in.
+  return fp32_values(pipeline_->access());
+}
+
+std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_values(
+    const StateAccess& access) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (!distributed()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
     for (TensorId id : tensors_in_chunk_order(store().layout())) {
-      values[static_cast<size_t>(id)] = fp32_copy(weight_view(id));
+      values[static_cast<size_t>(id)] = fp32_copy(access.weight(id));
     }
-    finish_state_views();
+    access.finish_views();
     for (const Param& p : params_) out.emplace_back(p.name, values[static_cast<size_t>(p.id)]);
     return out;
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
   std::vector<at::Tensor> chunks(static_cast<size_t>(store().chunks_per_kind()));
-  for (int64_t i = 0; i < store().chunks_per_kind(); ++i) chunks[i] = master_chunk_everywhere(i);
+  for (int64_t i = 0; i < store().chunks_per_kind(); ++i) chunks[i] = master_chunk_everywhere(access, i);
   for (const Param& p : params_) {
     out.emplace_back(p.name, value_in(chunks[store().layout().placement(p.id).chunk_index], p.id));
   }
@@ -69,19 +73,19 @@ void write_module(const torch::nn::Module& module, const std::string& prefix,
 }  // namespace
 
 void EngineCore::save_weights(const std::string& path) const {
-  cancel_early_updates();   // the states as they were before the backward
-  settle_delayed_update();  // with the delayed update in flight written in
+  // The states as they were before the backward, with the delayed update in flight written in.
+  const StateAccess access = pipeline_->access();
   std::map<std::string, at::Tensor> values;
-  for (auto& [name, t] : fp32_state_dict()) values.emplace(name, t);
+  for (auto& [name, t] : fp32_values(access)) values.emplace(name, t);
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
   for (const Param& p : params_) name_of[p.tensor.unsafeGetTensorImpl()] = p.name;
   torch::serialize::OutputArchive archive;
   std::unordered_set<const c10::TensorImpl*> cast;
-  for (const at::Tensor& b : cast_buffers_) cast.insert(b.unsafeGetTensorImpl());
+  for (const at::Tensor& b : params_.cast_buffers()) cast.insert(b.unsafeGetTensorImpl());
   write_module(*model_, "", values, name_of, cast, archive);
   // Data parallel: one consolidated archive, from rank 0. Written to a temporary file and renamed
   // over `path`: an interrupted save leaves the previous file as it was.
-  if (rank_ == 0) save_archive_atomically(archive, path);
+  if (dp_.rank() == 0) save_archive_atomically(archive, path);
 }
 
 // Checkpoints: CheckpointContents in a sealed file (checkpoint_file.h), one per rank.
@@ -93,38 +97,38 @@ std::string shard_path(const std::string& path, int rank, int world) {
 }  // namespace
 
 void EngineCore::save_checkpoint(const std::string& path) const {
-  cancel_early_updates();   // the states as they were before the backward
-  settle_delayed_update();  // with the delayed update in flight written in
+  // The states as they were before the backward, with the delayed update in flight written in.
+  const StateAccess access = pipeline_->access();
   TORCH_CHECK(tracker_.between_iterations(), "patrickstar: save_checkpoint() in the middle of an "
               "iteration; call it after step()");
   CheckpointContents c;
   c.config_json = config_.to_json().dump();
   c.precision = std::string(to_string(config_.precision()));
   for (const Param& p : params_) c.names.push_back(p.name);
-  c.world_size = world_;
-  c.rank = rank_;
+  c.world_size = dp_.world();
+  c.rank = dp_.rank();
   c.chunk_elems = store().chunk_elems();
-  c.adam_step = adam_->step_count();
+  c.adam_step = pipeline_->adam().step_count();
   for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
-  c.iteration = iteration_;
-  c.scaler = adam_->loss_scaler().state();
+  c.iteration = tracker_.iteration();
+  c.scaler = pipeline_->adam().loss_scaler().state();
   for (TensorId id : tensors_in_chunk_order(store().layout())) {
     const Param& p = params_[id];
     if (!owns(store().layout().placement(p.id).chunk_index)) continue;  // another rank's shard
     if (lean_param(p.id)) {  // its weights alone (widened from the half weight in mixed precision)
-      c.params[p.id] = {fp32_copy(weight_view(p.id)), at::Tensor(), at::Tensor()};
+      c.params[p.id] = {fp32_copy(access.weight(p.id)), at::Tensor(), at::Tensor()};
       continue;
     }
     // bf16 states are written widened to fp32 (exact): a checkpoint loads with either state_dtype
     // (fp32 states into a bf16 engine are rounded to nearest even as they load).
-    c.params[p.id] = {fp32_copy(state_view(p.id, master_kind())),
-                      fp32_copy(state_view(p.id, ChunkKind::kMomentum)),
-                      fp32_copy(state_view(p.id, ChunkKind::kVariance))};
+    c.params[p.id] = {fp32_copy(access.state(p.id, master_kind())),
+                      fp32_copy(access.state(p.id, ChunkKind::kMomentum)),
+                      fp32_copy(access.state(p.id, ChunkKind::kVariance))};
   }
-  finish_state_views();
+  access.finish_views();
   std::string error;
   try {
-    write_checkpoint_file(c, shard_path(path, rank_, world_));
+    write_checkpoint_file(c, shard_path(path, dp_.rank(), dp_.world()));
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -132,16 +136,16 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   }
   // Data parallel: a rank that could not write makes every rank throw (none trains on believing
   // the checkpoint complete).
-  if (distributed() && !all_ranks_agree(error.empty()) && error.empty()) {
+  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
     error = "another rank could not write its shard";
   }
   TORCH_CHECK(error.empty(), "patrickstar: save_checkpoint(\"", path, "\") failed: ", error);
 }
 
 void EngineCore::load_checkpoint(const std::string& path_given) {
-  cancel_early_updates();   // the states as they were before the backward
-  settle_delayed_update();  // with the delayed update in flight written in
-  const std::string path = shard_path(path_given, rank_, world_);
+  // The states as they were before the backward, with the delayed update in flight written in.
+  const StateAccess access = pipeline_->access();
+  const std::string path = shard_path(path_given, dp_.rank(), dp_.world());
   zero_grad_if_marker_reset();
   TORCH_CHECK(tracker_.between_iterations(), "patrickstar: load_checkpoint() in the middle of an "
               "iteration; call it before a forward or after step()");
@@ -159,14 +163,14 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
     TORCH_CHECK(c.names.size() == params_.size(), "patrickstar: checkpoint \"", path,
                 "\" is from another model: it has ", c.names.size(), " parameters, this model ",
                 params_.size());
-    TORCH_CHECK(c.world_size == world_ && c.rank == rank_, "patrickstar: checkpoint \"", path,
+    TORCH_CHECK(c.world_size == dp_.world() && c.rank == dp_.rank(), "patrickstar: checkpoint \"", path,
                 "\" is rank ", c.rank, "'s shard of ", c.world_size, " rank(s); this is rank ",
-                rank_, " of ", world_, ": resume with the number of ranks that saved it");
+                dp_.rank(), " of ", dp_.world(), ": resume with the number of ranks that saved it");
     const std::string here(to_string(config_.precision()));
     TORCH_CHECK(c.precision == here, "patrickstar: checkpoint \"", path, "\" was saved by a ",
                 c.precision, " engine and this engine is ", here, ": resume with the precision that "
                 "saved it (save_weights writes fp32 weights that any engine's model can start from)");
-    TORCH_CHECK(c.chunk_elems == store().chunk_elems() || world_ == 1, "patrickstar: checkpoint \"",
+    TORCH_CHECK(c.chunk_elems == store().chunk_elems() || dp_.world() == 1, "patrickstar: checkpoint \"",
                 path, "\" was saved with chunks of ", c.chunk_elems, " elements, this engine has ",
                 store().chunk_elems(),
                 ": with several ranks the chunk size decides which rank owns what; use the config "
@@ -194,7 +198,7 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
     // The disk tier's files are read while the states are written: all there, or nothing loads.
     if (storage_.disk != nullptr) storage_.disk->check_files();
     try {
-      adam_->loss_scaler().check_state(c.scaler);
+      pipeline_->adam().loss_scaler().check_state(c.scaler);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "patrickstar: checkpoint \"", path, "\" does not suit this engine's loss "
                   "scaler (", e.what_without_backtrace(), "); nothing was loaded");
@@ -206,7 +210,7 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   }
   // Data parallel: every rank loads or none does (a rank that trained on from other weights would
   // leave the ranks apart for good).
-  if (distributed() && !all_ranks_agree(error.empty()) && error.empty()) {
+  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
     error = "patrickstar: another rank could not load its shard of checkpoint \"" + path_given +
             "\"; nothing was loaded";
   }
@@ -222,12 +226,12 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
       store().view(p.id, ChunkKind::kParam).copy_(saved.master);
       continue;
     }
-    state_view(p.id, master, /*write=*/true).copy_(saved.master);
-    if (mixed_) store().view(p.id, ChunkKind::kParam).copy_(saved.master);
+    access.state(p.id, master, /*write=*/true).copy_(saved.master);
+    if (mixed()) store().view(p.id, ChunkKind::kParam).copy_(saved.master);
     // Saved lean (frozen, without moments): it starts from none, as it would have trained.
     for (auto [kind, moment] : {std::pair{ChunkKind::kMomentum, &saved.exp_avg},
                                 std::pair{ChunkKind::kVariance, &saved.exp_avg_sq}}) {
-      at::Tensor view = state_view(p.id, kind, /*write=*/true);
+      at::Tensor view = access.state(p.id, kind, /*write=*/true);
       if (moment->defined()) {
         view.copy_(*moment);
       } else {
@@ -235,13 +239,13 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
       }
     }
   }
-  finish_state_views();
-  adam_->set_step_count(c.adam_step);
+  access.finish_views();
+  pipeline_->adam().set_step_count(c.adam_step);
   for (Param& p : params_) {
     p.adam_steps = c.param_steps.empty() ? c.adam_step : c.param_steps[static_cast<size_t>(p.id)];
   }
-  adam_->loss_scaler().load_state(c.scaler);
-  if (grad_space_) zero_grad();
+  pipeline_->adam().loss_scaler().load_state(c.scaler);
+  if (gradients_.space) zero_grad();
 }
 
 }  // namespace patrickstar

@@ -15,8 +15,8 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back) {
-  cancel_early_updates();       // the weights as they were before the backward
-  settle_delayed_update();      // with the delayed update in flight written in
+  // The weights as they were before the backward, with the delayed update in flight written in.
+  const StateAccess access = pipeline_->access();
   zero_grad_if_marker_reset();  // a zero_grad() through torch::optim::Optimizer& takes effect first
   // 1. Check (after recovering from a dead backward or a dropped forward), changing nothing else.
   if (write_back) {
@@ -46,16 +46,16 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
     for (size_t k : chunk_order(store().layout(), ids)) {
       // On the parameter's compute device (the GPU on CUDA), as the model's tensors would be.
       values[k] =
-          weight_view(ids[k]).to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
+          access.weight(ids[k]).to(params_[ids[k]].live.device(), at::kFloat, /*non_blocking=*/false,
                                  /*copy=*/true);
     }
-    finish_state_views();
+    access.finish_views();
   } else {
     // Data parallel: every rank takes every value. The chunks holding them are broadcast from their
     // owners in index order (the same collectives on every rank: every rank opens the same scope).
     std::map<int64_t, at::Tensor> chunks;
     for (TensorId id : ids) chunks[store().layout().placement(id).chunk_index] = at::Tensor();
-    for (auto& [index, chunk] : chunks) chunk = master_chunk_everywhere(index);
+    for (auto& [index, chunk] : chunks) chunk = master_chunk_everywhere(access, index);
     for (TensorId id : ids) {
       values.push_back(value_in(chunks[store().layout().placement(id).chunk_index], id));
     }
@@ -99,10 +99,12 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
   try {
     // Data parallel: rank 0's values are written (as DeepSpeed's modifier rank), each by its owner;
     // a change of shape on any rank writes nothing on every rank.
-    if (write_back && distributed() && !all_ranks_agree(changed.empty()) && changed.empty()) {
+    if (write_back && distributed() && !dp_.all_agree(changed.empty()) && changed.empty()) {
       changed = "a parameter on another rank";
     }
     if (write_back && changed.empty()) {
+      // (Nothing trained while the scope held them: there is nothing to take back or land.)
+      const StateAccess access = pipeline_->access();
       // Data parallel broadcasts in the scope's order (every rank alike); one process goes in
       // chunk order (a disk tier writes each chunk's masters once).
       std::vector<size_t> order(ids.size());
@@ -112,14 +114,14 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
         const TensorId id = ids[k];
         const at::Tensor& t = params_[id].tensor;
         if (distributed()) {
-          comm_->broadcast(t, 0);
+          dp_.comm().broadcast(t, 0);
           if (!owns(store().layout().placement(id).chunk_index)) continue;
         }
-        if (mixed_ && !lean_param(id))
-          state_view(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
+        if (mixed() && !lean_param(id))
+          access.state(id, ChunkKind::kParamFp32, /*write=*/true).copy_(t);
         store().view(id, ChunkKind::kParam).copy_(t);
       }
-      finish_state_views();
+      access.finish_views();
       release_remote(/*discard=*/false);  // no gathered copy keeps the old weights
     }
   } catch (...) {
@@ -132,16 +134,27 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
               "values they had); write values in place, with the same shape");
 }
 
+bool EngineCore::cast_buffer(const at::Tensor& buffer) const {
+  return params_.is_cast_buffer(buffer);
+}
+
+int64_t EngineCore::parameter_version(TensorId id) const { return params_[id].tensor._version(); }
+
+void EngineCore::add_scope(GatheredParameters* scope) { params_.add_scope(scope); }
+
+void EngineCore::remove_scope(GatheredParameters* scope) {
+  params_.remove_scope(scope);
+}
+
 GatheredParameters::GatheredParameters(torch::nn::Module& module, Mode mode) : mode_(mode) {
-  engine_ = dynamic_cast<EngineCore*>(handler_for(module));
+  EngineCore* core = dynamic_cast<EngineCore*>(handler_for(module));
+  engine_ = core;
   TORCH_CHECK(engine_ != nullptr, "patrickstar: GatheredParameters: module ", module.name(),
               " belongs to no engine (its parameters are ordinary tensors already)");
   // The module's buffers that the engine cast to the compute dtype are fp32 in the scope too, so
   // that torch::save/torch::load in the scope see the fp32 model.
   for (const at::Tensor& b : module.buffers(/*recurse=*/true)) {
-    for (const at::Tensor& cast : engine_->cast_buffers_) {
-      if (cast.is_same(b)) buffers_.emplace_back(b, b.detach());
-    }
+    if (engine_->cast_buffer(b)) buffers_.emplace_back(b, b.detach());
   }
   begin(module.parameters(/*recurse=*/true));
 }
@@ -154,7 +167,7 @@ GatheredParameters::GatheredParameters(Engine& engine, const std::vector<at::Ten
 
 void GatheredParameters::begin(const std::vector<at::Tensor>& params) {
   for (const at::Tensor& t : params) {
-    const TensorId id = engine_->id_of(t);
+    const TensorId id = engine_->gathered_id(t);
     TORCH_CHECK(id >= 0, "patrickstar: GatheredParameters: a tensor of sizes ",
                 t.defined() ? c10::str(t.sizes()) : std::string("(undefined)"),
                 " is not a parameter of this engine's model");
@@ -163,19 +176,18 @@ void GatheredParameters::begin(const std::vector<at::Tensor>& params) {
   engine_->gather_begin(ids_, mode_ == Mode::kReadWrite);
   torch::NoGradGuard no_grad;
   for (const auto& [buffer, half] : buffers_) buffer.set_data(half.to(at::kFloat));
-  for (TensorId id : ids_) versions_.push_back(engine_->params_[id].tensor._version());
-  engine_->gathered_scopes_.push_back(this);
+  for (TensorId id : ids_) versions_.push_back(engine_->parameter_version(id));
+  engine_->add_scope(this);
 }
 
 void GatheredParameters::end() {
   if (ended_) return;
   ended_ = true;
   if (engine_ == nullptr) return;  // the engine went first (it warned)
-  auto& scopes = engine_->gathered_scopes_;
-  scopes.erase(std::remove(scopes.begin(), scopes.end(), this), scopes.end());
+  engine_->remove_scope(this);
   bool written = false;
   for (size_t i = 0; i < ids_.size(); ++i) {
-    written = written || engine_->params_[ids_[i]].tensor._version() != versions_[i];
+    written = written || engine_->parameter_version(ids_[i]) != versions_[i];
   }
   {
     torch::NoGradGuard no_grad;

@@ -12,6 +12,9 @@
 namespace patrickstar::engine_detail {
 
 struct GradientState {
+  // A separate kGrad chunk list (fp32, or gradient accumulation above 1): decided when the engine
+  // is built, never changed.
+  bool space = false;
   // Mixed precision without a gradient space: half slots hold gradients instead of weights (from a
   // backward until the step or zero_grad() restores them).
   bool in_half_slots = false;

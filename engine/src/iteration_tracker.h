@@ -45,6 +45,19 @@ class IterationTracker {
   int64_t forward_start_moment() const { return forward_start_moment_; }
   // The forward in progress put pre-backward nodes in a graph (a door closed with hooked outputs).
   bool hooks_in_forward() const { return hooks_in_forward_; }
+  // Steps taken (the number of the iteration in progress), retraces since the engine was built,
+  // and whether this iteration's trace diverged and was re-recorded.
+  int64_t iteration() const { return iteration_; }
+  int64_t retraces() const { return retraces_; }
+  bool retraced() const { return retraced_; }
+  void note_retrace() {
+    ++retraces_;
+    retraced_ = true;
+  }
+  void clear_retraced() { retraced_ = false; }
+  // The last moment recorded, until its compute is over (close_moment); -1: none.
+  int64_t open_moment() const { return open_moment_; }
+  void set_open_moment(int64_t moment) { open_moment_ = moment; }
   void note_hooks_in_forward() {
     if (phase_ == Phase::kForward) hooks_in_forward_ = true;
   }
@@ -79,6 +92,8 @@ class IterationTracker {
         if (phase_ == Phase::kBackwardDone) phase_ = Phase::kStarted;
         break;
       case PhaseEvent::kStepDone:
+        ++iteration_;
+        [[fallthrough]];
       case PhaseEvent::kIterationDropped:
         backwards_since_step_ = 0;
         hooks_in_forward_ = false;
@@ -94,6 +109,10 @@ class IterationTracker {
   int backwards_since_step_ = 0;
   int64_t forward_start_moment_ = 0;
   bool hooks_in_forward_ = false;
+  int64_t iteration_ = 0;
+  int64_t retraces_ = 0;
+  bool retraced_ = false;
+  int64_t open_moment_ = -1;
 };
 
 }  // namespace patrickstar::engine_detail

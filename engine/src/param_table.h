@@ -19,6 +19,10 @@
 
 #include "patrickstar/chunk/layout.h"
 
+namespace patrickstar {
+class GatheredParameters;  // patrickstar/engine/gathered_parameters.h
+}  // namespace patrickstar
+
 namespace patrickstar::engine_detail {
 
 // How a GatheredParameters scope holds a parameter (as a real fp32 tensor with the master weights).
@@ -91,6 +95,20 @@ class ParamTable {
   // Registration, step 3: the entries for the ids handed out.
   void create_entries() { params_.resize(ids_.size()); }
   // Registration gave up: nothing is registered.
+  // Buffers of the model the engine cast to the compute dtype (mixed precision), kept in fp32.
+  void add_cast_buffer(const at::Tensor& buffer) { cast_buffers_.push_back(buffer); }
+  const std::vector<at::Tensor>& cast_buffers() const { return cast_buffers_; }
+  bool is_cast_buffer(const at::Tensor& buffer) const {
+    return std::any_of(cast_buffers_.begin(), cast_buffers_.end(),
+                       [&](const at::Tensor& cast) { return cast.is_same(buffer); });
+  }
+  // The GatheredParameters scopes open now (told when the engine goes).
+  void add_scope(GatheredParameters* scope) { scopes_.push_back(scope); }
+  void remove_scope(GatheredParameters* scope) {
+    scopes_.erase(std::remove(scopes_.begin(), scopes_.end(), scope), scopes_.end());
+  }
+  const std::vector<GatheredParameters*>& scopes() const { return scopes_; }
+  // (Registration gave up: the parameters go; cast buffers and scopes have none yet.)
   void clear() {
     ids_.clear();
     params_.clear();
@@ -152,6 +170,8 @@ class ParamTable {
   std::unordered_map<const c10::TensorImpl*, TensorId> ids_;
   std::unordered_map<const torch::nn::Module*, std::string> module_names_;
   std::unordered_map<const torch::nn::Module*, std::unique_ptr<ModuleInfo>> modules_;
+  std::vector<at::Tensor> cast_buffers_;
+  std::vector<GatheredParameters*> scopes_;
 };
 
 // The doors open now. A door's token indexes the scopes opened since none was open; a closed door

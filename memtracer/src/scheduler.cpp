@@ -379,6 +379,77 @@ bool Scheduler::make_room(int64_t bytes, ChunkMover& mover) {
   return evict_to_fit(0, resident_bytes_ - bytes, last_moment_, {}, -1, mover);
 }
 
+void Scheduler::measure_warmup_moment(const std::vector<int64_t>& accessed) {
+  if (warmup_previous_non_model_bytes_ >= 0) {
+    warmup_growth_bytes_ =
+        std::max(warmup_growth_bytes_, warmup_non_model_bytes_ - warmup_previous_non_model_bytes_);
+  }
+  warmup_previous_non_model_bytes_ = warmup_non_model_bytes_;
+  const std::set<int64_t> distinct(accessed.begin(), accessed.end());
+  for (int64_t id : distinct) warmup_floor_bytes_ += info(id).bytes;
+  // Chunks that never leave the device stay next to the moment's own.
+  for (int64_t id : resident_) {
+    if (info(id).device_only && distinct.count(id) == 0) warmup_floor_bytes_ += info(id).bytes;
+  }
+  warmup_floor_bytes_ += options_.reserve_bytes;
+  // The working set of the last few chunks used, not of this moment alone: a GPT block straddles
+  // two chunks and neighbouring moments alternate between them (and a chunk of small shared
+  // parameters), so keeping one moment's chunks sends chunks back and forth at every moment
+  // (megatron_1.3B on a 2 GiB device: the warm-up's own loads were 11x a steady iteration's).
+  // Recency rather than a window of moments: with one moment per submodule, a block's moments
+  // can go several in a row without touching a chunk it comes back to.
+  std::vector<std::pair<int64_t, int64_t>> recent;  // (last access, chunk), other chunks
+  for (const auto& [id, clock] : last_access_) {
+    if (distinct.count(id) == 0) recent.emplace_back(clock, id);
+  }
+  const size_t keep = std::min(recent.size(), kWarmupRecentChunks);
+  std::partial_sort(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(keep),
+                    recent.end(), std::greater<>());
+  warmup_window_bytes_ = warmup_floor_bytes_ - options_.reserve_bytes;
+  for (size_t i = 0; i < keep; ++i) warmup_window_bytes_ += info(recent[i].second).bytes;
+  warmup_window_bytes_ += options_.reserve_bytes;
+}
+
+int64_t Scheduler::load_accessed(int64_t m, const std::vector<int64_t>& accessed,
+                                 const std::set<int64_t>& pinned, int64_t budget,
+                                 ChunkMover& mover) {
+  int64_t needed = 0;
+  int64_t missing = 0;
+  for (int64_t id : pinned) {
+    const int64_t bytes = info(id).bytes;
+    needed += bytes;
+    if (resident_.count(id) == 0) missing += bytes;
+  }
+  // "auto" chunk size: the warm-up goes on past the budget where the device itself has room,
+  // and measures every moment for the choice of a size that fits (SchedulerOptions).
+  const bool may_overdraw = !has_trace_ && options_.warmup_overdraft;
+  const int64_t room = options_.capacity_bytes - warmup_non_model_bytes_ - options_.reserve_bytes;
+  auto overdraw = [&] {
+    if (!may_overdraw || budget >= room) return false;
+    stats_.overdrafts += 1;
+    budget = room;
+    stats_.budget_bytes.back() = budget;
+    return true;
+  };
+  if (needed > budget && needed <= room) overdraw();
+  TORCH_CHECK(needed <= budget, describe_moment(m), " accesses ", pinned.size(), " chunks of ",
+              needed, " bytes in all but the chunk budget is ", budget, " bytes (capacity ",
+              options_.capacity_bytes, ", reserve ", options_.reserve_bytes,
+              has_trace_ ? "" : warmup_advice(needed),
+              "): use a smaller chunk size, a smaller batch or activation checkpointing");
+  bool fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
+  if (!fits && overdraw()) fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
+  TORCH_CHECK(fits, describe_moment(m), " needs ", missing, " more chunk bytes on the device with ",
+              resident_bytes_, " resident and a budget of ", budget,
+              " bytes, but not enough resident chunks may move (in COMPUTE, kept on the "
+              "device by the static policy, or optimizer states that never leave it)",
+              has_trace_ ? std::string() : warmup_advice(resident_bytes_ + missing));
+  for (int64_t id : accessed) {
+    if (resident_.count(id) == 0) load(id, m, /*prefetch=*/false, mover);
+  }
+  return budget;
+}
+
 void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>& accessed,
                           ChunkMover& mover, int64_t live_non_model_bytes,
                           const std::vector<int64_t>& to_host) {
@@ -392,44 +463,13 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
   warmup_non_model_bytes_ = has_trace_ ? 0 : std::max<int64_t>(live_non_model_bytes, 0);
   warmup_floor_bytes_ = 0;
   warmup_window_bytes_ = 0;
-  if (!has_trace_) {
-    if (warmup_previous_non_model_bytes_ >= 0) {
-      warmup_growth_bytes_ = std::max(warmup_growth_bytes_,
-                                      warmup_non_model_bytes_ - warmup_previous_non_model_bytes_);
-    }
-    warmup_previous_non_model_bytes_ = warmup_non_model_bytes_;
-    const std::set<int64_t> distinct(accessed.begin(), accessed.end());
-    for (int64_t id : distinct) warmup_floor_bytes_ += info(id).bytes;
-    // Chunks that never leave the device stay next to the moment's own.
-    for (int64_t id : resident_) {
-      if (info(id).device_only && distinct.count(id) == 0) warmup_floor_bytes_ += info(id).bytes;
-    }
-    warmup_floor_bytes_ += options_.reserve_bytes;
-    // The working set of the last few chunks used, not of this moment alone: a GPT block straddles
-    // two chunks and neighbouring moments alternate between them (and a chunk of small shared
-    // parameters), so keeping one moment's chunks sends chunks back and forth at every moment
-    // (megatron_1.3B on a 2 GiB device: the warm-up's own loads were 11x a steady iteration's).
-    // Recency rather than a window of moments: with one moment per submodule, a block's moments
-    // can go several in a row without touching a chunk it comes back to.
-    std::vector<std::pair<int64_t, int64_t>> recent;  // (last access, chunk), other chunks
-    for (const auto& [id, clock] : last_access_) {
-      if (distinct.count(id) == 0) recent.emplace_back(clock, id);
-    }
-    const size_t keep = std::min(recent.size(), kWarmupRecentChunks);
-    std::partial_sort(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(keep), recent.end(),
-                      std::greater<>());
-    warmup_window_bytes_ = warmup_floor_bytes_ - options_.reserve_bytes;
-    for (size_t i = 0; i < keep; ++i) warmup_window_bytes_ += info(recent[i].second).bytes;
-    warmup_window_bytes_ += options_.reserve_bytes;
-  }
+  if (!has_trace_) measure_warmup_moment(accessed);
   int64_t budget = budget_bytes(m);
   std::set<int64_t> pinned(accessed.begin(), accessed.end());
   stats_.budget_bytes.push_back(budget);
   for (int64_t id : accessed) {
     last_access_[id] = ++access_clock_;
-    if (prefetched_.erase(id) != 0) {
-      stats_.prefetches_used += 1;
-    }
+    if (prefetched_.erase(id) != 0) stats_.prefetches_used += 1;
   }
 
   for (int64_t id : to_host) {
@@ -452,41 +492,7 @@ void Scheduler::at_moment(int64_t m, MomentKind kind, const std::vector<int64_t>
                 " bytes and the static policy may not move them: the chunks marked "
                 "static_on_device do not fit; use a smaller batch or another policy");
   } else {
-    int64_t needed = 0;
-    int64_t missing = 0;
-    for (int64_t id : pinned) {
-      const int64_t bytes = info(id).bytes;
-      needed += bytes;
-      if (resident_.count(id) == 0) missing += bytes;
-    }
-    // "auto" chunk size: the warm-up goes on past the budget where the device itself has room,
-    // and measures every moment for the choice of a size that fits (SchedulerOptions).
-    const bool may_overdraw = !has_trace_ && options_.warmup_overdraft;
-    const int64_t room = options_.capacity_bytes - warmup_non_model_bytes_ - options_.reserve_bytes;
-    auto overdraw = [&] {
-      if (!may_overdraw || budget >= room) return false;
-      stats_.overdrafts += 1;
-      budget = room;
-      stats_.budget_bytes.back() = budget;
-      return true;
-    };
-    if (needed > budget && needed <= room) overdraw();
-    TORCH_CHECK(needed <= budget, describe_moment(m), " accesses ", pinned.size(), " chunks of ",
-                needed, " bytes in all but the chunk budget is ", budget, " bytes (capacity ",
-                options_.capacity_bytes, ", reserve ", options_.reserve_bytes,
-                has_trace_ ? "" : warmup_advice(needed),
-                "): use a smaller chunk size, a smaller batch or activation checkpointing");
-    bool fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
-    if (!fits && overdraw()) fits = evict_to_fit(missing, budget, m, pinned, -1, mover);
-    TORCH_CHECK(fits, describe_moment(m), " needs ", missing,
-                " more chunk bytes on the device with ", resident_bytes_,
-                " resident and a budget of ", budget,
-                " bytes, but not enough resident chunks may move (in COMPUTE, kept on the "
-                "device by the static policy, or optimizer states that never leave it)",
-                has_trace_ ? std::string() : warmup_advice(resident_bytes_ + missing));
-    for (int64_t id : accessed) {
-      if (resident_.count(id) == 0) load(id, m, /*prefetch=*/false, mover);
-    }
+    budget = load_accessed(m, accessed, pinned, budget, mover);
   }
   if (has_trace_ && options_.policy != EvictionPolicy::kStatic && options_.prefetch_depth > 0 &&
       !options_.prefetch_after_compute) {

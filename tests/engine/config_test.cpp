@@ -1,14 +1,22 @@
 // The DeepSpeed-style JSON config: defaults, every accepted key, and a table of bad documents each
-// with the message a user should see.
+// with the message a user should see; and the parser's key table against README.md's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <set>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "config_keys.h"
 #include "patrickstar/engine/config.h"
+#include "test_data.h"
 
 namespace patrickstar {
 namespace {
@@ -273,6 +281,184 @@ TEST(Config, DeviceCapacityIsAutoUnlessTheDocumentSetsIt) {
   // What an engine uses: the number when set; "auto" on the emulated device is 4 GiB.
   EXPECT_EQ(resolved_device_capacity(set), int64_t{3} << 30);
   EXPECT_EQ(resolved_device_capacity(Config::from_string("{}")), int64_t{4} << 30);
+}
+
+// ConfigKeys: the parser's key table (engine/src/config_keys.cpp) against README.md's.
+
+using config_keys::ConfigKey;
+using config_keys::KeyUse;
+
+// The "### The config" section of a README: from its heading to the next heading ("" without it).
+std::string config_section(const std::string& readme) {
+  const std::string heading = "\n### The config\n";
+  const size_t begin = readme.find(heading);
+  if (begin == std::string::npos) return "";
+  const size_t end = readme.find("\n#", begin + heading.size());
+  return readme.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+
+// The keys of the section's table (columns key | default | meaning), in order. A row's key cell
+// names one key or several siblings: "`optimizer.params.lr`, `betas`" is optimizer.params.lr and
+// optimizer.params.betas, a later name without a dot taking the first one's parent path.
+std::vector<std::string> readme_table_keys(const std::string& section) {
+  std::vector<std::string> keys;
+  std::istringstream lines(section);
+  std::string line;
+  bool in_table = false;
+  while (std::getline(lines, line)) {
+    if (!in_table) {
+      in_table = line.rfind("| key | default | meaning |", 0) == 0;
+      if (in_table) std::getline(lines, line);  // the "| --- | --- | --- |" row
+      continue;
+    }
+    if (line.rfind("|", 0) != 0) break;  // the table ends at its first line that is no row
+    const std::string cell = line.substr(1, line.find('|', 1) - 1);
+    std::string parent;  // the first name's parent path with its dot: "optimizer.params."
+    bool first = true;
+    for (size_t open = cell.find('`'); open != std::string::npos;) {
+      const size_t close = cell.find('`', open + 1);
+      if (close == std::string::npos) break;
+      const std::string name = cell.substr(open + 1, close - open - 1);
+      if (first || name.find('.') != std::string::npos) {
+        keys.push_back(name);
+        if (first) parent = name.substr(0, name.rfind('.') + 1);  // "" for a top-level key
+        first = false;
+      } else {
+        keys.push_back(parent + name);
+      }
+      open = cell.find('`', close + 1);
+    }
+  }
+  return keys;
+}
+
+// Each key of `expected` that `listed` lacks, as "`key`".
+std::vector<std::string> missing_from(const std::vector<std::string>& listed,
+                                      const std::set<std::string>& expected) {
+  std::vector<std::string> missing;
+  for (const std::string& key : expected) {
+    if (std::find(listed.begin(), listed.end(), key) == listed.end()) {
+      missing.push_back("`" + key + "`");
+    }
+  }
+  return missing;
+}
+
+std::set<std::string> code_keys(KeyUse use) {
+  std::set<std::string> keys;
+  for (const ConfigKey& key : config_keys::config_keys()) {
+    if (key.use == use) keys.emplace(key.path);
+  }
+  return keys;
+}
+
+std::string readme_config_section() {
+  const std::string path = patrickstar::testing::source_file("README.md");
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << "cannot open " << path;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string section = config_section(text.str());
+  EXPECT_FALSE(section.empty()) << path << " has no \"### The config\" section";
+  return section;
+}
+
+TEST(ConfigKeys, ReadingTheReadmeTableTakesSiblingsFromTheFirstKeysParent) {
+  const std::string readme =
+      "# Title\n\n### The config\n\nprose\n\n"
+      "| key | default | meaning |\n| --- | --- | --- |\n"
+      "| `strict` | false | with `code` in the meaning |\n"
+      "| `optimizer.params.lr`, `betas` | 1e-3, [0.9, 0.999] | |\n"
+      "| `client.device.type`, `capacity_bytes` | `\"emulated\"` | |\n"
+      "\n| `not.in.the.table` | | |\n\n## Next\n| `nor.this` | | |\n";
+  const std::vector<std::string> keys = readme_table_keys(config_section(readme));
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{"strict", "optimizer.params.lr", "optimizer.params.betas",
+                                      "client.device.type", "client.device.capacity_bytes"}));
+  // What the comparison below reports for a table without a key the code has.
+  EXPECT_EQ(missing_from(keys, {"strict", "optimizer.params.eps"}),
+            std::vector<std::string>{"`optimizer.params.eps`"});
+}
+
+// The README's key table and the parser's rows name the same keys, except those the parser marks
+// ignored (accepted for compatibility, without effect), which the README names in its prose.
+TEST(ConfigKeys, ReadmeTableListsExactlyTheKeysTheParserUses) {
+  const std::vector<std::string> documented = readme_table_keys(readme_config_section());
+  ASSERT_FALSE(documented.empty())
+      << "README.md's config section has no key | default | meaning table";
+  for (const std::string& key : missing_from(documented, code_keys(KeyUse::kUsed))) {
+    ADD_FAILURE() << "README.md's config table lacks " << key
+                  << ", which engine/src/config_keys.cpp reads";
+  }
+  const std::set<std::string> ignored = code_keys(KeyUse::kIgnored);
+  std::vector<std::string> used_or_ignored;
+  for (const ConfigKey& key : config_keys::config_keys()) used_or_ignored.emplace_back(key.path);
+  for (const std::string& key :
+       missing_from(used_or_ignored, {documented.begin(), documented.end()})) {
+    ADD_FAILURE() << "README.md's config table lists " << key
+                  << ", which engine/src/config_keys.cpp does not know";
+  }
+  for (const std::string& key : documented) {
+    EXPECT_EQ(std::count(documented.begin(), documented.end(), key), 1)
+        << "README.md's config table lists `" << key << "` more than once";
+    EXPECT_FALSE(ignored.count(key))
+        << "README.md's config table lists `" << key
+        << "`, which engine/src/config_keys.cpp marks ignored (the prose names such keys)";
+  }
+}
+
+TEST(ConfigKeys, IgnoredKeysAreNamedInTheReadmesProse) {
+  const std::string section = readme_config_section();
+  for (const std::string& key : code_keys(KeyUse::kIgnored)) {
+    const std::string name = key.substr(key.rfind('.') + 1);
+    EXPECT_TRUE(section.find("`" + key + "`") != std::string::npos ||
+                section.find("`" + name + "`") != std::string::npos)
+        << "README.md's config section does not name `" << key
+        << "`, which the parser accepts and ignores";
+  }
+}
+
+// Each documented default, written into a document, gives the config an empty document gives.
+TEST(ConfigKeys, DocumentedDefaultsAreTheDefaults) {
+  const nlohmann::json defaults = Config().to_json();
+  for (const ConfigKey& key : config_keys::config_keys()) {
+    SCOPED_TRACE(std::string(key.path));
+    EXPECT_FALSE(key.type.empty());
+    EXPECT_FALSE(key.help.empty());
+    if (key.read == nullptr) {
+      EXPECT_TRUE(key.default_value.empty()) << "a key that is never read has no default";
+      continue;
+    }
+    std::string pointer = "/" + std::string(key.path);
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    nlohmann::json document;
+    document[nlohmann::json::json_pointer(pointer)] = nlohmann::json::parse(key.default_value);
+    EXPECT_EQ(Config::from_json(document).to_json(), defaults) << document.dump();
+  }
+}
+
+// The walk finishes an object (reporting its unknown keys) when it reaches a key outside it, so
+// each object's keys must be consecutive in the table, and each key named once.
+TEST(ConfigKeys, EachObjectsKeysAreConsecutive) {
+  const std::span<const ConfigKey> keys = config_keys::config_keys();
+  std::set<std::string> paths, left;
+  std::vector<std::string> open;  // the objects the previous key lies in
+  for (const ConfigKey& key : keys) {
+    EXPECT_TRUE(paths.emplace(key.path).second) << "`" << key.path << "` twice";
+    std::vector<std::string> objects;
+    for (size_t dot = key.path.find('.'); dot != std::string_view::npos;
+         dot = key.path.find('.', dot + 1)) {
+      objects.emplace_back(key.path.substr(0, dot));
+    }
+    for (const std::string& object : open) {
+      if (std::find(objects.begin(), objects.end(), object) == objects.end()) left.insert(object);
+    }
+    for (const std::string& object : objects) {
+      EXPECT_FALSE(left.count(object))
+          << "`" << key.path << "` comes after other keys left `" << object << "`";
+    }
+    open = objects;
+  }
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 // Every key is optional; a missing section takes the defaults documented below (and in README.md).
 // A wrong type or value is an error naming the JSON path, the value and what is expected; all problems
 // of a document are reported together, and nothing is returned for a rejected document. Unknown keys
-// are listed in `Config::warnings` with their path, or rejected when `"strict": true`.
+// are listed in `Config::warnings` with their path, or rejected when `"strict": true`. The keys, each
+// with its type, default and check, are the rows of a table (engine/src/config_keys.cpp) that
+// from_json and to_json walk.
 // Value type: copyable, no shared state; thread-compatible.
 #pragma once
 

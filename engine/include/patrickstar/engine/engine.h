@@ -63,7 +63,9 @@
 namespace patrickstar {
 
 class Communicator;
-class EngineCore;  // engine/src/engine_core.h
+namespace engine_detail {
+class EngineImpl;  // the engine's implementation (engine/src/engine_core.h)
+}  // namespace engine_detail
 class EngineInspector;
 class GatheredParameters;
 
@@ -177,7 +179,7 @@ class Engine final {
  private:
   friend class EngineInspector;
   friend class GatheredParameters;
-  std::unique_ptr<EngineCore> core_;
+  std::unique_ptr<engine_detail::EngineImpl> core_;
 };
 
 }  // namespace patrickstar

@@ -40,9 +40,12 @@
 #include <torch/nn/module.h>
 
 #include "patrickstar/chunk/types.h"
-#include "patrickstar/engine/engine.h"  // Engine, EngineCore (declared)
+#include "patrickstar/engine/engine.h"
 
 namespace patrickstar {
+namespace engine_detail {
+class ParameterGathering;  // what the scope asks of its engine (engine/src/parameter_gathering.h)
+}  // namespace engine_detail
 
 class GatheredParameters {
  public:
@@ -66,10 +69,10 @@ class GatheredParameters {
   void end();
 
  private:
-  friend class EngineCore;  // tells open scopes when it is destroyed
+  friend class engine_detail::ParameterGathering;  // tells open scopes when their engine goes
   void begin(const std::vector<at::Tensor>& params);
 
-  EngineCore* engine_;  // nullptr once the engine is gone
+  engine_detail::ParameterGathering* engine_;  // nullptr once the engine is gone
   Mode mode_;
   std::vector<TensorId> ids_;
   std::vector<int64_t> versions_;  // the parameters' versions at the start (in-place writes)

@@ -49,7 +49,7 @@ class EngineInspector {
   const Communicator& communicator() const;
 
  private:
-  const EngineCore& core_;
+  const engine_detail::EngineImpl& core_;
 };
 
 inline EngineInspector inspect(const Engine& engine) { return EngineInspector(engine); }

@@ -242,6 +242,14 @@ class Scheduler {
   void load(int64_t chunk_id, int64_t m, bool prefetch, ChunkMover& mover);
   void evict(int64_t chunk_id, int64_t m, ChunkMover& mover);
   void prefetch_after(int64_t m, const std::set<int64_t>& pinned, ChunkMover& mover);
+  // at_moment's warm-up measures for the moment accessing `accessed`: the largest rise of the live
+  // non-model bytes so far, and the floor and window of the chunk budget (see budget_bytes).
+  void measure_warmup_moment(const std::vector<int64_t>& accessed);
+  // at_moment's loads (a moment other than kStatic's step): makes room within `budget` and loads
+  // the chunks in `accessed` (`pinned`: the same, each once). Returns the budget, raised where the
+  // warm-up overdraws; throws when the chunks do not fit.
+  int64_t load_accessed(int64_t m, const std::vector<int64_t>& accessed,
+                        const std::set<int64_t>& pinned, int64_t budget, ChunkMover& mover);
   std::string describe_moment(int64_t m) const;
   void install_trace(const Trace& trace, ChunkMover* mover);
   // For warm-up budget errors: the warm-up ratio that would give chunks `chunk_bytes`.

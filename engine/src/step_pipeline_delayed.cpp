@@ -1,7 +1,7 @@
-// The delayed parameter update's engine side (docs/design.md, "The delayed update"): handing a
+// The step pipeline's delayed parameter update (docs/design.md, "The delayed update"): handing a
 // step's update to its thread (delayed_update.h), and writing the weights it made into the
 // parameters when the next step, or a reader of the weights, takes it.
-#include "engine_core.h"
+#include "step_pipeline.h"
 
 #include <algorithm>
 
@@ -11,17 +11,9 @@
 
 #include "patrickstar/optimizer/cpu_adam.h"
 
-#include "engine_internal.h"
+namespace patrickstar::engine_detail {
 
-namespace patrickstar {
-using namespace engine_detail;  // NOLINT: this folder's private helpers
-
-bool EngineCore::delayed_due() const {
-  return delayed_ != nullptr && iteration_ >= config_.delayed_update.warmup_steps &&
-         scheduler_->has_trace();
-}
-
-void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
+void StepPipeline::hand_over_delayed_update(const std::vector<AdamChunk>& views,
                                           const std::vector<RunAt>& where) {
   torch::NoGradGuard no_grad;
   TORCH_CHECK(!delayed_->pending(),
@@ -71,8 +63,8 @@ void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
       write_half_weights(at.index, at.span.begin, at.span.end, /*skip_gradients=*/false);
     }
   }
-  for (const Param& p : params_) {
-    if (p.has_grad && owns(store().layout().placement(p.id).chunk_index))
+  for (const Param& p : wiring_.params) {
+    if (p.has_grad && wiring_.owns(store().layout().placement(p.id).chunk_index))
       job.params.push_back(p.id);
   }
   const std::vector<int64_t> stepped = job.params;
@@ -82,14 +74,14 @@ void EngineCore::hand_over_delayed_update(const std::vector<AdamChunk>& views,
       optimizer_thread_kernels());
   // Their Adam step counts advance now (the next runs are made from them); an update that turns
   // out skipped (non-finite gradients) takes its back when landed.
-  for (int64_t id : stepped) ++params_[id].adam_steps;
+  for (int64_t id : stepped) ++wiring_.params[id].adam_steps;
 }
 
-void EngineCore::land_delayed_update(bool even_mid_iteration) {
+void StepPipeline::land_delayed_update(bool even_mid_iteration) {
   if (delayed_ == nullptr || !delayed_->pending()) return;
   // A forward whose backward is still to come, or that backward, reads the weights it began with:
   // the update stays in flight (waited for, so that its chunks hold still) and the step lands it.
-  const Phase phase = tracker_.phase();
+  const Phase phase = wiring_.tracker.phase();
   if (!even_mid_iteration && (phase == Phase::kForward || phase == Phase::kBackward)) {
     delayed_->join();
     return;
@@ -100,7 +92,7 @@ void EngineCore::land_delayed_update(bool even_mid_iteration) {
     taken = delayed_->result();
   } catch (...) {
     // It failed on its thread: the states of the chunks it was updating may be partly updated.
-    for (int64_t id : delayed_->job().params) --params_[id].adam_steps;
+    for (int64_t id : delayed_->job().params) --wiring_.params[id].adam_steps;
     delayed_->done();
     TORCH_WARN(
         "patrickstar: the delayed update failed on its thread; the optimizer states of the "
@@ -110,19 +102,13 @@ void EngineCore::land_delayed_update(bool even_mid_iteration) {
   // (A throw here leaves it pending: the next caller writes it in again.)
   write_delayed_weights(*taken.first, /*skip_gradients=*/true);
   if (taken.second.skipped) {
-    for (int64_t id : taken.first->params) --params_[id].adam_steps;
+    for (int64_t id : taken.first->params) --wiring_.params[id].adam_steps;
   }
   delayed_taken_ = taken.second;
   delayed_->done();
 }
 
-void EngineCore::settle_delayed_update() const {
-  // Writing in the update in flight changes what the next forward reads, not the training state
-  // the const callers promise to keep (the step would write it first anyway).
-  const_cast<EngineCore*>(this)->land_delayed_update();  // NOLINT: see above
-}
-
-void EngineCore::write_delayed_weights(const DelayedJob& taken, bool skip_gradients) {
+void StepPipeline::write_delayed_weights(const DelayedJob& taken, bool skip_gradients) {
   for (size_t k = 0; k < taken.where.size(); ++k) {
     const DelayedRun& r = taken.where[k];
     if (mixed_) {
@@ -135,7 +121,7 @@ void EngineCore::write_delayed_weights(const DelayedJob& taken, bool skip_gradie
   }
 }
 
-void EngineCore::write_half_weights(int64_t index, int64_t begin, int64_t end,
+void StepPipeline::write_half_weights(int64_t index, int64_t begin, int64_t end,
                                     bool skip_gradients) {
   const Layout& layout = store().layout();
   const ChunkId half_id = store().chunk_id(ChunkKind::kParam, index);
@@ -146,7 +132,7 @@ void EngineCore::write_half_weights(int64_t index, int64_t begin, int64_t end,
   const at::Tensor master = store().chunk_view(master_id);
   for (TensorId t : layout.tensors_in_chunk(index)) {
     // A slot holding this iteration's gradient keeps it (the step writes its weight).
-    if (skip_gradients && !grad_space_ && params_[t].has_grad) continue;
+    if (skip_gradients && !grad_space_ && wiring_.params[t].has_grad) continue;
     const int64_t first = std::max(begin, layout.placement(t).offset_elems);
     const int64_t last = std::min(end, layout.placement(t).offset_elems + layout.numel(t));
     if (first >= last) continue;
@@ -162,4 +148,4 @@ void EngineCore::write_half_weights(int64_t index, int64_t begin, int64_t end,
   }
 }
 
-}  // namespace patrickstar
+}  // namespace patrickstar::engine_detail

@@ -1,27 +1,25 @@
-// The overlapped step's engine side (docs/design.md, "The overlapped step"): when a chunk index's
+// The step pipeline's overlapped step (docs/design.md, "The overlapped step"): when a chunk index's
 // host Adam may start in backward, handing it to the optimizer thread (step_overlap.h), and taking
-// it back where the trainer or the engine is about to change what it read.
-#include "engine_core.h"
+// it back where the trainer or the engine is about to change what it read; and the runs and views
+// every update is made of.
+#include "step_pipeline.h"
 
 #include <algorithm>
 #include <thread>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
-#include "engine_internal.h"
-#include "step_overlap.h"
+namespace patrickstar::engine_detail {
 
-namespace patrickstar {
-using namespace engine_detail;  // NOLINT: this folder's private helpers
-
-std::vector<EngineCore::RunSpan> EngineCore::run_spans(int64_t i) const {
+std::vector<StepPipeline::RunSpan> StepPipeline::run_spans(int64_t i) const {
   std::vector<RunSpan> spans;
   const Layout& layout = store().layout();
   const auto tensors = layout.tensors_in_chunk(i);
   size_t k = 0;
   while (k < tensors.size()) {
-    if (!params_[tensors[k]].has_grad) {
+    if (!wiring_.params[tensors[k]].has_grad) {
       ++k;
       continue;
     }
@@ -29,9 +27,9 @@ std::vector<EngineCore::RunSpan> EngineCore::run_spans(int64_t i) const {
     span.begin = layout.placement(tensors[k]).offset_elems;
     span.end = span.begin;
     // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter).
-    const int64_t adam_steps = params_[tensors[k]].adam_steps;
-    while (k < tensors.size() && params_[tensors[k]].has_grad &&
-           params_[tensors[k]].adam_steps == adam_steps &&
+    const int64_t adam_steps = wiring_.params[tensors[k]].adam_steps;
+    while (k < tensors.size() && wiring_.params[tensors[k]].has_grad &&
+           wiring_.params[tensors[k]].adam_steps == adam_steps &&
            layout.placement(tensors[k]).offset_elems == span.end) {
       span.end += layout.numel(tensors[k]);
       ++k;
@@ -47,7 +45,7 @@ std::vector<EngineCore::RunSpan> EngineCore::run_spans(int64_t i) const {
   return spans;
 }
 
-AdamChunk EngineCore::adam_views(int64_t i, const RunSpan& span, bool states_from_disk) const {
+AdamChunk StepPipeline::adam_views(int64_t i, const RunSpan& span, bool states_from_disk) const {
   auto slice = [&](ChunkKind kind) {
     return store()
         .chunk_view(store().chunk_id(kind, i))
@@ -72,8 +70,8 @@ AdamChunk EngineCore::adam_views(int64_t i, const RunSpan& span, bool states_fro
   // reduction gave this owner, likewise.
   if (grad_space_) {
     run.grad_fp32 = slice(ChunkKind::kGrad);
-  } else if (distributed()) {
-    const at::Tensor& sum = gradients_.reduced[static_cast<size_t>(i)];
+  } else if (wiring_.distributed) {
+    const at::Tensor& sum = wiring_.gradients.reduced[static_cast<size_t>(i)];
     TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
                 " has gradients but was never reduced");
     run.grad_fp32 = sum.narrow(0, span.begin, span.end - span.begin);
@@ -81,78 +79,78 @@ AdamChunk EngineCore::adam_views(int64_t i, const RunSpan& span, bool states_fro
   return run;
 }
 
-void EngineCore::start_early_updates(int64_t moment) {
+void StepPipeline::on_backward_moment(int64_t moment, bool retraced) {
   // States in memory, a steady state whose trace says when each index is done, and the backward
   // the step follows.
-  if (!early_updates_may_start()) return;
-  if (config_.gradient_accumulation_steps > 1 &&
-      tracker_.backwards_since_step() + 1 != config_.gradient_accumulation_steps) {
+  if (!early_updates_may_start(retraced)) return;
+  if (wiring_.config.gradient_accumulation_steps > 1 &&
+      wiring_.tracker.backwards_since_step() + 1 != wiring_.config.gradient_accumulation_steps) {
     return;
   }
   const int64_t n = store().chunks_per_kind();
-  if (!early_last_use_known_) {
+  if (!overlap_.last_use_known) {
     // The last moment before the step at which the trace accesses each index's chunks.
-    early_last_use_.assign(static_cast<size_t>(n), -1);
-    const Trace& trace = scheduler_->trace();
+    overlap_.last_use.assign(static_cast<size_t>(n), -1);
+    const Trace& trace = wiring_.scheduler().trace();
     for (int64_t m = 0; m < trace.size(); ++m) {
       const Moment& moment_m = trace.moments[static_cast<size_t>(m)];
       if (moment_m.kind == MomentKind::kStep) continue;
-      for (int64_t c : moment_m.chunk_ids) early_last_use_[store().index_of(c)] = m;
+      for (int64_t c : moment_m.chunk_ids) overlap_.last_use[store().index_of(c)] = m;
     }
-    early_tried_.assign(static_cast<size_t>(n), false);
-    early_last_use_known_ = true;
+    overlap_.tried.assign(static_cast<size_t>(n), false);
+    overlap_.last_use_known = true;
   }
   for (int64_t i = 0; i < n; ++i) {
     const auto k = static_cast<size_t>(i);
-    if (early_tried_[k] || early_last_use_[k] < 0 || early_last_use_[k] >= moment) continue;
+    if (overlap_.tried[k] || overlap_.last_use[k] < 0 || overlap_.last_use[k] >= moment) continue;
     // Data parallel: an owner's gradients are final once its comm group is reduced (a group whose
     // gradients of this backward still wait for the others' indices is looked at again later; one
     // reduced only at the end of backward undoes what went ahead: reduce_group).
-    if (distributed() && groups_.has_gradients(store().layout().comm_group(i))) continue;
-    early_tried_[k] = true;
+    if (wiring_.reduction_pending(i)) continue;
+    overlap_.tried[k] = true;
     start_early_update(i);
   }
 }
 
-bool EngineCore::auto_overlap_may_run() const {
+bool StepPipeline::auto_overlap_may_run() const {
   // On the emulated device, where every core computes the thread would take compute's cores.
-  return config_.device.type == DeviceType::kCuda ||
+  return wiring_.config.device.type == DeviceType::kCuda ||
          static_cast<int>(std::thread::hardware_concurrency()) > at::get_num_threads();
 }
 
-bool EngineCore::overlap_applies() const {
-  return overlap_ != nullptr && overlap_on_ && !early_paused_ && storage_.disk == nullptr &&
-         scheduler_->has_trace() && adam_placement_.decided() && !retraced_this_iteration_ &&
-         (!overlap_auto_ || auto_overlap_may_run());
+bool StepPipeline::overlap_applies(bool retraced) const {
+  return overlap_.thread != nullptr && overlap_.on && !overlap_.paused && wiring_.storage.disk == nullptr &&
+         wiring_.scheduler().has_trace() && placement_.decided() && !retraced &&
+         (!overlap_.automatic || auto_overlap_may_run());
 }
 
-bool EngineCore::early_updates_may_start() const {
-  return overlap_applies() && (!overlap_auto_ || overlap_trial_.overlap_now());
+bool StepPipeline::early_updates_may_start(bool retraced) const {
+  return overlap_applies(retraced) && (!overlap_.automatic || overlap_.trial.overlap_now());
 }
 
-void EngineCore::end_overlap_trial_iteration(bool measurable, IterationReport& report) {
+void StepPipeline::end_trial_iteration(bool measurable, IterationReport& report) {
   const auto now = std::chrono::steady_clock::now();
-  const std::optional<std::chrono::steady_clock::time_point> start = last_step_end_;
-  last_step_end_ = now;
-  if (!overlap_auto_ || overlap_ == nullptr || !start.has_value()) return;
+  const std::optional<std::chrono::steady_clock::time_point> start = overlap_.last_step_end;
+  overlap_.last_step_end = now;
+  if (!overlap_.automatic || overlap_.thread == nullptr || !start.has_value()) return;
   // An iteration that clipped or skipped says nothing about the ways (its updates ahead were
   // undone, and the next backward is serial).
   // Nor does one retraced at its step (the trace's moments ended early: the step was a warm-up).
-  const bool counted = measurable && !report.skipped && !report.retraced && !early_paused_;
+  const bool counted = measurable && !report.skipped && !report.retraced && !overlap_.paused;
   report.overlap_step_decision =
-      overlap_trial_.end_iteration(counted, std::chrono::duration<double>(now - *start).count());
-  if (overlap_trial_.decided() && !overlap_trial_.overlap_now()) {
-    overlap_->release_kept();  // serial for good: the undo buffers go back to the host tier
+      overlap_.trial.end_iteration(counted, std::chrono::duration<double>(now - *start).count());
+  if (overlap_.trial.decided() && !overlap_.trial.overlap_now()) {
+    overlap_.thread->release_kept();  // serial for good: the undo buffers go back to the host tier
   }
 }
 
-void EngineCore::start_early_update(int64_t i) {
-  if (!owns(i) || storage_.host_only[i] || adam_placement_.on_device()[static_cast<size_t>(i)]) {
+void StepPipeline::start_early_update(int64_t i) {
+  if (!wiring_.owns(i) || wiring_.storage.host_only[i] || placement_.on_device()[static_cast<size_t>(i)]) {
     return;
   }
   for (TensorId t : store().layout().tensors_in_chunk(i)) {
     // A gradient still to be written at the end of backward (checkpointed and used elsewhere).
-    if (params_[t].pending_grad.defined() || params_[t].segments > 1) return;
+    if (wiring_.params[t].pending_grad.defined() || wiring_.params[t].segments > 1) return;
   }
   const std::vector<RunSpan> spans = run_spans(i);
   if (spans.empty()) return;
@@ -173,7 +171,7 @@ void EngineCore::start_early_update(int64_t i) {
   for (const RunSpan& span : spans) {
     const int64_t moment_bytes = chunk_element_bytes(store().dtype(ChunkKind::kMomentum));
     const int64_t run_bytes = (span.end - span.begin) * (4 + 2 * moment_bytes + (mixed_ ? 2 : 0));
-    if (!overlap_->fits(i, bytes + run_bytes)) break;
+    if (!overlap_.thread->fits(i, bytes + run_bytes)) break;
     bytes += run_bytes;
     ahead.push_back(span);
     EarlyRun run;
@@ -186,38 +184,20 @@ void EngineCore::start_early_update(int64_t i) {
   if (ahead.empty()) return;
   // Its chunks go to the host now, where the step would take them.
   for (ChunkId c : chunks) {
-    if (store().tier(c) == Tier::kDevice) mover_->to_host(c);
+    if (store().tier(c) == Tier::kDevice) wiring_.mover().to_host(c);
   }
   for (ChunkId c : chunks) store().wait_ready(c);
   for (const RunSpan& span : ahead) job->inputs.push_back(adam_views(i, span, false));
-  if (overlap_->prepare(*job)) overlap_->submit(std::move(job));
+  if (overlap_.thread->prepare(*job)) overlap_.thread->submit(std::move(job));
 }
 
-int EngineCore::optimizer_thread_kernels() const {
+int StepPipeline::optimizer_thread_kernels() const {
   const int compute = at::get_num_threads();
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  return config_.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
+  return wiring_.config.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
 }
 
-void EngineCore::set_overlap_step(bool on) {
-  std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
-  if (on) {
-    TORCH_CHECK(overlap_ != nullptr,
-                "patrickstar: set_overlap_step(true): the overlapped step runs without a disk "
-                "tier or the delayed update; here (",
-                delayed_ != nullptr ? "zero_optimization.delayed_param_update" : "a disk tier",
-                ") ",
-                delayed_ != nullptr ? "updates run during the next iteration"
-                                    : "every update runs at the step");
-  } else if (overlap_ != nullptr) {
-    cancel_early_updates();
-    overlap_->release_kept();  // its undo buffers go back to the host tier
-  }
-  overlap_on_ = on;
-  overlap_auto_ = false;
-}
-
-void EngineCore::undo_early_update(EarlyIndex& job) const {
+void StepPipeline::undo_early_update(EarlyIndex& job) const {
   torch::NoGradGuard no_grad;
   for (EarlyRun& run : job.runs) {
     if (run.update.state != SpeculativeUpdate::State::kApplied) continue;
@@ -225,30 +205,30 @@ void EngineCore::undo_early_update(EarlyIndex& job) const {
   }
 }
 
-void EngineCore::cancel_early_update(int64_t i) const {
-  if (overlap_ == nullptr || !overlap_->has(i)) return;
-  overlap_->quiesce(i);
-  if (EarlyIndex* job = overlap_->record(i)) undo_early_update(*job);
-  overlap_->erase(i);
-  ++early_cancelled_;
+void StepPipeline::cancel_early_update(int64_t i) {
+  if (overlap_.thread == nullptr || !overlap_.thread->has(i)) return;
+  overlap_.thread->quiesce(i);
+  if (EarlyIndex* job = overlap_.thread->record(i)) undo_early_update(*job);
+  overlap_.thread->erase(i);
+  ++overlap_.cancelled;
 }
 
-void EngineCore::cancel_early_updates() const {
-  if (overlap_ == nullptr) return;
-  overlap_->quiesce_all();
+void StepPipeline::cancel_early_updates() {
+  if (overlap_.thread == nullptr) return;
+  overlap_.thread->quiesce_all();
   std::vector<int64_t> indices;
-  for (const auto& [index, job] : overlap_->records()) indices.push_back(index);
+  for (const auto& [index, job] : overlap_.thread->records()) indices.push_back(index);
   for (int64_t i : indices) cancel_early_update(i);
 }
 
-void EngineCore::attach_early_updates(std::vector<AdamChunk>& runs, const std::vector<RunAt>& where,
+void StepPipeline::attach_early_updates(std::vector<AdamChunk>& runs, const std::vector<RunAt>& where,
                                       const std::vector<bool>& on_device) {
-  if (overlap_ == nullptr) return;
-  overlap_->quiesce_all();
+  if (overlap_.thread == nullptr) return;
+  overlap_.thread->quiesce_all();
   std::vector<int64_t> indices;
-  for (const auto& [index, job] : overlap_->records()) indices.push_back(index);
+  for (const auto& [index, job] : overlap_.thread->records()) indices.push_back(index);
   for (int64_t i : indices) {
-    EarlyIndex* job = overlap_->record(i);
+    EarlyIndex* job = overlap_.thread->record(i);
     if (job == nullptr) continue;
     // Each run updated ahead must be one of the step's runs of this index, its gradient unchanged.
     std::vector<size_t> mine;
@@ -260,7 +240,7 @@ void EngineCore::attach_early_updates(std::vector<AdamChunk>& runs, const std::v
       same = k < where.size() && where[k].span.end == r.end && where[k].span.step == r.step &&
              !runs[k].states_from_source;
       // The trainer could write the gradients through views since: the ones read, unchanged.
-      if (same && early_verify_ && r.update.state == SpeculativeUpdate::State::kApplied) {
+      if (same && overlap_.verify && r.update.state == SpeculativeUpdate::State::kApplied) {
         const AdamChunk& now = runs[k];
         same =
             gradient_fingerprint(now.grad_fp32.defined() ? now.grad_fp32 : now.half_param_grad) ==
@@ -280,4 +260,4 @@ void EngineCore::attach_early_updates(std::vector<AdamChunk>& runs, const std::v
   }
 }
 
-}  // namespace patrickstar
+}  // namespace patrickstar::engine_detail

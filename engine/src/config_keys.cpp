@@ -1,0 +1,472 @@
+#include "config_keys.h"
+
+#include <cmath>
+#include <limits>
+
+#include <c10/util/Exception.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace patrickstar::config_keys {
+namespace {
+
+using json = nlohmann::json;
+
+std::string show(const json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) {
+    // Cut in place rather than as substr(0, 57) + "...", which GCC 12 at -O2 misreads as an
+    // out-of-bounds copy (-Warray-bounds) once inlined into error().
+    text.resize(57);
+    text += "...";
+  }
+  return text;
+}
+
+bool is_whole(double d) {
+  return std::isfinite(d) && d == std::floor(d);
+}
+
+constexpr double kMax = std::numeric_limits<double>::max();
+constexpr int kIntMax = std::numeric_limits<int>::max();
+
+}  // namespace
+
+ValueReader ValueReader::element(int index) const {
+  return ValueReader(absl::StrCat(path_, "[", index, "]"), errors_);
+}
+
+void ValueReader::error(const json& value, std::string_view expected) const {
+  errors_->push_back(
+      absl::StrCat(path_, ": expected ", std::string(expected), ", got ", show(value)));
+}
+
+void ValueReader::boolean(const json& v, bool& out) const {
+  if (v.is_boolean()) {
+    out = v.get<bool>();
+  } else {
+    error(v, "true or false");
+  }
+}
+
+void ValueReader::number(const json& v, double& out, double min, double max, bool open_min) const {
+  if (v.is_number()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && (open_min ? d > min : d >= min) && d <= max) {
+      out = d;
+      return;
+    }
+  }
+  const std::string range = max == kMax
+                                ? absl::StrCat(open_min ? "> " : ">= ", min)
+                                : absl::StrCat("in ", open_min ? "(" : "[", min, ", ", max, "]");
+  error(v, absl::StrCat("a number ", range));
+}
+
+void ValueReader::integer(const json& v, int& out, int min, int max) const {
+  if (v.is_number_integer() || (v.is_number_float() && is_whole(v.get<double>()))) {
+    const double d = v.get<double>();
+    if (d >= min && d <= max) {
+      out = static_cast<int>(d);
+      return;
+    }
+  }
+  error(v, absl::StrCat("an integer from ", min, " to ", max));
+}
+
+void ValueReader::byte_size(const json& v, int64_t& out, std::string_view alternative) const {
+  const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
+                                           : v.is_number_integer() && v.get<int64_t>() >= 0;
+  if (fits) {
+    out = v.get<int64_t>();
+    return;
+  }
+  if (v.is_string()) {
+    try {
+      out = parse_byte_size(v.get<std::string>(), path_);
+      return;
+    } catch (const c10::Error&) {
+    }
+  }
+  error(v, absl::StrCat("a byte count: a non-negative integer or a string such as \"2GiB\"",
+                        std::string(alternative)));
+}
+
+void ValueReader::byte_size_or_auto(const json& v, int64_t& out, int64_t auto_value) const {
+  if (v.is_string() && absl::AsciiStrToLower(v.get<std::string>()) == "auto") {
+    out = auto_value;
+    return;
+  }
+  int64_t bytes = -1;
+  byte_size(v, bytes, ", or \"auto\"");
+  if (bytes == 0) error(v, "a positive byte count, or \"auto\"");
+  if (bytes > 0) out = bytes;
+}
+
+int ValueReader::choice_index(const json& v, const std::vector<std::string_view>& names) const {
+  if (v.is_string()) {
+    const std::string text = absl::AsciiStrToLower(v.get<std::string>());
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (text == absl::AsciiStrToLower(std::string(names[i]))) return static_cast<int>(i);
+    }
+  }
+  std::vector<std::string> quoted;
+  for (std::string_view name : names) quoted.push_back(absl::StrCat("\"", std::string(name), "\""));
+  error(v, absl::StrCat("one of ", absl::StrJoin(quoted, ", ")));
+  return -1;
+}
+
+namespace {
+
+using enum KeyUse;
+
+// The rows, in the order from_json has always read the keys (its problems are listed in this
+// order). Each row: path, type, default (as JSON), help, use, read, write.
+constexpr ConfigKey kKeys[] = {
+    {"strict", "true or false", "false", "unknown keys are errors instead of warnings", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.strict); },
+     [](const Config& c) { return json(c.strict); }},
+
+    // DeepSpeed's keys that describe the training loop, which the user's own loop owns.
+    {"train_batch_size", "anything", "", "DeepSpeed's; the training loop owns it", kIgnored,
+     nullptr, nullptr},
+    {"train_micro_batch_size_per_gpu", "anything", "", "DeepSpeed's; the training loop owns it",
+     kIgnored, nullptr, nullptr},
+    {"steps_per_print", "anything", "", "DeepSpeed's; the training loop owns it", kIgnored, nullptr,
+     nullptr},
+    {"wall_clock_breakdown", "anything", "", "DeepSpeed's; the training loop owns it", kIgnored,
+     nullptr, nullptr},
+
+    // ZeRO: only these keys are patrickstar's to read; the section's others are accepted (see
+    // kSections).
+    {"zero_optimization.overlap_step", "\"auto\", true or false", "\"auto\"",
+     "the overlapped step: host Adam on an optimizer thread during backward, undoably", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_boolean()) {
+         c.overlap_step.mode = v.get<bool>() ? OverlapMode::kOn : OverlapMode::kOff;
+       } else if (v.is_string() && v.get<std::string>() == "auto") {
+         c.overlap_step.mode = OverlapMode::kAuto;
+       } else {
+         r.error(v, "\"auto\", true or false");
+       }
+     },
+     [](const Config& c) {
+       return c.overlap_step.mode == OverlapMode::kAuto
+                  ? json("auto")
+                  : json(c.overlap_step.mode == OverlapMode::kOn);
+     }},
+    {"zero_optimization.overlap_step_max_bytes", "a byte count", "\"2GiB\"",
+     "bound on the overlapped step's undo buffers", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.byte_size(v, c.overlap_step.max_bytes);
+     },
+     [](const Config& c) { return json(c.overlap_step.max_bytes); }},
+    {"zero_optimization.frozen_parameters", "\"lean\" or \"full_state\"", "\"lean\"",
+     "what a parameter frozen at registration costs", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       const std::string text = v.is_string() ? v.get<std::string>() : "";
+       if (text == "lean") {
+         c.frozen_parameters = FrozenParameters::kLean;
+       } else if (text == "full_state") {
+         c.frozen_parameters = FrozenParameters::kFullState;
+       } else {
+         r.error(v, "\"lean\" or \"full_state\"");
+       }
+     },
+     [](const Config& c) {
+       return json(c.frozen_parameters == FrozenParameters::kLean ? "lean" : "full_state");
+     }},
+    {"zero_optimization.delayed_param_update", "true or false", "false",
+     "the delayed parameter update (one step stale), opt-in", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.delayed_update.enabled); },
+     [](const Config& c) { return json(c.delayed_update.enabled); }},
+    {"zero_optimization.delayed_param_update_warmup_steps", "a whole number of steps, 0 or more",
+     "10", "ordinary steps before the delayed update starts", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+         c.delayed_update.warmup_steps = v.get<int64_t>();
+       } else {
+         r.error(v, "a whole number of steps, 0 or more");
+       }
+     },
+     [](const Config& c) { return json(c.delayed_update.warmup_steps); }},
+    {"zero_optimization.offload_optimizer.device", "one of \"none\", \"cpu\", \"nvme\"", "\"none\"",
+     "\"nvme\": the host Adam's optimizer states live in files (the disk tier)", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       const std::string text = v.is_string() ? absl::AsciiStrToLower(v.get<std::string>()) : "";
+       if (text == "nvme") {
+         c.offload_optimizer.nvme = true;
+       } else if (text != "cpu" && text != "none") {
+         r.error(v, "one of \"none\", \"cpu\", \"nvme\"");
+       }
+     },
+     [](const Config& c) { return json(c.offload_optimizer.nvme ? "nvme" : "none"); }},
+    // Read after "device": a path that is not a string is a problem only for the disk tier.
+    {"zero_optimization.offload_optimizer.nvme_path", "the path of a folder", "null",
+     "the disk tier's folder", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_string()) {
+         c.offload_optimizer.nvme_path = v.get<std::string>();
+       } else if (c.offload_optimizer.nvme) {
+         r.error(v, "the path of a folder");
+       }
+     },
+     [](const Config& c) {
+       return c.offload_optimizer.nvme_path.empty() ? json() : json(c.offload_optimizer.nvme_path);
+     }},
+
+    {"optimizer.type", "one of \"Adam\", \"AdamW\"", "\"Adam\"",
+     "Adam (L2 decay) or AdamW (decoupled), as torch.optim", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.optimizer.type,
+                {{"Adam", OptimizerType::kAdam}, {"AdamW", OptimizerType::kAdamW}});
+     },
+     [](const Config& c) { return json(std::string(to_string(c.optimizer.type))); }},
+    {"optimizer.params.lr", "a number >= 0", "1e-3", "the learning rate", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.number(v, c.optimizer.lr, 0, kMax); },
+     [](const Config& c) { return json(c.optimizer.lr); }},
+    {"optimizer.params.betas", "an array of two numbers in [0, 1)", "[0.9, 0.999]",
+     "Adam's decay rates of the momentum and the variance", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_array() && v.size() == 2) {
+         r.element(0).number(v[0], c.optimizer.beta1, 0.0, 1.0);
+         r.element(1).number(v[1], c.optimizer.beta2, 0.0, 1.0);
+         if (c.optimizer.beta1 == 1 || c.optimizer.beta2 == 1) r.error(v, "two numbers in [0, 1)");
+       } else {
+         r.error(v, "an array of two numbers in [0, 1)");
+       }
+     },
+     [](const Config& c) {
+       return json::array({c.optimizer.beta1, c.optimizer.beta2});
+     }},
+    {"optimizer.params.eps", "a number > 0", "1e-8", "added to the variance's square root", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.optimizer.eps, 0, kMax, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.optimizer.eps); }},
+    {"optimizer.params.weight_decay", "a number >= 0", "0", "L2 (Adam) or decoupled (AdamW) decay",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.optimizer.weight_decay, 0, kMax);
+     },
+     [](const Config& c) { return json(c.optimizer.weight_decay); }},
+    {"optimizer.params.use_hybrid_adam", "true or false", "true",
+     "Adam on the device for the chunks that fit there", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.boolean(v, c.optimizer.use_hybrid_adam);
+     },
+     [](const Config& c) { return json(c.optimizer.use_hybrid_adam); }},
+    {"optimizer.params.state_dtype", "one of \"fp32\", \"bf16\"", "\"fp32\"",
+     "how Adam's momentum and variance are stored", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.optimizer.state_dtype,
+                {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}});
+     },
+     [](const Config& c) { return json(std::string(to_string(c.optimizer.state_dtype))); }},
+
+    {"fp16.enabled", "true or false", "false", "fp16 mixed precision with loss scaling", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.fp16.enabled); },
+     [](const Config& c) { return json(c.fp16.enabled); }},
+    {"fp16.loss_scale", "a number >= 0", "0", "a fixed loss scale; 0: dynamic", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.fp16.loss_scale, 0, kMax);
+     },
+     [](const Config& c) { return json(c.fp16.loss_scale); }},
+    {"fp16.initial_scale_power", "an integer from 0 to 126", "16",
+     "the dynamic loss scale starts at 2^this", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.fp16.initial_scale_power, 0, 126);
+     },
+     [](const Config& c) { return json(c.fp16.initial_scale_power); }},
+    {"fp16.loss_scale_window", "an integer from 1 to 2147483647", "1000",
+     "steps without overflow before the loss scale grows", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.fp16.loss_scale_window, 1, kIntMax);
+     },
+     [](const Config& c) { return json(c.fp16.loss_scale_window); }},
+    {"fp16.hysteresis", "an integer from 1 to 2147483647", "2",
+     "overflows tolerated before the loss scale shrinks", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.fp16.hysteresis, 1, kIntMax);
+     },
+     [](const Config& c) { return json(c.fp16.hysteresis); }},
+    {"fp16.min_loss_scale", "a number > 0", "1", "the dynamic loss scale's floor", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.fp16.min_loss_scale, 0, kMax, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.fp16.min_loss_scale); }},
+
+    {"bf16.enabled", "true or false", "false", "bf16 parameters and gradients, fp32 master", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.bf16); },
+     [](const Config& c) { return json(c.bf16); }},
+
+    {"gradient_clipping", "a number >= 0", "0", "global L2 norm to clip to; 0: off", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.gradient_clipping, 0, kMax);
+     },
+     [](const Config& c) { return json(c.gradient_clipping); }},
+    {"gradient_accumulation_steps", "an integer from 1 to 2147483647", "1",
+     "micro-batches per step", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.gradient_accumulation_steps, 1, kIntMax);
+     },
+     [](const Config& c) { return json(c.gradient_accumulation_steps); }},
+    {"default_chunk_size", "a number of elements from 1 to 2^40, or \"auto\"", "\"auto\"",
+     "elements per chunk; \"auto\": the size with the least waste", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_string() && absl::AsciiStrToLower(v.get<std::string>()) == "auto") {
+         c.chunk_size_auto = true;
+       } else if (v.is_number_integer() && v.get<int64_t>() > 0 &&
+                  v.get<int64_t>() <= Config::kMaxChunkElems) {
+         c.default_chunk_size = v.get<int64_t>();
+         c.chunk_size_auto = false;
+       } else {
+         r.error(v, absl::StrCat("a number of elements from 1 to ", Config::kMaxChunkElems,
+                                 " (2^40), or \"auto\""));
+       }
+     },
+     [](const Config& c) { return c.chunk_size_auto ? json("auto") : json(c.default_chunk_size); }},
+    {"release_after_init", "true or false", "false",
+     "PatrickStar's; other ranks' chunks are never held after initialization anyway", kIgnored,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.release_after_init); },
+     [](const Config& c) { return json(c.release_after_init); }},
+    {"use_cpu_embedding", "true or false", "false",
+     "embedding parameters in chunks of their own that stay on the host", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.use_cpu_embedding); },
+     [](const Config& c) { return json(c.use_cpu_embedding); }},
+
+    {"client.mem_tracer.warmup_gpu_chunk_mem_ratio", "a number in (0, 1]", "0.1",
+     "device share for chunks in the warm-up", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.mem_tracer.warmup_gpu_chunk_mem_ratio, 0, 1, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.mem_tracer.warmup_gpu_chunk_mem_ratio); }},
+    {"client.mem_tracer.overall_gpu_mem_ratio", "a number in (0, 1]", "0.8",
+     "device share the runtime plans with", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.mem_tracer.overall_gpu_mem_ratio, 0, 1, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.mem_tracer.overall_gpu_mem_ratio); }},
+    {"client.mem_tracer.overall_cpu_mem_ratio", "a number in (0, 1]", "0.8",
+     "PatrickStar's; the host tier uses host_capacity_bytes as it is", kIgnored,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.mem_tracer.overall_cpu_mem_ratio, 0, 1, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.mem_tracer.overall_cpu_mem_ratio); }},
+    {"client.mem_tracer.margin_use_ratio", "a number in [0, 1]", "0.8",
+     "share of the spare margin given to device Adam", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.mem_tracer.margin_use_ratio, 0, 1);
+     },
+     [](const Config& c) { return json(c.mem_tracer.margin_use_ratio); }},
+    {"client.mem_tracer.use_async_mem_monitor", "true or false", "false",
+     "PatrickStar's; peaks are measured exactly by the counting allocator", kIgnored,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.boolean(v, c.mem_tracer.use_async_mem_monitor);
+     },
+     [](const Config& c) { return json(c.mem_tracer.use_async_mem_monitor); }},
+    {"client.mem_tracer.with_static_partition", "true or false", "false",
+     "the same as client.scheduler.policy \"static\"", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.boolean(v, c.mem_tracer.with_static_partition);
+     },
+     [](const Config& c) { return json(c.mem_tracer.with_static_partition); }},
+    {"client.mem_tracer.use_fake_dist", "anything", "",
+     "PatrickStar's single-GPU imitation of many; multi-GPU is real here", kIgnored, nullptr,
+     nullptr},
+
+    {"client.device.type", "one of \"emulated\", \"cuda\"", "\"emulated\"",
+     "where chunks live: the emulated device or GPU 0", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.device.type,
+                {{"emulated", DeviceType::kEmulated}, {"cuda", DeviceType::kCuda}});
+     },
+     [](const Config& c) { return json(std::string(to_string(c.device.type))); }},
+    {"client.device.capacity_bytes", "a positive byte count, or \"auto\"", "\"auto\"",
+     "the device's capacity; \"auto\": 4 GiB emulated, what GPU 0 has on \"cuda\"", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.byte_size_or_auto(v, c.device.capacity_bytes, DeviceConfig::kAutoCapacity);
+     },
+     [](const Config& c) {
+       return c.device.capacity_bytes == DeviceConfig::kAutoCapacity
+                  ? json("auto")
+                  : json(c.device.capacity_bytes);
+     }},
+    {"client.device.host_capacity_bytes", "a byte count", "0", "the host's capacity; 0: unlimited",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.byte_size(v, c.device.host_capacity_bytes);
+     },
+     [](const Config& c) { return json(c.device.host_capacity_bytes); }},
+
+    {"client.scheduler.policy", "one of \"opt\", \"lru\", \"static\"", "\"opt\"",
+     "which chunks leave the device first", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.scheduler.policy,
+                {{"opt", EvictionPolicy::kOpt},
+                 {"lru", EvictionPolicy::kLru},
+                 {"static", EvictionPolicy::kStatic}});
+     },
+     [](const Config& c) { return json(std::string(eviction_policy_name(c.scheduler.policy))); }},
+    {"client.scheduler.prefetch_depth", "an integer from 0 to 64", "4",
+     "moments ahead to prefetch; 0: off", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.scheduler.prefetch_depth, 0, 64);
+     },
+     [](const Config& c) { return json(c.scheduler.prefetch_depth); }},
+    {"client.scheduler.reserve_bytes", "a byte count", "0",
+     "device bytes kept free at every moment", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.byte_size(v, c.scheduler.reserve_bytes);
+     },
+     [](const Config& c) { return json(c.scheduler.reserve_bytes); }},
+    {"client.scheduler.async_moves", "true or false", "true",
+     "chunk copies run while compute goes on", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.scheduler.async_moves); },
+     [](const Config& c) { return json(c.scheduler.async_moves); }},
+    {"client.scheduler.copy_delay_max_us", "an integer from 0 to 1000000", "0",
+     "testing: a seeded random delay before each emulated copy", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.scheduler.copy_delay_max_us, 0, 1000000);
+     },
+     [](const Config& c) { return json(c.scheduler.copy_delay_max_us); }},
+    {"client.scheduler.copy_delay_seed", "an integer from 0 to 2147483647", "0",
+     "testing: the seed of those delays", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.scheduler.copy_delay_seed, 0, 2147483647);
+     },
+     [](const Config& c) { return json(c.scheduler.copy_delay_seed); }},
+};
+
+// The disk tier needs its folder; checked when the walk leaves offload_optimizer, so that the
+// problem is listed right after the section's own (a folder that is not a string is both).
+void check_disk_tier_folder(const Config& c, std::vector<std::string>& errors) {
+  if (c.offload_optimizer.nvme && c.offload_optimizer.nvme_path.empty()) {
+    errors.push_back(
+        "$.zero_optimization.offload_optimizer.nvme_path: expected the folder of the disk tier "
+        "(with \"device\": \"nvme\"), got nothing");
+  }
+}
+
+constexpr ConfigSection kSections[] = {
+    {"zero_optimization", /*open=*/true, /*null_is_value=*/true, nullptr},
+    {"zero_optimization.offload_optimizer", /*open=*/true, /*null_is_value=*/false,
+     check_disk_tier_folder},
+};
+
+}  // namespace
+
+std::span<const ConfigKey> config_keys() {
+  return kKeys;
+}
+
+const ConfigSection* find_section(std::string_view path) {
+  for (const ConfigSection& section : kSections) {
+    if (section.path == path) return &section;
+  }
+  return nullptr;
+}
+
+}  // namespace patrickstar::config_keys

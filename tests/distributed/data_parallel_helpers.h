@@ -1,0 +1,87 @@
+// What the data parallel test files share: this rank and the world, collectives over per-rank
+// values, and a GPT trained through the engine on this rank's rows (or in one process on the whole
+// global batch), with what the tests compare.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "distributed/ranks.h"
+#include "engine/gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar::test {
+
+inline int ranks() { return comm()->world_size(); }
+inline int me() { return comm()->rank(); }
+
+// The mean over ranks of a per-rank value (each rank's loss is the mean over its rows).
+inline double mean_over_ranks(double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  comm()->all_reduce(t, ReduceOp::kSum);
+  return t.item<double>() / ranks();
+}
+
+inline double max_over_ranks(double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  comm()->all_reduce(t, ReduceOp::kMax);
+  return t.item<double>();
+}
+
+struct EngineRun {
+  std::vector<double> losses;  // the global batch's loss (mean over ranks)
+  std::vector<IterationReport> reports;
+  std::vector<std::pair<std::string, at::Tensor>> weights;  // fp32, at the end
+  RegistrationReport registration;
+  int64_t chunks_per_kind = 0;
+  int64_t chunk_elems = 0;
+  int64_t param_chunk_bytes = 0;
+};
+
+// The engine on this rank's rows (`sharded`; else one process on the whole global batch);
+// gradient_accumulation_steps micro-batches per step split those rows further.
+inline EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
+                           const std::function<void(Engine&)>& at_end = nullptr) {
+  // Every rank builds its model from another seed: the engine starts all of them from rank 0's.
+  models::Gpt model = make_model(sharded ? 1 + static_cast<uint64_t>(me()) * 17 : 1);
+  auto engine = sharded ? std::make_shared<Engine>(model.ptr(), config, comm())
+                        : std::make_shared<Engine>(model.ptr(), config);
+  auto rows_of = [&](const at::Tensor& global) { return sharded ? my_rows(global) : global; };
+  EngineRun run;
+  run.registration = engine->registration();
+  const ChunkStore& store = inspect(*engine).chunks();
+  run.chunks_per_kind = store.chunks_per_kind();
+  run.chunk_elems = store.chunk_elems();
+  run.param_chunk_bytes = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
+  const int micro = config.gradient_accumulation_steps;
+  for (int s = 0; s < steps; ++s) {
+    auto batch = batch_of_step(s);
+    const at::Tensor tokens = rows_of(batch.tokens);
+    const at::Tensor targets = rows_of(batch.targets);
+    const int64_t rows = tokens.size(0) / micro;
+    engine->zero_grad();
+    double loss_sum = 0;
+    for (int k = 0; k < micro; ++k) {
+      at::Tensor loss;
+      {
+        auto active = engine->activate();
+        loss = model->loss(tokens.narrow(0, k * rows, rows), targets.narrow(0, k * rows, rows));
+      }
+      engine->backward(loss);
+      loss_sum += loss.item<double>();
+    }
+    run.reports.push_back(engine->step());
+    run.losses.push_back(sharded ? mean_over_ranks(loss_sum / micro) : loss_sum / micro);
+  }
+  run.weights = engine->fp32_state_dict();
+  if (at_end) at_end(*engine);
+  return run;
+}
+
+}  // namespace patrickstar::test
