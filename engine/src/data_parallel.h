@@ -1,28 +1,64 @@
 // Private to engine/src: data parallel, as the engine sees it: the communicator, this rank and the
 // world, the comm groups' state (comm_groups.h), which chunk index is whose, the agreement
-// collectives, and the time spent in collectives. The engine's gathers and reductions of chunk
-// groups (engine_distributed.cpp) run their collectives through it.
+// collectives, the time spent in collectives, and the gathers, drops and reductions of chunk groups
+// that follow the doors and the gradients (data_parallel.cpp, docs/design.md section 9).
 //
 // Invariants:
 // - With one process there is one rank, every chunk index is its own and no collective is issued
-//   (all_agree and sum return the local value): callers need not ask which case they are in.
+//   (all_agree and sum return the local value; gathers, drops and reductions do nothing): callers
+//   need not ask which case they are in.
 // - Every collective is issued by every rank in the same order (a rank that skips one leaves the
 //   others waiting until the communicator's deadline); each adds its wall time to seconds().
+// - A comm group's other ranks' chunks are present exactly while the group is gathered or holds
+//   gradients to reduce; the step pipeline hears of an index before a gather or a reduction reads
+//   or writes it (its update made ahead is taken back first).
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/full.h>
 
+#include "patrickstar/chunk/chunk_store.h"
 #include "patrickstar/chunk/layout.h"
 #include "patrickstar/comm/communicator.h"
+#include "patrickstar/optimizer/hybrid_adam.h"
 
 #include "comm_groups.h"
 #include "scope_timer.h"
 
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
 namespace patrickstar::engine_detail {
+
+class GradientState;     // gradient_state.h
+class IterationMetrics;  // iteration_metrics.h
+class IterationTracker;  // iteration_tracker.h
+class ModelStorage;      // model_storage.h
+class NonModelProbe;     // non_model_probe.h
+class ParamTable;        // param_table.h
+class StateAccess;       // step_pipeline.h
+
+// What the gathers and reductions read and write of the engine's other components (wired once,
+// before registration; the store they read is the one registration builds).
+struct ShardWiring {
+  ModelStorage& storage;
+  ParamTable& params;
+  GradientState& gradients;
+  const IterationTracker& tracker;
+  IterationMetrics& metrics;
+  std::function<NonModelProbe&()> probe;
+  std::function<void(int64_t index)> index_used;        // the step pipeline's on_index_used
+  std::function<void(int64_t bytes)> make_device_room;  // the scheduler frees this many bytes
+  std::function<std::string()> describe_pinned;         // chunks pinned now, for an error
+};
 
 class DataParallel {
  public:
@@ -55,6 +91,12 @@ class DataParallel {
     comm_->all_reduce(disagree, ReduceOp::kMax);
     return disagree.item<float>() == 0.0f;
   }
+  // Whether some other rank failed where this one did not (`failed_here` false): each rank then
+  // fails with the same step undone. A collective every rank calls; false with one process.
+  bool only_others_failed(bool failed_here) const {
+    const bool every_rank_fine = all_agree(!failed_here);
+    return !failed_here && !every_rank_fine;
+  }
   // The sum of `local` over the ranks (one all-reduce of a double).
   double sum(double local) const {
     if (!distributed()) return local;
@@ -63,6 +105,36 @@ class DataParallel {
     comm_->all_reduce(sum, ReduceOp::kSum);
     return sum.item<double>();
   }
+  // --- chunk groups (data_parallel.cpp); none of these does anything with one process ---
+  void connect(ShardWiring wiring);
+  // The comm group of the chunk index that holds parameter `id`.
+  int64_t group_of(TensorId id) const;
+  // Registration: every rank starts from rank 0's parameters (but deferred ones, which their
+  // owners' initializers fill) and buffers.
+  void broadcast_initial_state(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                               torch::nn::Module& model);
+  // A door or a gradient needs parameters `ids`: their groups are gathered where they are not (with
+  // `with_grad_chunks`, a CPU embedding's other ranks' gradient chunks start as zeros on the host).
+  void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
+  // Outside a backward: the groups of `ids` every tensor of which was used since the gather, and
+  // none is in use now, are dropped.
+  void release_used_groups(const std::vector<TensorId>& ids);
+  // A gradient of parameter `id` was written (one per autograd pass that uses it).
+  void note_gradient(TensorId id);
+  // The groups of `ids` whose trainable tensors all got their gradients, none in use, are reduced
+  // into their owners and dropped.
+  void reduce_ready_groups(const std::vector<TensorId>& ids);
+  // The end of a backward: every group still holding gradients is reduced.
+  void reduce_remaining_groups();
+  // Other ranks' chunks present go (`discard`: also those holding gradients not yet reduced).
+  void release_remote(bool discard);
+  // Chunk index `index`'s fp32 weights (`master`: the kind holding them) on every rank: a broadcast
+  // from its owner. A collective every rank calls.
+  at::Tensor master_chunk_everywhere(const StateAccess& access, int64_t index,
+                                     ChunkKind master) const;
+  // Parameter `id`'s value in `chunk`, a chunk of `layout` (a copy).
+  static at::Tensor value_in(const Layout& layout, const at::Tensor& chunk, TensorId id);
+
   // Times a collective the caller issues through comm() (ScopeTimer timer = timed()).
   ScopeTimer timed() const { return ScopeTimer(seconds_); }
   double seconds() const { return seconds_; }
@@ -71,8 +143,42 @@ class DataParallel {
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;
+  ChunkStore& store() const;
+  bool owns_index(int64_t index) const;
+  bool lean(int64_t index) const;
+  bool host_only(int64_t index) const;
+  void gather_group(int64_t group);
+  void release_group(int64_t group);
+  void release_lean_groups_except(const std::vector<TensorId>& ids);
+  void reduce_group(int64_t group);
+
   CommGroups groups_;
+  std::unique_ptr<ShardWiring> wiring_;
   mutable double seconds_ = 0;  // also spent by const collectives (fp32_state_dict)
+};
+
+// One step's agreement between the ranks: before anything changes, every rank adds its shard's
+// squared gradient norm in one all-reduce (Adam's statistics reducer), so all clip and skip an fp16
+// overflow alike. A rank that cannot take the step sends a large negative number instead, so every
+// rank sees a negative sum and drops the iteration with it rather than waiting for it forever.
+// With one process nothing is installed or sent. Lives on the stack of one step.
+class StepAgreement {
+ public:
+  StepAgreement(const DataParallel& dp, HybridAdam& adam);
+  ~StepAgreement() { release(); }
+  StepAgreement(const StepAgreement&) = delete;
+  StepAgreement& operator=(const StepAgreement&) = delete;
+  // Adam's statistics are in: the reducer goes (the delayed update's thread may read Adam after).
+  void release();
+  // This rank cannot take the step: the others hear it, unless the sum was already agreed.
+  // Returns whether every rank drops the iteration with it (data parallel).
+  bool give_up();
+
+ private:
+  const DataParallel& dp_;
+  HybridAdam& adam_;
+  bool installed_ = false;
+  bool agreed_ = false;
 };
 
 }  // namespace patrickstar::engine_detail

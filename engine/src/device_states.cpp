@@ -41,7 +41,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
   // the fp32 master: no more than the host lacks, rounded up to a chunk.
   int64_t placed = 0;
   for (int64_t index = n - 1; index >= 0 && placed < shortfall; --index) {
-    if (storage_.host_only[static_cast<size_t>(index)] || lean(index)) continue;  // none to place
+    if (storage_.host_only()[static_cast<size_t>(index)] || lean(index)) continue;  // none to place
     const std::vector<ChunkKind> kinds = state_kinds();
     for (auto kind = kinds.rbegin(); kind != kinds.rend(); ++kind) {  // variance first
       if (placed >= shortfall) continue;

@@ -52,11 +52,16 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   config_.device.capacity_bytes = resolved_device_capacity(config_);
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
   // their param chunks are gathered when a door needs them.
-  gradients_.space = !mixed() || config_.gradient_accumulation_steps > 1;
+  gradients_.decide_space(!mixed() || config_.gradient_accumulation_steps > 1);
   pipeline_ = std::make_unique<StepPipeline>(pipeline_wiring());
   // Non-model memory: what LibTorch's CPU allocator serves (the counter sees it from now on), or
   // on a GPU the caching allocator's (chunk payloads do not come from it).
   probe_ = std::make_unique<NonModelProbe>(config_.device.type, dp_.distributed());
+  dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_,
+                          [this]() -> NonModelProbe& { return *probe_; },
+                          [this](int64_t index) { pipeline_->on_index_used(index); },
+                          [this](int64_t bytes) { scheduler_->make_room(bytes, *mover_); },
+                          [this] { return describe_pinned(); }});
   report_config_warnings();
   // A module belongs to one engine: refuse before anything moves.
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
@@ -67,9 +72,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   }
   try {
     register_parameters();
-    gradients_.marker = at::zeros({1}).requires_grad_();
-    gradients_.marker_grad = at::zeros({1});
-    arm_zero_grad_marker();
+    gradients_.create_marker();
   } catch (...) {
     // A failing allocation after the parameters moved (register_parameters restores them itself
     // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
@@ -123,7 +126,7 @@ EngineCore::~EngineCore() {
 }
 
 void EngineCore::give_back_model(const StateAccess& access, bool may_gather) {
-  if (storage_.store == nullptr) return;
+  if (storage_.store() == nullptr) return;
   for (Param& p : params_) p.grad.consumed = false;
   clear_gradient_handles();  // no grad() may keep pointing into a chunk
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
@@ -156,7 +159,7 @@ std::string EngineCore::gather_masters(const StateAccess& access, bool may_gathe
   if (!may_gather) return "an exception is unwinding on this rank";
   try {
     for (int64_t i = 0; i < store().chunks_per_kind(); ++i)
-      masters[i] = master_chunk_everywhere(access, i);
+      masters[i] = dp_.master_chunk_everywhere(access, i, master_kind());
   } catch (const std::exception& e) {
     return e.what();
   }
@@ -201,7 +204,8 @@ int64_t EngineCore::give_back_parameters(const StateAccess& access,
       at::Tensor value;
       try {
         if (values) {
-          value = distributed() ? value_in(masters[static_cast<size_t>(index)], p.id)
+          value = distributed() ? DataParallel::value_in(store().layout(),
+                                                         masters[static_cast<size_t>(index)], p.id)
                                 : fp32_copy(access.weight(p.id));
         }
       } catch (const std::exception&) {
@@ -243,8 +247,8 @@ void EngineCore::release_index_payloads(const StateAccess& access, int64_t index
       // A tensor still in COMPUTE: the payload goes with the store.
     }
   }
-  storage_.host->empty_cache();
-  storage_.device->empty_cache();
+  storage_.host()->empty_cache();
+  storage_.device()->empty_cache();
 }
 
 int64_t EngineCore::give_back_buffers() {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -70,7 +71,7 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void backward(const at::Tensor& loss);
   IterationReport step();
   void zero_grad(bool set_to_none = true);
-  const at::Tensor& zero_grad_marker() const { return gradients_.marker; }
+  const at::Tensor& zero_grad_marker() const { return gradients_.marker(); }
   void set_lr(double lr);
   double lr() const;
   void set_overlap_step(bool on);
@@ -103,10 +104,10 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   }
   const Scheduler& scheduler() const { return *scheduler_; }
   const TraceRecorder& tracer() const { return *recorder_; }
-  MemoryTier& device_tier() const { return *storage_.device; }
-  MemoryTier& host_tier() const { return *storage_.host; }
+  MemoryTier& device_tier() const { return *storage_.device(); }
+  MemoryTier& host_tier() const { return *storage_.host(); }
   const std::vector<bool>& adam_on_device() const { return pipeline_->placement().on_device(); }
-  bool host_only(int64_t chunk_index) const { return storage_.host_only[chunk_index]; }
+  bool host_only(int64_t chunk_index) const { return storage_.host_only()[chunk_index]; }
   bool owns(int64_t chunk_index) const { return dp_.owns(store().layout(), chunk_index); }
   const Communicator& communicator() const { return dp_.comm(); }
   std::vector<CopySpan> optimizer_spans() const { return pipeline_->optimizer_spans(); }
@@ -228,7 +229,7 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // Gradients since the last step are dropped; half weights restored where gradients overwrote them.
   void discard_gradients();
   // True when a half slot holds a gradient instead of a weight (mixed, no gradient space).
-  bool half_slots_hold_gradients() const { return gradients_.in_half_slots; }
+  bool half_slots_hold_gradients() const { return gradients_.in_half_slots(); }
   void flush_pending_gradients();
   // A backward that began (Phase::kBackward) but whose end never came: autograd threw inside a plain
   // loss.backward(). Drops the iteration, with a warning naming `where` the engine noticed.
@@ -246,7 +247,6 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // `door`: called by a door, where markers alone are looked at only before the forward (the
   // backward's start looks at them again before anything accumulates).
   void zero_grad_if_marker_reset(bool door = false);
-  void arm_zero_grad_marker();
   // --- gradients as LibTorch code sees them (engine_grad_handles.cpp) ---
   // At the end of a backward or a step: tensor.grad() of every parameter with a gradient becomes a
   // view of its slot (one process, fp32/bf16), a marker that refuses reads but takes zero_(), or,
@@ -276,37 +276,11 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void remove_scope(GatheredParameters* scope) override;
   // The registered parameter behind `t`, or -1.
   TensorId id_of(const at::Tensor& t) const { return params_.id_of(t); }
-  // --- data parallel (engine_distributed.cpp) ---
+  // Data parallel: the gathers, drops and reductions of chunk groups are dp_'s (data_parallel.h).
   bool distributed() const { return dp_.distributed(); }
-  int64_t comm_group_of(TensorId id) const;
-  // Makes the param chunks of `ids` present (all-gathering their comm groups from the owners),
-  // and, with `with_grad_chunks`, zeroed host gradient chunks for a CPU embedding's remote ones
-  // (other remote gradient chunks start as zeros when the Mover first puts them on the device).
-  void ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks);
-  void gather_group(int64_t group);
-  // In a backward, before a lean group is gathered: drops the other lean groups gathered here and
-  // not in use (none holding a tensor of `ids`).
-  void release_lean_groups_except(const std::vector<TensorId>& ids);
-  // Outside a backward: drops the remote chunks of the groups of `ids` whose every tensor was used
-  // since their gather and none is in use.
-  void release_used_groups(const std::vector<TensorId>& ids);
-  // In a backward: reduces (and drops) the groups of `ids` whose gradients are all final.
-  void reduce_ready_groups(const std::vector<TensorId>& ids);
-  void reduce_group(int64_t group);
-  // End of backward: every group not reduced yet is reduced (unused parameters' zeros included).
-  void reduce_remaining_groups();
-  // Frees every remote payload; `discard` also drops gradients not reduced yet (else such groups
-  // are kept).
-  void release_remote(bool discard);
-  void release_group(int64_t group);
-  void broadcast_initial_state(const std::vector<std::pair<std::string, at::Tensor>>& params);
   // Every parameter's fp32 value, by name (fp32_state_dict, save_weights).
   std::vector<std::pair<std::string, at::Tensor>> fp32_values(
       const engine_detail::StateAccess& access) const;
-  // fp32 master of chunk index i on every rank (broadcast from its owner).
-  at::Tensor master_chunk_everywhere(const engine_detail::StateAccess& access, int64_t index) const;
-  // Tensor `id`'s value, shaped and its own, from a copy of its chunk (as the one above returns).
-  at::Tensor value_in(const at::Tensor& chunk, TensorId id) const;
   void decide_adam_placement();
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
@@ -340,7 +314,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void refuse_undelivered_gradients(const std::function<void()>& discard);
   // The update (run_adam, with the Adam placement decided first), timed, with its disk figures;
   // `step_failed` runs before a failure is rethrown.
-  IterationReport update_timed(const std::function<void()>& step_failed);
+  IterationReport update_timed(engine_detail::StepAgreement& agreement,
+                               const std::function<void()>& step_failed);
   // After the update: tensor states, Adam step counts, gradients consumed.
   void settle_parameters(const IterationReport& report);
   // The warm-up's trace set (or recorded again), the scheduler's figures and the report's.
@@ -361,21 +336,19 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   bool mixed() const { return config_.precision() != Precision::kFp32; }
   // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
   ChunkKind master_kind() const { return pipeline_->master_kind(); }
-  // The optimizer states of a chunk index, which live where its Adam runs (or in the disk tier's
-  // files): the fp32 master in mixed precision (in fp32 the params are the master and move with the
-  // doors), momentum, variance. Their bytes: every kind is fp32 of the chunk's size.
+  // The optimizer states' kinds of a chunk index (StepPipeline::state_kinds).
   std::vector<ChunkKind> state_kinds() const {
-    if (mixed()) return {ChunkKind::kParamFp32, ChunkKind::kMomentum, ChunkKind::kVariance};
-    return {ChunkKind::kMomentum, ChunkKind::kVariance};
+    const std::span<const ChunkKind> kinds = engine_detail::StepPipeline::state_kinds(mixed());
+    return {kinds.begin(), kinds.end()};
   }
   // Whether chunk index `index` holds frozen parameters in its param chunk alone (ModelStorage).
-  bool lean(int64_t index) const { return storage_.lean[static_cast<size_t>(index)]; }
+  bool lean(int64_t index) const { return storage_.lean()[static_cast<size_t>(index)]; }
   bool lean_param(TensorId id) const { return lean(store().layout().placement(id).chunk_index); }
   // The registered parameters and the modules whose doors open over them (param_table.h).
   engine_detail::ParamTable params_;
 
   engine_detail::ModelStorage storage_;  // tiers, chunk store, disk tier (model_storage.h)
-  ChunkStore& store() const { return *storage_.store; }
+  ChunkStore& store() const { return *storage_.store(); }
   // Non-model memory as the tracer and the scheduler read it (non_model_probe.h).
   std::unique_ptr<engine_detail::NonModelProbe> probe_;
   // "default_chunk_size": "auto"'s retry with a smaller size (chunk_size_retry.h).

@@ -9,9 +9,11 @@ namespace engine_detail {
 ModelStorage::ModelStorage() = default;
 ModelStorage::~ModelStorage() = default;  // the members go in reverse order (model_storage.h)
 
+void ModelStorage::attach_disk(std::unique_ptr<DiskStates> disk) { disk_ = std::move(disk); }
+
 void ModelStorage::drop_chunks() {
-  disk.reset();
-  store.reset();
+  disk_.reset();
+  store_.reset();
 }
 
 DiskAdamSource::DiskAdamSource(DiskStates& disk, ChunkStore& store, std::vector<DiskRun> runs,

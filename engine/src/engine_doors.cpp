@@ -80,18 +80,8 @@ void EngineCore::zero_grad_if_marker_reset(bool door) {
   take_gradient_edits(door);
   // The optimizer's marker: reset (set_to_none, the default), replaced, or zeroed in place
   // (set_to_none false).
-  const at::Tensor& grad = gradients_.marker.grad();
-  if (grad.defined() && grad.is_same(gradients_.marker_grad) &&
-      grad._version() == gradients_.marker_version) {
-    return;
-  }
-  zero_grad(/*set_to_none=*/!grad.defined());
-}
-
-void EngineCore::arm_zero_grad_marker() {
-  gradients_.marker_grad.zero_();
-  gradients_.marker.mutable_grad() = gradients_.marker_grad;
-  gradients_.marker_version = gradients_.marker_grad._version();
+  if (!gradients_.marker_touched()) return;
+  zero_grad(/*set_to_none=*/gradients_.marker_reset());
 }
 
 void EngineCore::forget_dropped_forward() {
@@ -119,24 +109,24 @@ void EngineCore::begin_iteration_if_needed() {
   tracker_.set_open_moment(-1);
   metrics_.begin_iteration(running_totals(),
                            probe_->gathered_bytes());
-  storage_.device->reset_peak();
+  storage_.device()->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
 }
 
 std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind kind,
                                      bool with_grad_chunks) {
-  ensure_gathered(module.params, with_grad_chunks);  // data parallel: other ranks' chunks
+  dp_.ensure_gathered(module.params, with_grad_chunks);  // data parallel: other ranks' chunks
   std::vector<int64_t> chunk_ids;
   auto add_chunk = [&](ChunkId c) {
-    if (storage_.host_only[store().index_of(c)]) return;  // a CPU embedding's: read on the host
+    if (storage_.host_only()[store().index_of(c)]) return;  // a CPU embedding's: read on the host
     // Data parallel: another rank's param chunk is on the device with its gathered group.
     if (store().kind_of(c) == ChunkKind::kParam && !owns(store().index_of(c))) return;
     if (std::find(chunk_ids.begin(), chunk_ids.end(), c) == chunk_ids.end()) chunk_ids.push_back(c);
   };
   for (TensorId id : module.params) {
     add_chunk(store().chunk_of(id, ChunkKind::kParam));
-    if (with_grad_chunks && gradients_.space && params_[id].trainable) {
+    if (with_grad_chunks && gradients_.space() && params_[id].trainable) {
       add_chunk(store().chunk_of(id, ChunkKind::kGrad));
     }
   }
@@ -161,13 +151,13 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
     Param& p = params_[id];
     if (p.compute_refs++ > 0) continue;
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
-    if (with_grad_chunks && gradients_.space && p.trainable) {
+    if (with_grad_chunks && gradients_.space() && p.trainable) {
       store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     }
     // A scheduled moment computes on the device (a CPU embedding's chunks stay on the host).
     const ChunkId c = store().chunk_of(id, ChunkKind::kParam);
     TORCH_INTERNAL_ASSERT(
-        store().tier(c) == Tier::kDevice || storage_.host_only[store().index_of(c)], "parameter ",
+        store().tier(c) == Tier::kDevice || storage_.host_only()[store().index_of(c)], "parameter ",
         p.name, " is used at moment ", m, " from ", store().describe(c), " on the ",
         to_string(store().tier(c)));
     point_at_chunk(p);
@@ -201,7 +191,7 @@ void EngineCore::abandon_forward() {
   tracker_.set_open_moment(-1);
   recorder_->rewind_to(tracker_.forward_start_moment());
   tracker_.on(PhaseEvent::kForwardAbandoned);
-  release_remote(/*discard=*/false);
+  dp_.release_remote(/*discard=*/false);
 }
 
 void EngineCore::close_moment() {
@@ -243,7 +233,7 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
                 "step(): in ", to_string(config_.precision()),
                 " without a gradient space the gradients sit where the half weights were; call "
                 "step() or zero_grad() first");
-    ensure_gathered(info.params, /*with_grad_chunks=*/false);
+    dp_.ensure_gathered(info.params, /*with_grad_chunks=*/false);
     // It reads the weights: updates made ahead in the backward before are undone (in fp32 the
     // parameter is the master the optimizer thread updates in place).
     std::vector<int64_t> indices;
@@ -314,8 +304,8 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
     }
   }
   // A CPU embedding on CUDA: its outputs go to the device (autograd brings their gradients back).
-  const c10::Device device = storage_.device->device();
-  if (!device.is_cpu() && computes_on_host(scope.module->params, store(), storage_.host_only)) {
+  const c10::Device device = storage_.device()->device();
+  if (!device.is_cpu() && computes_on_host(scope.module->params, store(), storage_.host_only())) {
     for (at::Tensor& out : outputs) {
       if (out.defined()) out = out.to(device);
     }
@@ -327,7 +317,7 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
   }
   scope.acquired.clear();
   const ModuleInfo* module = scope.module;
-  release_used_groups(module->params);  // data parallel: groups every tensor of which was used
+  dp_.release_used_groups(module->params);  // data parallel: groups every tensor of which was used
   doors_.close();
   if (!training || outputs.empty() || module->params.empty()) return outputs;
   // Outputs that require no gradient (a frozen module whose inputs need none: the frozen
@@ -368,8 +358,8 @@ std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::T
   }
   const OpenScope& scope = doors_[token];
   // A CPU embedding on CUDA reads its inputs (token ids) on the host.
-  if (!storage_.device->device().is_cpu() &&
-      computes_on_host(scope.module->params, store(), storage_.host_only)) {
+  if (!storage_.device()->device().is_cpu() &&
+      computes_on_host(scope.module->params, store(), storage_.host_only())) {
     for (at::Tensor& x : inputs) {
       if (x.defined()) x = x.to(at::kCPU);
     }

@@ -54,17 +54,17 @@ void EngineCore::show_gradients(GradientsShown when) {
   for (Param& p : params_) {
     if (!p.grad.defined) continue;
     at::Tensor handle;
-    const bool view = views_possible &&
-                      ((when == GradientsShown::kAfterBackward && (gradients_.space || p.has_grad)) ||
-                       (when == GradientsShown::kAfterStep && gradients_.space));
+    const bool view =
+        views_possible &&
+        ((when == GradientsShown::kAfterBackward && (gradients_.space() || p.has_grad)) ||
+         (when == GradientsShown::kAfterStep && gradients_.space()));
     if (view) {
       const at::Tensor slot =
-          store().view(p.id, gradients_.space ? ChunkKind::kGrad : ChunkKind::kParam);
+          store().view(p.id, gradients_.space() ? ChunkKind::kGrad : ChunkKind::kParam);
       p.grad.storage = storage_without_memory(
           slot.numel() * static_cast<int64_t>(slot.element_size()), slot.device());
       repoint(p.grad.storage, slot.data_ptr());
       handle = tensor_over(p.grad.storage, p.tensor.sizes(), slot.scalar_type());
-      gradients_.views_shown = true;
     } else if (when == GradientsShown::kAfterBackward && !views_possible) {
       const char* why = distributed()
                             ? "with data parallel each rank keeps only its share of the gradients, "
@@ -86,16 +86,16 @@ void EngineCore::show_gradients(GradientsShown when) {
     p.grad.tensor = handle;
     p.grad.version = static_cast<int64_t>(handle._version());
     p.tensor.mutable_grad() = handle;
-    gradients_.handles_shown = true;
+    gradients_.note_handles_shown(/*views=*/view);
   }
 }
 
 void EngineCore::take_gradient_edits(bool door) {
-  if (!gradients_.handles_shown) return;
+  if (!gradients_.handles_shown()) return;
   // A door within a forward, or of an evaluation, where only markers are shown (a door withdrew
   // the views and evaluation moves nothing), does not look: what is done to them is looked at
   // when the backward or the step starts, before anything accumulates.
-  if (door && !gradients_.views_shown &&
+  if (door && !gradients_.views_shown() &&
       (tracker_.phase() == Phase::kForward || !at::GradMode::is_enabled()))
     return;
   torch::NoGradGuard no_grad;
@@ -158,8 +158,7 @@ void EngineCore::take_gradient_edits(bool door) {
     }
     p.grad.tensor.reset();
   }
-  gradients_.handles_shown = false;
-  gradients_.views_shown = false;
+  gradients_.clear_shown();
   if (whole) {
     // Zeroed in place (set_to_none false) stays defined, as in LibTorch: such a parameter is
     // stepped with a zero gradient even where the next loss does not reach it.
@@ -181,18 +180,19 @@ void EngineCore::take_gradient_edits(bool door) {
     if (restores) access.emplace(pipeline_->access());
     for (Param* p : dropped) drop_gradient(*p, access ? &*access : nullptr);
     if (access) access->finish_views();
-    gradients_.in_half_slots = false;
-    for (const Param& p : params_) gradients_.in_half_slots |= p.has_grad && !gradients_.space;
+    gradients_.set_in_half_slots(
+        !gradients_.space() &&
+        std::any_of(params_.begin(), params_.end(), [](const Param& p) { return p.has_grad; }));
   }
   show_gradients(GradientsShown::kWithdrawn);
 }
 
 bool EngineCore::restores_half_weight(const Param& p) const {
-  return !gradients_.space && p.has_grad && owns(store().layout().placement(p.id).chunk_index);
+  return !gradients_.space() && p.has_grad && owns(store().layout().placement(p.id).chunk_index);
 }
 
 void EngineCore::drop_gradient(Param& p, const StateAccess* access) {
-  if (gradients_.space) {
+  if (gradients_.space()) {
     if (!distributed() || owns(store().layout().placement(p.id).chunk_index)) {
       store().view(p.id, ChunkKind::kGrad).zero_();
     }
@@ -220,10 +220,8 @@ void EngineCore::clear_gradient_handles() {
       p.grad.tensor.reset();
     }
   }
-  gradients_.handles_shown = false;
-  gradients_.views_shown = false;
-  if (consumed && !gradients_.warned_consumed) {
-    gradients_.warned_consumed = true;
+  gradients_.clear_shown();
+  if (consumed && gradients_.first_consumed_warning()) {
     TORCH_WARN(
         "patrickstar: a backward after step() without zero_grad(): LibTorch would add its "
         "gradients to the previous step's, but in ",

@@ -43,7 +43,7 @@ void EngineCore::pre_backward(ModuleInfo& module) {
 void EngineCore::post_backward(ModuleInfo& module) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   post_backward_release(module);
-  reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
+  dp_.reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
 }
 
 void EngineCore::post_backward_release(ModuleInfo& module) {
@@ -54,7 +54,7 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
     if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
     store().set_state(id, ChunkKind::kParam,
                       p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
-    if (gradients_.space && p.trainable &&
+    if (gradients_.space() && p.trainable &&
         store().state(id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(id, ChunkKind::kGrad, TensorState::kHold);
     }
@@ -74,7 +74,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   torch::NoGradGuard no_grad;
   // A gradient for an index updated ahead (later than the trace said): that update is undone.
   pipeline_->on_index_used(store().layout().placement(id).chunk_index);
-  if (!gradients_.space && p.segments > 1) {
+  if (!gradients_.space() && p.segments > 1) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
     // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
     // the weight until the end of backward; the gradients add up in fp32 meanwhile.
@@ -87,12 +87,12 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     return;
   }
   if (p.compute_refs == 0) {  // a gradient without its module's pre-backward: take the slot now
-    ensure_gathered({id}, gradients_.space);
+    dp_.ensure_gathered({id}, gradients_.space());
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
-    if (gradients_.space) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
+    if (gradients_.space()) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
     p.compute_refs = 1;
   }
-  if (gradients_.space) {
+  if (gradients_.space()) {
     at::Tensor slot = store().view(id, ChunkKind::kGrad);
     // The slot is where its chunk is: on the device after a pre-backward, anywhere when the branch
     // above took it (on CUDA, maybe a host chunk for a device gradient), and add_ does not cross
@@ -114,15 +114,12 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   param.mutable_grad().reset();
   p.has_grad = true;
   p.grad.defined = true;
-  gradients_.in_half_slots = !gradients_.space;
+  gradients_.set_in_half_slots(!gradients_.space());
   p.compute_refs = 0;
   store().set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
   point_at_nothing(p);
-  if (distributed()) {
-    ++p.grads_this_backward;
-    dp_.groups().on_gradient(comm_group_of(id));
-    reduce_ready_groups({id});
-  }
+  dp_.note_gradient(id);  // data parallel: the group is reduced once its gradients are final
+  dp_.reduce_ready_groups({id});
 }
 
 void EngineCore::flush_pending_gradients() {
@@ -130,11 +127,8 @@ void EngineCore::flush_pending_gradients() {
   for (Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
     pipeline_->on_index_used(store().layout().placement(p.id).chunk_index);
-    ensure_gathered({p.id}, /*with_grad_chunks=*/false);
-    if (distributed()) {
-      ++p.grads_this_backward;
-      dp_.groups().on_gradient(comm_group_of(p.id));
-    }
+    dp_.ensure_gathered({p.id}, /*with_grad_chunks=*/false);
+    dp_.note_gradient(p.id);
     if (store().state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
     }
@@ -143,7 +137,7 @@ void EngineCore::flush_pending_gradients() {
     p.pending_grad.reset();
     p.has_grad = true;
     p.grad.defined = true;
-    gradients_.in_half_slots = true;
+    gradients_.set_in_half_slots(true);
     p.compute_refs = 0;
     point_at_nothing(p);
   }
@@ -236,7 +230,7 @@ void EngineCore::finish_backward() {
     } else if (state == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+    if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.forget_segments();
@@ -244,18 +238,18 @@ void EngineCore::finish_backward() {
   }
   // Data parallel: the groups whose gradients were not all final (parameters unused by this loss)
   // are reduced now, and nothing gathered stays.
-  reduce_remaining_groups();
-  release_remote(/*discard=*/false);
+  dp_.reduce_remaining_groups();
+  dp_.release_remote(/*discard=*/false);
   tracker_.on(PhaseEvent::kBackwardEnds);
   show_gradients(GradientsShown::kAfterBackward);
-  pipeline_->on_backward_end(gradients_.views_shown);
+  pipeline_->on_backward_end(gradients_.views_shown());
 }
 
 
 void EngineCore::discard_gradients() {
   pipeline_->on_gradients_change();  // the fp32 masters the half weights come back from, as they were
   torch::NoGradGuard no_grad;
-  const bool restore = mixed() && !gradients_.space;
+  const bool restore = mixed() && !gradients_.space();
   // Gradient chunks written since they were last zeroed: those of indices holding a parameter that
   // trains or that received a gradient (trained before it was frozen). A frozen base's are zero.
   std::vector<bool> written(static_cast<size_t>(store().chunks_per_kind()), false);
@@ -272,8 +266,8 @@ void EngineCore::discard_gradients() {
     access.emplace(pipeline_->access());
   }
   // Data parallel: other ranks' chunks go (with any gradient they held); reduced sums too.
-  release_remote(/*discard=*/true);
-  for (at::Tensor& sum : gradients_.reduced) sum.reset();
+  dp_.release_remote(/*discard=*/true);
+  gradients_.drop_reduced();
   // The half slots hold gradients: the weights come back from the fp32 masters, rounded as the
   // step rounds them. In chunk order (a disk tier reads each chunk's masters once). Runs inside
   // error handling: a master that cannot be read (a disk tier's file gone) is reported as a warning
@@ -310,20 +304,20 @@ void EngineCore::discard_gradients() {
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+    if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.has_grad = false;
     p.pending_grad.reset();
   }
-  if (gradients_.space) {
+  if (gradients_.space()) {
     for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
       if (!owns(i) || !written[static_cast<size_t>(i)]) continue;
       store().chunk_view(store().chunk_id(ChunkKind::kGrad, i)).zero_();
     }
   }
   tracker_.on(PhaseEvent::kGradientsDiscarded);
-  gradients_.in_half_slots = false;
+  gradients_.set_in_half_slots(false);
 }
 
 void EngineCore::drop_iteration() {
@@ -334,7 +328,7 @@ void EngineCore::drop_iteration() {
     if (state == TensorState::kCompute || state == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
+    if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     p.compute_refs = 0;
@@ -360,7 +354,7 @@ void EngineCore::zero_grad(bool set_to_none) {
     for (const Param& p : params_) kept.push_back(p.grad.defined ? 1 : 0);
   }
   recover_from_a_dead_backward("zero_grad()");
-  arm_zero_grad_marker();
+  gradients_.arm_marker();
   const bool after_backward = tracker_.phase() == Phase::kBackwardDone;
   discard_gradients();  // after a backward the phase goes back to kStarted (a forward stays
                         // kForward)

@@ -26,12 +26,12 @@ std::map<int64_t, ChunkInfo> EngineCore::scheduler_chunks() const {
   for (ChunkId id = 0; id < store().chunk_count(); ++id) {
     if (store().omitted(id)) continue;  // a lean index's states: never anywhere
     if (store().kind_of(id) == ChunkKind::kParam && !owns(store().index_of(id)) &&
-        !storage_.host_only[store().index_of(id)]) {
+        !storage_.host_only()[store().index_of(id)]) {
       continue;
     }
     chunk_table[id] = ChunkInfo{
         store().chunk_bytes(id),
-        store().kind_of(id) == ChunkKind::kParam && !storage_.host_only[store().index_of(id)],
+        store().kind_of(id) == ChunkKind::kParam && !storage_.host_only()[store().index_of(id)],
         pipeline_->placement().state_on_device(id)};
   }
   return chunk_table;
@@ -70,10 +70,11 @@ void EngineCore::note_warmup_need(int64_t moment, const ModuleInfo& module, Mome
 void EngineCore::choose_retry_chunk_size(const Trace& trace, const c10::Error& why) {
   DeviceCosts costs;
   costs.param_elem_bytes = chunk_element_bytes(store().dtype(ChunkKind::kParam));
-  costs.grad_elem_bytes = gradients_.space ? chunk_element_bytes(store().dtype(ChunkKind::kGrad)) : 0;
+  costs.grad_elem_bytes =
+      gradients_.space() ? chunk_element_bytes(store().dtype(ChunkKind::kGrad)) : 0;
   costs.trainable.resize(params_.size());
   for (const Param& p : params_) costs.trainable[static_cast<size_t>(p.id)] = p.trainable;
-  retry_.choose(trace, why, usable_device_bytes(config_), store(), costs, *storage_.host);
+  retry_.choose(trace, why, usable_device_bytes(config_), store(), costs, *storage_.host());
 }
 
 void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
@@ -85,8 +86,8 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
   std::string reason;  // why the warm-up's trace did not fit, for the warning
   retry_.take_chosen(&reason);
   Layout layout = retry_.layout(chunk_elems);
-  auto fresh = std::make_unique<ChunkStore>(std::move(layout), store().kinds(), *storage_.host,
-                                            *storage_.device);
+  auto fresh = std::make_unique<ChunkStore>(std::move(layout), store().kinds(), *storage_.host(),
+                                            *storage_.device());
   const Layout& placed = fresh->layout();
   const int64_t n = placed.chunk_count();
   const bool lean_frozen = config_.frozen_parameters == FrozenParameters::kLean;
@@ -107,8 +108,8 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
       store().release(store().chunk_id(spec.kind, i));
     }
     // The old size's blocks would sit in the tiers' caches for good: no chunk has that size now.
-    storage_.host->empty_cache();
-    storage_.device->empty_cache();
+    storage_.host()->empty_cache();
+    storage_.device()->empty_cache();
   }
   for (Param& p : params_) p.eval_copy.reset();
   storage_.replace_store(std::move(fresh), lean_frozen);

@@ -22,7 +22,8 @@ RunningTotals EngineCore::running_totals() const {
   t.comm = dp_.comm().counters();
   t.group_gathers = dp_.groups().gathers();
   t.group_reduces = dp_.groups().reduces();
-  t.copy_wait_seconds = storage_.copy_queue != nullptr ? storage_.copy_queue->waited_seconds() : 0;
+  t.copy_wait_seconds =
+      storage_.copy_queue() != nullptr ? storage_.copy_queue()->waited_seconds() : 0;
   t.collective_seconds = dp_.seconds();
   return t;
 }

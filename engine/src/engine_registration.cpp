@@ -115,7 +115,7 @@ void EngineCore::collect_parameters(Registration& reg) {
   }
   TORCH_CHECK(!reg.unique.empty(), "patrickstar::Engine: the model has no parameters to train");
   // Data parallel: every rank starts from rank 0's weights and buffers (as DDP does).
-  if (distributed()) broadcast_initial_state(reg.unique);
+  dp_.broadcast_initial_state(reg.unique, *model_);  // rank 0's values everywhere
   // use_cpu_embedding: the parameters of embedding modules get chunks of their own (layout group
   // 1) that stay on the host; the embedding reads them there and its Adam runs on the host.
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
@@ -148,7 +148,7 @@ void EngineCore::pack_layout(Registration& reg) {
       config_.optimizer.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat;
   kinds.push_back({ChunkKind::kMomentum, moments});
   kinds.push_back({ChunkKind::kVariance, moments});
-  if (gradients_.space) kinds.push_back({ChunkKind::kGrad, at::kFloat});
+  if (gradients_.space()) kinds.push_back({ChunkKind::kGrad, at::kFloat});
   int64_t full_elem_bytes = 0;
   for (const ChunkKindSpec& spec : kinds) full_elem_bytes += chunk_element_bytes(spec.dtype);
   const int64_t lean_elem_bytes = chunk_element_bytes(reg.half);
@@ -226,17 +226,13 @@ void EngineCore::build_store(Registration& reg) {
                                     : MemoryTier::kUnlimited;
   using Pin = HostTier::Pinning;  // pinned for CUDA only: an emulated run must not start CUDA
   const bool on_cuda = config_.device.type == DeviceType::kCuda;
-  storage_.host = std::make_unique<HostTier>(host_capacity, on_cuda ? Pin::kAuto : Pin::kNever);
-  storage_.device = make_device_tier(config_);
-  storage_.store = std::make_unique<ChunkStore>(std::move(reg.layout), reg.kinds, *storage_.host,
-                                                *storage_.device);
-  if (config_.scheduler.async_moves) {
-    storage_.copy_queue = make_copy_engine(config_);
-    store().set_copy_queue(storage_.copy_queue.get());
-  }
   // A CPU embedding's chunk indices stay on the host; frozen ones (group bit 1) are lean unless the
   // config keeps full state for them, and then only their param chunk holds bytes from here on.
-  storage_.set_lean_from_layout(reg.lean);
+  auto host = std::make_unique<HostTier>(host_capacity, on_cuda ? Pin::kAuto : Pin::kNever);
+  auto device = make_device_tier(config_);
+  auto copy_queue = config_.scheduler.async_moves ? make_copy_engine(config_) : nullptr;
+  storage_.build(std::move(host), std::move(device), std::move(reg.layout), reg.kinds,
+                 std::move(copy_queue), reg.lean);
 }
 
 void EngineCore::place_model_data(Registration& reg) {
@@ -272,16 +268,16 @@ void EngineCore::place_model_data(Registration& reg) {
   // What the host budget cannot hold: optimizer states on the device for good, where allowed.
   std::string no_device_placement;
   pipeline_->placement().init(store().chunk_count(), placed->chunk_count());
-  if (storage_.host->capacity_bytes() != MemoryTier::kUnlimited &&
-      storage_.host->used_bytes() + host_need > storage_.host->capacity_bytes()) {
-    no_device_placement = place_states_on_device(storage_.host->used_bytes() + host_need -
-                                                 storage_.host->capacity_bytes());
+  if (storage_.host()->capacity_bytes() != MemoryTier::kUnlimited &&
+      storage_.host()->used_bytes() + host_need > storage_.host()->capacity_bytes()) {
+    no_device_placement = place_states_on_device(storage_.host()->used_bytes() + host_need -
+                                                 storage_.host()->capacity_bytes());
     host_need -= metrics_.registration().device_state_bytes;
   }
   // It must fit the host before anything moves: a model is either untouched or fully registered.
-  if (storage_.host->capacity_bytes() != MemoryTier::kUnlimited &&
-      storage_.host->used_bytes() + host_need > storage_.host->capacity_bytes()) {
-    const int64_t have = storage_.host->capacity_bytes() - storage_.host->used_bytes();
+  if (storage_.host()->capacity_bytes() != MemoryTier::kUnlimited &&
+      storage_.host()->used_bytes() + host_need > storage_.host()->capacity_bytes()) {
+    const int64_t have = storage_.host()->capacity_bytes() - storage_.host()->used_bytes();
     abandon_registration();
     TORCH_CHECK_WITH(OutOfMemoryError, false, "patrickstar::Engine: the model data needs ",
                      host_need, " bytes of host memory but the host budget has ", have,
@@ -296,8 +292,8 @@ void EngineCore::place_model_data(Registration& reg) {
   }
   if (!disk_kinds.empty()) {
     try {
-      storage_.disk =
-          std::make_unique<DiskStates>(config_.offload_optimizer.nvme_path, store(), disk_kinds);
+      storage_.attach_disk(
+          std::make_unique<DiskStates>(config_.offload_optimizer.nvme_path, store(), disk_kinds));
     } catch (...) {
       abandon_registration();
       throw;
@@ -326,7 +322,7 @@ void EngineCore::fill_chunks(Registration& reg) {
     // What the process holds beyond what it held before registration began, plus the model's
     // own fp32 weights (there at the start).
     init_peak = std::max(init_peak, window.peak_bytes() - live_at_start + model_bytes_at_start +
-                                        storage_.host->used_bytes());
+                                        storage_.host()->used_bytes());
     window.reset();
   };
   sample();
@@ -341,7 +337,7 @@ void EngineCore::fill_chunks(Registration& reg) {
     for (int64_t index = 0; index < store().chunks_per_kind(); ++index) {
       // Another rank's chunk: its tensors only get their fences (its values live at the owner).
       const bool mine = owns(index);
-      const bool full = !storage_.lean[static_cast<size_t>(index)];
+      const bool full = !storage_.lean()[static_cast<size_t>(index)];
       if (mine) {
         store().allocate(store().chunk_id(ChunkKind::kParam, index), Tier::kHost);
         if (mixed() && full) {
@@ -368,9 +364,9 @@ void EngineCore::fill_chunks(Registration& reg) {
         }
         const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(reg.half));
         // A CPU embedding's parameters compute on the host; the others where the device tier is.
-        const c10::Device where = storage_.host_only[static_cast<size_t>(index)]
+        const c10::Device where = storage_.host_only()[static_cast<size_t>(index)]
                                       ? c10::Device(c10::kCPU)
-                                      : storage_.device->device();
+                                      : storage_.device()->device();
         p.live = storage_without_memory(nbytes, where);
         p.fence = fence_storage(
             nbytes, outside_door_message(name, reg.owner_of[t.unsafeGetTensorImpl()]), where);
@@ -384,8 +380,8 @@ void EngineCore::fill_chunks(Registration& reg) {
         store().allocate(id, pipeline_->placement().state_on_device(id) ? Tier::kDevice : Tier::kHost);
       }
       sample();
-      if (storage_.disk != nullptr && full)
-        storage_.disk->spill(index);  // written to its files, its payloads freed
+      if (storage_.disk() != nullptr && full)
+        storage_.disk()->spill(index);  // written to its files, its payloads freed
     }
   } catch (c10::Error& e) {
     const bool restored = give_up();
@@ -440,8 +436,8 @@ void EngineCore::attach_model(const Registration& reg) {
   for (const at::Tensor& b : model_->buffers(/*recurse=*/true)) {
     const bool cast = mixed() && b.scalar_type() == at::kFloat;
     if (cast) params_.add_cast_buffer(b);
-    if (cast || b.device() != storage_.device->device()) {
-      b.set_data(b.to(storage_.device->device(), cast ? reg.half : b.scalar_type()));
+    if (cast || b.device() != storage_.device()->device()) {
+      b.set_data(b.to(storage_.device()->device(), cast ? reg.half : b.scalar_type()));
     }
   }
 }
@@ -450,20 +446,19 @@ void EngineCore::build_scheduling() {
   // "auto" retries a warm-up whose trace does not fit with a smaller chunk size
   // (engine_layout.cpp), where moving the model between layouts is simple: one process, no disk
   // tier's files, no delayed update's buffers, no states on the device for good.
-  retry_.arm(config_.chunk_size_auto && !distributed() && storage_.disk == nullptr &&
-                       !config_.delayed_update.enabled &&
-                       metrics_.registration().device_state_bytes == 0 &&
-                       config_.scheduler.policy != EvictionPolicy::kStatic);
+  retry_.arm(config_.chunk_size_auto && !distributed() && storage_.disk() == nullptr &&
+             !config_.delayed_update.enabled && metrics_.registration().device_state_bytes == 0 &&
+             config_.scheduler.policy != EvictionPolicy::kStatic);
   // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
   // set_record_spans; none on CUDA) and the optimizer thread's, so that a trace shows them on one
   // time line.
   clock_ = microseconds_since_now();
   build_scheduler();
-  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_clock(clock_);
+  if (storage_.copy_queue() != nullptr) storage_.copy_queue()->set_clock(clock_);
   recorder_ = std::make_unique<TraceRecorder>(probe_->get());
   // The optimizer threads' buffers are host-tier blocks (pinned on CUDA): within its capacity, and
   // outside the CPU allocator whose bytes the emulated device's probe measures as activations.
-  MemoryTier* host = storage_.host.get();
+  MemoryTier* host = storage_.host();
   auto host_blocks = [host](int64_t numel, at::ScalarType dtype) {
     const int64_t bytes = std::max<int64_t>(1, numel * c10::elementSize(dtype));
     void* memory = host->allocate(bytes);
@@ -483,7 +478,7 @@ void EngineCore::build_scheduling() {
     for (const Param& p : params_) {
       if (!lean_param(p.id)) elements += store().layout().numel(p.id);
     }
-    const int64_t copies = elements * (!mixed() ? 8 : gradients_.space ? 6 : 2);
+    const int64_t copies = elements * (!mixed() ? 8 : gradients_.space() ? 6 : 2);
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       const int64_t room = host->capacity_bytes() - store().total_chunk_bytes();
       TORCH_CHECK(copies <= room,
@@ -529,7 +524,7 @@ void EngineCore::build_optimizer() {
     s.min_loss_scale = config_.fp16.min_loss_scale;
     scaler = LossScaler(s);
   }
-  pipeline_->build_adam(adam_options, std::move(scaler), gradients_.space);
+  pipeline_->build_adam(adam_options, std::move(scaler), gradients_.space());
   if (distributed()) {
     // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
     const Layout* placed = &store().layout();
@@ -540,7 +535,7 @@ void EngineCore::build_optimizer() {
           static_cast<int64_t>(placed->tensors_in_chunk(i).size());
     }
     dp_.groups().init(dp_.world(), tensors);
-    gradients_.reduced.resize(static_cast<size_t>(placed->chunk_count()));
+    gradients_.size_reduced(placed->chunk_count());
   }
 }
 
@@ -559,10 +554,10 @@ void EngineCore::report_registration(const Registration& reg) {
   r.model_data_bytes = reg.owned_bytes;  // this rank's share (everything with one process)
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
-  r.disk_bytes = storage_.disk != nullptr ? storage_.disk->disk_bytes() : 0;
+  r.disk_bytes = storage_.disk() != nullptr ? storage_.disk()->disk_bytes() : 0;
   // With a disk tier the host holds the rest, plus one index's states while they are written.
   const int64_t staging =
-      storage_.disk != nullptr ? reg.staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0;
+      storage_.disk() != nullptr ? reg.staging_bytes / std::min<int64_t>(3, r.chunks_per_kind) : 0;
   r.init_goal_bytes = r.model_data_bytes - r.disk_bytes - r.device_state_bytes +
                       r.largest_module_param_bytes + staging;
 }

@@ -54,14 +54,16 @@ SafetensorsSaveReport EngineCore::save_safetensors(const std::string& folder,
       for (TensorId id : layout.tensors_in_chunk(i)) write(id, access.weight(id));
       access.finish_views();  // one chunk staged at a time (disk tier)
     } else {
-      const at::Tensor chunk = master_chunk_everywhere(access, i);  // a collective
+      const at::Tensor chunk =
+          dp_.master_chunk_everywhere(access, i, master_kind());  // a collective
       if (!writer) continue;                                // only rank 0 writes
-      for (TensorId id : layout.tensors_in_chunk(i)) write(id, value_in(chunk, id));
+      for (TensorId id : layout.tensors_in_chunk(i))
+        write(id, DataParallel::value_in(store().layout(), chunk, id));
     }
   }
   SafetensorsSaveReport report;
   if (writer) guarded([&] { report = writer->commit(); });
-  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
+  if (dp_.only_others_failed(!error.empty())) {
     error = "save_safetensors: rank 0 could not write \"" + folder + "\" (its error says why)";
   }
   TORCH_CHECK(error.empty(), error);

@@ -37,9 +37,12 @@ std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_values(
   }
   // Data parallel: each chunk's master comes from its owner (a collective: every rank calls).
   std::vector<at::Tensor> chunks(static_cast<size_t>(store().chunks_per_kind()));
-  for (int64_t i = 0; i < store().chunks_per_kind(); ++i) chunks[i] = master_chunk_everywhere(access, i);
+  for (int64_t i = 0; i < store().chunks_per_kind(); ++i)
+    chunks[i] = dp_.master_chunk_everywhere(access, i, master_kind());
   for (const Param& p : params_) {
-    out.emplace_back(p.name, value_in(chunks[store().layout().placement(p.id).chunk_index], p.id));
+    out.emplace_back(
+        p.name, DataParallel::value_in(store().layout(),
+                                       chunks[store().layout().placement(p.id).chunk_index], p.id));
   }
   return out;
 }
@@ -136,7 +139,7 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   }
   // Data parallel: a rank that could not write makes every rank throw (none trains on believing
   // the checkpoint complete).
-  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
+  if (dp_.only_others_failed(!error.empty())) {
     error = "another rank could not write its shard";
   }
   TORCH_CHECK(error.empty(), "patrickstar: save_checkpoint(\"", path, "\") failed: ", error);
@@ -196,7 +199,7 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
                   store().layout().sizes(p.id), " here");
     }
     // The disk tier's files are read while the states are written: all there, or nothing loads.
-    if (storage_.disk != nullptr) storage_.disk->check_files();
+    if (storage_.disk() != nullptr) storage_.disk()->check_files();
     try {
       pipeline_->adam().loss_scaler().check_state(c.scaler);
     } catch (const c10::Error& e) {
@@ -210,12 +213,12 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   }
   // Data parallel: every rank loads or none does (a rank that trained on from other weights would
   // leave the ranks apart for good).
-  if (distributed() && !dp_.all_agree(error.empty()) && error.empty()) {
+  if (dp_.only_others_failed(!error.empty())) {
     error = "patrickstar: another rank could not load its shard of checkpoint \"" + path_given +
             "\"; nothing was loaded";
   }
   TORCH_CHECK(error.empty(), error);
-  release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
+  dp_.release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = master_kind();
   for (TensorId id : tensors_in_chunk_order(store().layout())) {
@@ -245,7 +248,7 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
     p.adam_steps = c.param_steps.empty() ? c.adam_step : c.param_steps[static_cast<size_t>(p.id)];
   }
   pipeline_->adam().loss_scaler().load_state(c.scaler);
-  if (gradients_.space) zero_grad();
+  if (gradients_.space()) zero_grad();
 }
 
 }  // namespace patrickstar

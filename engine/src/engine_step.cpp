@@ -72,7 +72,7 @@ EngineCore::StepMoment EngineCore::step_moment() {
       if (mixed()) ids.push_back(id_of(ChunkKind::kParamFp32, i));
       ids.push_back(id_of(ChunkKind::kMomentum, i));
       ids.push_back(id_of(ChunkKind::kVariance, i));
-      if (gradients_.space) ids.push_back(id_of(ChunkKind::kGrad, i));
+      if (gradients_.space()) ids.push_back(id_of(ChunkKind::kGrad, i));
     }
     return ids;
   };
@@ -113,7 +113,7 @@ void EngineCore::step_kept_zero_gradients() {
   // refuses: the reduced sums hold nothing for such a parameter.
   for (Param& p : params_) {
     if (!p.grad.defined || p.has_grad) continue;
-    if (!gradients_.space) {
+    if (!gradients_.space()) {
       TORCH_CHECK(!distributed(), "patrickstar: parameter ", p.name, " has a gradient kept at zero "
                   "by zero_grad(set_to_none=false) but this loss did not reach it; LibTorch's "
                   "Adam would update it with a zero gradient, which data parallel in ",
@@ -134,7 +134,7 @@ void EngineCore::check_adam_tiers(const StepMoment& at) const {
   for (int64_t i = 0; i < n; ++i) {
     if (!owns(i) || !at.updates[i]) continue;
     const Tier want = at.on_device[i] ? Tier::kDevice : Tier::kHost;
-    const bool states_on_disk = storage_.disk != nullptr && storage_.disk->on_disk(i);
+    const bool states_on_disk = storage_.disk() != nullptr && storage_.disk()->on_disk(i);
     for (ChunkKind kind : kAdamKinds) {
       if (!store().has_kind(kind)) continue;
       if (states_on_disk && pipeline_->is_state_kind(kind)) continue;
@@ -201,38 +201,20 @@ IterationReport EngineCore::step() {
   if (tracker_.phase() == Phase::kForward && doors_.none_open()) abandon_forward();
   // Data parallel: copies of other ranks' chunks (an evaluation forward's group that was not fully
   // used) would be stale after the step: they go, and the next door gathers the new weights.
-  release_remote(/*discard=*/false);
-  // Data parallel: before anything changes, every rank adds its shard's squared gradient norm in
-  // one all-reduce (so all clip and skip an fp16 overflow alike). A rank that cannot take the step
-  // (its trace does not fit its device, say) sends a large negative number instead, so every rank
-  // sees a negative sum and drops the iteration with it, instead of waiting for it forever.
-  bool agreed = false;
-  auto agree = [&](double sum_squares) {
-    const double sum = dp_.sum(sum_squares);
-    agreed = true;
-    return sum;
-  };
-  if (distributed()) {
-    pipeline_->adam().set_stats_reducer([&](GradStats& stats) {
-      const double global = agree(stats.sum_squares);
-      TORCH_CHECK(!(global < 0), "patrickstar: another rank could not take this step (its error "
-                  "is reported there); every rank discards the iteration");
-      stats.sum_squares = global;
-    });
-  }
-  // A rank that cannot take the step: the others hear it (one process: nothing to tell), and
-  // the iteration goes.
+  dp_.release_remote(/*discard=*/false);
+  // Data parallel: the ranks agree on the gradients' norm before anything changes, and a rank that
+  // cannot take the step takes every rank's iteration with it (StepAgreement; one process: the
+  // iteration goes only when the update itself failed).
+  StepAgreement agreement(dp_, pipeline_->adam());
   auto give_up = [&](bool dropping_always) {
-    if (distributed()) pipeline_->adam().set_stats_reducer(nullptr);
-    if (distributed() && !agreed) agree(-1e300);
-    if (dropping_always || distributed()) drop_iteration();
+    if (agreement.give_up() || dropping_always) drop_iteration();
   };
   refuse_undelivered_gradients([&] { give_up(/*dropping_always=*/false); });
   // Before the step decides anything (the Adam placement, the next pause): what this iteration's
   // backward could do.
   const bool overlap_applied = pipeline_->overlap_applies(tracker_.retraced());
   const bool early_allowed = pipeline_->early_updates_may_start(tracker_.retraced());
-  IterationReport report = update_timed([&] {
+  IterationReport report = update_timed(agreement, [&] {
     pipeline_->step_failed();  // "auto"'s trial: the next iteration is not timed
     retry_.drop_chosen();
     give_up(/*dropping_always=*/true);
@@ -300,26 +282,27 @@ void EngineCore::refuse_undelivered_gradients(const std::function<void()>& disca
   }
 }
 
-IterationReport EngineCore::update_timed(const std::function<void()>& step_failed) {
+IterationReport EngineCore::update_timed(StepAgreement& agreement,
+                                         const std::function<void()>& step_failed) {
   IterationReport report;
   const int64_t disk_read_before =
-      storage_.disk != nullptr ? storage_.disk->files().bytes_read() : 0;
+      storage_.disk() != nullptr ? storage_.disk()->files().bytes_read() : 0;
   const int64_t disk_written_before =
-      storage_.disk != nullptr ? storage_.disk->files().bytes_written() : 0;
-  const double disk_wait_before = storage_.disk != nullptr ? storage_.disk->waited_seconds() : 0;
+      storage_.disk() != nullptr ? storage_.disk()->files().bytes_written() : 0;
+  const double disk_wait_before =
+      storage_.disk() != nullptr ? storage_.disk()->waited_seconds() : 0;
   try {
     const auto adam_start = std::chrono::steady_clock::now();
     if (!pipeline_->placement().decided()) decide_adam_placement();
     report = run_adam();
     report.adam_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - adam_start).count();
-    if (storage_.disk != nullptr) {
-      report.disk_read_bytes = storage_.disk->files().bytes_read() - disk_read_before;
-      report.disk_written_bytes = storage_.disk->files().bytes_written() - disk_written_before;
-      report.disk_wait_seconds = storage_.disk->waited_seconds() - disk_wait_before;
+    if (storage_.disk() != nullptr) {
+      report.disk_read_bytes = storage_.disk()->files().bytes_read() - disk_read_before;
+      report.disk_written_bytes = storage_.disk()->files().bytes_written() - disk_written_before;
+      report.disk_wait_seconds = storage_.disk()->waited_seconds() - disk_wait_before;
     }
-    // (Only data parallel sets one; the delayed update's thread may be reading it otherwise.)
-    if (distributed()) pipeline_->adam().set_stats_reducer(nullptr);
+    agreement.release();  // before the delayed update's thread may read Adam
     pipeline_->after_step(report);
   } catch (c10::Error& e) {
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
@@ -339,17 +322,17 @@ void EngineCore::settle_parameters(const IterationReport& report) {
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    if (gradients_.space && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
+    if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
     if (p.has_grad) {
       if (!report.skipped && !report.update_delayed) ++p.adam_steps;  // (delayed: at hand-over)
-      p.grad.consumed = !gradients_.space;  // the half slot holds the new weight now
+      p.grad.consumed = !gradients_.space();  // the half slot holds the new weight now
     }
     p.has_grad = false;
   }
-  for (at::Tensor& sum : gradients_.reduced) sum.reset();
-  gradients_.in_half_slots = false;
+  gradients_.drop_reduced();
+  gradients_.set_in_half_slots(false);
 }
 
 void EngineCore::report_iteration(IterationReport& report, bool warmup) {
@@ -377,7 +360,7 @@ void EngineCore::report_iteration(IterationReport& report, bool warmup) {
   report.warmup = warmup;
   report.retraced = tracker_.retraced();
   report.retraces = tracker_.retraces();
-  report.device_chunk_peak_bytes = storage_.device->peak_bytes();
+  report.device_chunk_peak_bytes = storage_.device()->peak_bytes();
   metrics_.fill_traffic(report, running_totals());
   for (const Moment& m : recorder_->current_trace().moments) {
     report.non_model_peak_bytes = std::max(report.non_model_peak_bytes, m.non_model_bytes);
@@ -390,7 +373,7 @@ void EngineCore::set_record_timeline(bool on) {
   std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
   scheduler_->set_record_timeline(on);
   pipeline_->set_record_spans(on);
-  if (storage_.copy_queue != nullptr) storage_.copy_queue->set_record_spans(on);
+  if (storage_.copy_queue() != nullptr) storage_.copy_queue()->set_record_spans(on);
 }
 
 }  // namespace patrickstar

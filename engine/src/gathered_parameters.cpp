@@ -55,9 +55,11 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
     // owners in index order (the same collectives on every rank: every rank opens the same scope).
     std::map<int64_t, at::Tensor> chunks;
     for (TensorId id : ids) chunks[store().layout().placement(id).chunk_index] = at::Tensor();
-    for (auto& [index, chunk] : chunks) chunk = master_chunk_everywhere(access, index);
+    for (auto& [index, chunk] : chunks)
+      chunk = dp_.master_chunk_everywhere(access, index, master_kind());
     for (TensorId id : ids) {
-      values.push_back(value_in(chunks[store().layout().placement(id).chunk_index], id));
+      values.push_back(DataParallel::value_in(
+          store().layout(), chunks[store().layout().placement(id).chunk_index], id));
     }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -99,7 +101,7 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
   try {
     // Data parallel: rank 0's values are written (as DeepSpeed's modifier rank), each by its owner;
     // a change of shape on any rank writes nothing on every rank.
-    if (write_back && distributed() && !dp_.all_agree(changed.empty()) && changed.empty()) {
+    if (write_back && dp_.only_others_failed(!changed.empty())) {
       changed = "a parameter on another rank";
     }
     if (write_back && changed.empty()) {
@@ -122,7 +124,7 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
         store().view(id, ChunkKind::kParam).copy_(t);
       }
       access.finish_views();
-      release_remote(/*discard=*/false);  // no gathered copy keeps the old weights
+      dp_.release_remote(/*discard=*/false);  // no gathered copy keeps the old weights
     }
   } catch (...) {
     restore();

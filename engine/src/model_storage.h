@@ -20,14 +20,47 @@ namespace patrickstar::engine_detail {
 
 class DiskStates;  // disk_states.h
 
-struct ModelStorage {
+// Invariants: the store, once built, allocates from these tiers only, and host_only() and lean()
+// always decode the store's current layout (build and replace_store set the three together); the
+// fields change only through the operations below.
+class ModelStorage {
+ public:
   ModelStorage();
   ~ModelStorage();  // engine_disk.cpp, where DiskStates is complete
   ModelStorage(const ModelStorage&) = delete;
   ModelStorage& operator=(const ModelStorage&) = delete;
 
+  // Registration's allocation: the tiers, a store over `layout` (no payload allocated yet) and the
+  // copy engine for asynchronous moves (null: none), the layout's groups decoded. Nothing is kept
+  // unless all of it was built.
+  void build(std::unique_ptr<MemoryTier> host, std::unique_ptr<MemoryTier> device, Layout layout,
+             std::vector<ChunkKindSpec> kinds, std::unique_ptr<CopyEngine> copy_queue,
+             bool lean_frozen) {
+    auto fresh = std::make_unique<ChunkStore>(std::move(layout), std::move(kinds), *host, *device);
+    if (copy_queue != nullptr) fresh->set_copy_queue(copy_queue.get());
+    omit_lean_states(*fresh, lean_frozen);
+    std::vector<bool> fresh_host_only = host_only_of(fresh->layout());
+    std::vector<bool> fresh_lean = lean_of(fresh->layout(), lean_frozen);
+    copy_queue_ = std::move(copy_queue);
+    host_ = std::move(host);
+    device_ = std::move(device);
+    store_ = std::move(fresh);
+    host_only_ = std::move(fresh_host_only);
+    lean_ = std::move(fresh_lean);
+  }
+  // The disk tier over the built store (zero_optimization.offload_optimizer "nvme").
+  void attach_disk(std::unique_ptr<DiskStates> disk);  // engine_disk.cpp
   // Registration gave up: the disk tier's files, then every payload, go (the tiers stay, empty).
   void drop_chunks();
+  // "auto"'s retry: the store moves to `fresh` (over the same tiers), with its decoded groups.
+  void replace_store(std::unique_ptr<ChunkStore> fresh, bool lean_frozen) {
+    std::vector<bool> fresh_host_only = host_only_of(fresh->layout());
+    std::vector<bool> fresh_lean = lean_of(fresh->layout(), lean_frozen);
+    store_ = std::move(fresh);
+    host_only_ = std::move(fresh_host_only);
+    lean_ = std::move(fresh_lean);
+    if (copy_queue_ != nullptr) store_->set_copy_queue(copy_queue_.get());
+  }
 
   // A layout's groups, decoded per chunk index (registration and "auto"'s retry both use these, so
   // the decoding exists once): bit 0, a CPU embedding's; bit 1, frozen at registration, which is
@@ -46,8 +79,7 @@ struct ModelStorage {
     }
     return result;
   }
-  // A store with no payload yet omits every chunk of a lean index but its param chunk: only the
-  // param chunk holds bytes from here on.
+  // A lean index's store holds its param chunk alone: the other kinds' chunks are omitted.
   static void omit_lean_states(ChunkStore& fresh, bool lean_frozen) {
     const std::vector<bool> lean_index = lean_of(fresh.layout(), lean_frozen);
     for (int64_t i = 0; i < fresh.layout().chunk_count(); ++i) {
@@ -57,36 +89,26 @@ struct ModelStorage {
       }
     }
   }
-  // Registration, once the store is built: host_only and lean follow its layout, and the store
-  // omits the lean indices' other chunks.
-  void set_lean_from_layout(bool lean_frozen) {
-    host_only = host_only_of(store->layout());
-    lean = lean_of(store->layout(), lean_frozen);
-    omit_lean_states(*store, lean_frozen);
-  }
-  // "auto"'s retry: `fresh` (prepared by omit_lean_states, the model's slots copied into it)
-  // replaces the store, which goes with whatever it still holds; host_only and lean follow the new
-  // layout, and the copy engine serves the new store. The decoding is made before anything is
-  // replaced, so a failure leaves the old store and its decoding together.
-  void replace_store(std::unique_ptr<ChunkStore> fresh, bool lean_frozen) {
-    std::vector<bool> fresh_host_only = host_only_of(fresh->layout());
-    std::vector<bool> fresh_lean = lean_of(fresh->layout(), lean_frozen);
-    store = std::move(fresh);
-    host_only = std::move(fresh_host_only);
-    lean = std::move(fresh_lean);
-    if (copy_queue != nullptr) store->set_copy_queue(copy_queue.get());
-  }
 
-  std::unique_ptr<CopyEngine> copy_queue;  // null without asynchronous moves
-  std::unique_ptr<MemoryTier> host;
-  std::unique_ptr<MemoryTier> device;
-  std::unique_ptr<ChunkStore> store;
-  std::unique_ptr<DiskStates> disk;  // null without a disk tier
+  ChunkStore* store() const { return store_.get(); }  // null before registration built it
+  MemoryTier* host() const { return host_.get(); }
+  MemoryTier* device() const { return device_.get(); }
+  DiskStates* disk() const { return disk_.get(); }              // null without a disk tier
+  CopyEngine* copy_queue() const { return copy_queue_.get(); }  // null without asynchronous moves
   // Per chunk index: a CPU embedding's chunk (use_cpu_embedding), never on the device.
-  std::vector<bool> host_only;
+  const std::vector<bool>& host_only() const { return host_only_; }
   // Per chunk index: frozen parameters only, in their param chunk alone (zero_optimization
   // "frozen_parameters": "lean"): the store omits its master, momentum, variance and gradient.
-  std::vector<bool> lean;
+  const std::vector<bool>& lean() const { return lean_; }
+
+ private:
+  std::unique_ptr<CopyEngine> copy_queue_;
+  std::unique_ptr<MemoryTier> host_;
+  std::unique_ptr<MemoryTier> device_;
+  std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<DiskStates> disk_;
+  std::vector<bool> host_only_;
+  std::vector<bool> lean_;
 };
 
 }  // namespace patrickstar::engine_detail

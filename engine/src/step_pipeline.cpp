@@ -74,8 +74,8 @@ at::Tensor StateAccess::weight(TensorId id, bool write) const {
 void StateAccess::finish_views() const { pipeline_->finish_state_views(); }
 
 at::Tensor StepPipeline::state_view(TensorId id, ChunkKind kind, bool write) const {
-  if (wiring_.storage.disk == nullptr) return store().view(id, kind);
-  return wiring_.storage.disk->view(id, kind, write);
+  if (wiring_.storage.disk() == nullptr) return store().view(id, kind);
+  return wiring_.storage.disk()->view(id, kind, write);
 }
 
 at::Tensor StepPipeline::weight_view(TensorId id, bool write) const {
@@ -84,7 +84,7 @@ at::Tensor StepPipeline::weight_view(TensorId id, bool write) const {
 }
 
 void StepPipeline::finish_state_views() const {
-  if (wiring_.storage.disk != nullptr) wiring_.storage.disk->finish_views();
+  if (wiring_.storage.disk() != nullptr) wiring_.storage.disk()->finish_views();
 }
 
 // --- events ---
@@ -140,12 +140,9 @@ void StepPipeline::before_chunk_move(ChunkId id) {
 // --- the step ---
 
 int64_t StepPipeline::state_bytes(int64_t index) const {
-  const std::vector<ChunkKind> kinds =
-      mixed_ ? std::vector<ChunkKind>{ChunkKind::kParamFp32, ChunkKind::kMomentum,
-                                      ChunkKind::kVariance}
-             : std::vector<ChunkKind>{ChunkKind::kMomentum, ChunkKind::kVariance};
   int64_t bytes = 0;
-  for (ChunkKind kind : kinds) bytes += store().chunk_bytes(store().chunk_id(kind, index));
+  for (ChunkKind kind : state_kinds(mixed_))
+    bytes += store().chunk_bytes(store().chunk_id(kind, index));
   return bytes;
 }
 
@@ -169,7 +166,7 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
   int64_t resident_model_bytes = 0;      // chunks the forward and backward need on the device
   for (int64_t i = 0; i < n; ++i) {
     // Data parallel: this rank's chunks only.
-    if (wiring_.storage.host_only[i] || !wiring_.owns(i)) continue;
+    if (wiring_.storage.host_only()[i] || !wiring_.owns(i)) continue;
     if (!index_trains(i)) {  // nothing to update: the forward and backward read its weights only
       resident_model_bytes += resident(ChunkKind::kParam, i);
       continue;
@@ -209,9 +206,9 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
   // The disk tier keeps the states of the indices still on disk; those of the device Adam come home
   // for good (host first, then the scheduler takes them to the device at the step). An index home
   // from an earlier placement stays in memory even where this one runs its Adam on the host.
-  if (wiring_.storage.disk != nullptr) {
+  if (wiring_.storage.disk() != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
-      if (placement_.on_device()[static_cast<size_t>(i)]) wiring_.storage.disk->bring_home(i);
+      if (placement_.on_device()[static_cast<size_t>(i)]) wiring_.storage.disk()->bring_home(i);
     }
   }
 }
@@ -229,7 +226,7 @@ bool StepPipeline::delayed_due(int64_t iteration, bool has_trace) const {
 
 void StepPipeline::update(const StepInputs& inputs, IterationReport& report) {
   const int64_t n = store().chunks_per_kind();
-  DiskStates* disk = wiring_.storage.disk.get();
+  DiskStates* disk = wiring_.storage.disk();
   // Views: one AdamChunk per run of consecutive tensors that received a gradient.
   std::vector<AdamChunk> runs;
   std::vector<RunAt> where;        // each run's index and span

@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -189,9 +190,21 @@ class StepPipeline {
   bool mixed() const { return mixed_; }
   // Where Adam's fp32 weights live: the fp32 master chunks in mixed precision, else the params.
   ChunkKind master_kind() const { return mixed_ ? ChunkKind::kParamFp32 : ChunkKind::kParam; }
+  // The optimizer states of a chunk index, which live where its Adam runs (or in the disk tier's
+  // files): the fp32 master in mixed precision (in fp32 the params are the master and move with the
+  // doors), momentum, variance. Every kind is fp32 of the chunk's size.
+  static std::span<const ChunkKind> state_kinds(bool mixed) {
+    static constexpr ChunkKind kMixed[] = {ChunkKind::kParamFp32, ChunkKind::kMomentum,
+                                           ChunkKind::kVariance};
+    static constexpr ChunkKind kFp32[] = {ChunkKind::kMomentum, ChunkKind::kVariance};
+    if (mixed) return kMixed;
+    return kFp32;
+  }
   bool is_state_kind(ChunkKind kind) const {
-    return kind == ChunkKind::kMomentum || kind == ChunkKind::kVariance ||
-           (mixed_ && kind == ChunkKind::kParamFp32);
+    for (ChunkKind k : state_kinds(mixed_)) {
+      if (k == kind) return true;
+    }
+    return false;
   }
   // The optimizer states' bytes of chunk index `index` (every kind fp32 of the chunk's size).
   int64_t state_bytes(int64_t index) const;
@@ -209,8 +222,8 @@ class StepPipeline {
     int64_t index = 0;
     RunSpan span;
   };
-  ChunkStore& store() const { return *wiring_.storage.store; }
-  bool lean(int64_t index) const { return wiring_.storage.lean[static_cast<size_t>(index)]; }
+  ChunkStore& store() const { return *wiring_.storage.store(); }
+  bool lean(int64_t index) const { return wiring_.storage.lean()[static_cast<size_t>(index)]; }
   at::Tensor state_view(TensorId id, ChunkKind kind, bool write) const;
   at::Tensor weight_view(TensorId id, bool write) const;
   void finish_state_views() const;

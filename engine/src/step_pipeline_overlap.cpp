@@ -71,7 +71,7 @@ AdamChunk StepPipeline::adam_views(int64_t i, const RunSpan& span, bool states_f
   if (grad_space_) {
     run.grad_fp32 = slice(ChunkKind::kGrad);
   } else if (wiring_.distributed) {
-    const at::Tensor& sum = wiring_.gradients.reduced[static_cast<size_t>(i)];
+    const at::Tensor& sum = wiring_.gradients.reduced(i);
     TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
                 " has gradients but was never reduced");
     run.grad_fp32 = sum.narrow(0, span.begin, span.end - span.begin);
@@ -119,9 +119,9 @@ bool StepPipeline::auto_overlap_may_run() const {
 }
 
 bool StepPipeline::overlap_applies(bool retraced) const {
-  return overlap_.thread != nullptr && overlap_.on && !overlap_.paused && wiring_.storage.disk == nullptr &&
-         wiring_.scheduler().has_trace() && placement_.decided() && !retraced &&
-         (!overlap_.automatic || auto_overlap_may_run());
+  return overlap_.thread != nullptr && overlap_.on && !overlap_.paused &&
+         wiring_.storage.disk() == nullptr && wiring_.scheduler().has_trace() &&
+         placement_.decided() && !retraced && (!overlap_.automatic || auto_overlap_may_run());
 }
 
 bool StepPipeline::early_updates_may_start(bool retraced) const {
@@ -145,7 +145,8 @@ void StepPipeline::end_trial_iteration(bool measurable, IterationReport& report)
 }
 
 void StepPipeline::start_early_update(int64_t i) {
-  if (!wiring_.owns(i) || wiring_.storage.host_only[i] || placement_.on_device()[static_cast<size_t>(i)]) {
+  if (!wiring_.owns(i) || wiring_.storage.host_only()[i] ||
+      placement_.on_device()[static_cast<size_t>(i)]) {
     return;
   }
   for (TensorId t : store().layout().tensors_in_chunk(i)) {

@@ -23,7 +23,7 @@
 namespace patrickstar::models {
 namespace {
 
-const std::vector<GptSpec>& all_specs() {
+const std::vector<GptSpec>& all_gpt_specs() {
   // PatrickStar's sizes (layers / hidden / heads) from its benchmark model list; GPT2small trains at
   // sequence length 128 there, the others at 1024. The last three are ours, for CPU-sized runs.
   static const std::vector<GptSpec> specs = {
@@ -62,7 +62,7 @@ int64_t GptSpec::trainable_count() const {
 }
 
 GptSpec gpt_spec(const std::string& name) {
-  for (const GptSpec& spec : all_specs()) {
+  for (const GptSpec& spec : all_gpt_specs()) {
     if (spec.name == name) return spec;
   }
   TORCH_CHECK(false, "unknown GPT model \"", name, "\"; known: ", absl::StrJoin(gpt_spec_names(), ", "));
@@ -70,7 +70,7 @@ GptSpec gpt_spec(const std::string& name) {
 
 std::vector<std::string> gpt_spec_names() {
   std::vector<std::string> names;
-  for (const GptSpec& spec : all_specs()) names.push_back(spec.name);
+  for (const GptSpec& spec : all_gpt_specs()) names.push_back(spec.name);
   return names;
 }
 

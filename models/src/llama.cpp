@@ -26,7 +26,7 @@
 namespace patrickstar::models {
 namespace {
 
-const std::vector<LlamaSpec>& all_specs() {
+const std::vector<LlamaSpec>& all_llama_specs() {
   // name, layers, hidden, intermediate, heads, kv_heads, vocab, max_seq, rope_theta, rms_eps, tied.
   // The last three: the shapes of Meta's Llama 3.2 1B and 3B and Llama 3 8B (their config.json
   // files); the first three are ours, for tests and CPU-sized runs.
@@ -84,7 +84,7 @@ int64_t LlamaSpec::trainable_count() const {
 }
 
 LlamaSpec llama_spec(const std::string& name) {
-  for (const LlamaSpec& spec : all_specs()) {
+  for (const LlamaSpec& spec : all_llama_specs()) {
     if (spec.name == name) return spec;
   }
   TORCH_CHECK(false, "unknown Llama model \"", name,
@@ -93,7 +93,7 @@ LlamaSpec llama_spec(const std::string& name) {
 
 std::vector<std::string> llama_spec_names() {
   std::vector<std::string> names;
-  for (const LlamaSpec& spec : all_specs()) names.push_back(spec.name);
+  for (const LlamaSpec& spec : all_llama_specs()) names.push_back(spec.name);
   return names;
 }
 

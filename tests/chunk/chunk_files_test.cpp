@@ -16,7 +16,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace chunk_files_test {
 
 using test::error_of;
 using test::TempFolder;
@@ -89,5 +89,5 @@ TEST(ChunkFiles, AFolderThatIsMissingOrNotAFolderIsRefused) {
   EXPECT_NE(error_of([] { ChunkFiles files(""); }).find("nvme_path"), std::string::npos);
 }
 
-}  // namespace
+}  // namespace chunk_files_test
 }  // namespace patrickstar

@@ -22,7 +22,7 @@
 #include "error_message.h"
 
 namespace patrickstar {
-namespace {
+namespace chunk_store_async_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -236,5 +236,5 @@ TEST_F(ChunkStoreTest, ReleaseWaitsForQueuedCopiesNotForCompute) {
   EXPECT_TRUE(engine.host_waits.empty()) << "no release blocked the host";
 }
 
-}  // namespace
+}  // namespace chunk_store_async_test
 }  // namespace patrickstar

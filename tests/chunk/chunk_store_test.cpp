@@ -25,7 +25,7 @@
 #include "error_message.h"
 
 namespace patrickstar {
-namespace {
+namespace chunk_store_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -424,5 +424,5 @@ TEST_F(ChunkStoreTest, CutLastChunkIsItsOwnSizeEverywhere) {
   EXPECT_EQ(host_.used_bytes(), 0);
 }
 
-}  // namespace
+}  // namespace chunk_store_test
 }  // namespace patrickstar

@@ -19,7 +19,7 @@
 #include "error_message.h"
 
 namespace patrickstar {
-namespace {
+namespace copy_queue_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -223,5 +223,5 @@ TEST(CopyQueue, RefusesATierWhoseMemoryIsOffTheHost) {
   EXPECT_EQ(to[0], 0);
 }
 
-}  // namespace
+}  // namespace copy_queue_test
 }  // namespace patrickstar

@@ -9,7 +9,7 @@
 #include <atomic>
 
 namespace patrickstar {
-namespace {
+namespace cpu_allocator_test {
 
 // Counts allocations and forwards them to the allocator it replaces.
 class CountingCpuAllocator final : public c10::Allocator {
@@ -64,5 +64,5 @@ TEST(ChunkPayloads, NeverComeFromTheCpuAllocator) {
   c10::SetCPUAllocator(original, kPriority);
 }
 
-}  // namespace
+}  // namespace cpu_allocator_test
 }  // namespace patrickstar

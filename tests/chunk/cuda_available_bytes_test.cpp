@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 namespace patrickstar {
-namespace {
+namespace cuda_available_bytes_test {
 
 TEST(CudaAvailableBytes, DriverFreePlusTheCachingAllocatorsUnusedBlocks) {
   constexpr int64_t kGiB = int64_t{1} << 30;
@@ -19,5 +19,5 @@ TEST(CudaAvailableBytes, DriverFreePlusTheCachingAllocatorsUnusedBlocks) {
   EXPECT_EQ(cuda_available_bytes(20 * kGiB, 1 * kGiB, 2 * kGiB), 20 * kGiB);
 }
 
-}  // namespace
+}  // namespace cuda_available_bytes_test
 }  // namespace patrickstar

@@ -10,7 +10,7 @@
 #include <vector>
 
 namespace patrickstar {
-namespace {
+namespace layout_test {
 
 using ::testing::HasSubstr;
 
@@ -238,11 +238,11 @@ TEST(Layout, WorldSizePadsChunkCountAndAssignsOwners) {
   EXPECT_EQ(layout.comm_group(3), 0);
 }
 
-}  // namespace
+}  // namespace layout_test
 }  // namespace patrickstar
 
 namespace patrickstar {
-namespace {
+namespace layout_test {
 
 // Groups never share a chunk: first-fit would put the small group-1 tensor into chunk 0's hole, but
 // group 1 is packed on its own, after group 0.
@@ -361,5 +361,5 @@ TEST(LayoutCapacity, SearchWasteIsThePlacementsWaste) {
   EXPECT_EQ(naive_waste(numels, flat.chunk_elems, 1, groups), 1240);
 }
 
-}  // namespace
+}  // namespace layout_test
 }  // namespace patrickstar

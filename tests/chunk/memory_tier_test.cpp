@@ -10,7 +10,7 @@
 #include <cstring>
 
 namespace patrickstar {
-namespace {
+namespace memory_tier_test {
 
 using ::testing::HasSubstr;
 
@@ -154,5 +154,5 @@ TEST(MemoryTier, HostPinsExactlyWhenAGpuRuns) {
   }
 }
 
-}  // namespace
+}  // namespace memory_tier_test
 }  // namespace patrickstar

@@ -12,7 +12,7 @@
 #include <tuple>
 
 namespace patrickstar {
-namespace {
+namespace tensor_state_test {
 
 using ::testing::HasSubstr;
 using S = TensorState;
@@ -144,5 +144,5 @@ TEST(TensorState, ComputeNeedsAPayload) {
   EXPECT_EQ(store.state(0, ChunkKind::kParam), S::kHold);
 }
 
-}  // namespace
+}  // namespace tensor_state_test
 }  // namespace patrickstar

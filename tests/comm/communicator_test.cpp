@@ -12,7 +12,7 @@
 #include "patrickstar/comm/communicator.h"
 
 namespace patrickstar {
-namespace {
+namespace communicator_test {
 
 Communicator& comm() {
   static std::unique_ptr<Communicator> instance = communicator_from_env();
@@ -200,5 +200,5 @@ TEST(Communicator, BadArgumentsAreRefusedBeforeAnythingIsSent) {
   EXPECT_EQ(one.item<float>(), n_ranks);
 }
 
-}  // namespace
+}  // namespace communicator_test
 }  // namespace patrickstar

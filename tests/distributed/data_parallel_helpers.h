@@ -34,6 +34,29 @@ inline double max_over_ranks(double value) {
   return t.item<double>();
 }
 
+// Steps [from, to) of the GPT batches through `engine`: on this rank's rows (`sharded`; the loss is
+// the mean over ranks, the global batch's) or on the whole global batch in one process.
+inline std::vector<double> train_steps(Engine& engine, models::Gpt& model, int from, int to,
+                                       bool sharded,
+                                       std::vector<IterationReport>* reports = nullptr) {
+  std::vector<double> losses;
+  for (int s = from; s < to; ++s) {
+    auto batch = batch_of_step(s);
+    engine.zero_grad();
+    at::Tensor loss;
+    {
+      auto active = engine.activate();
+      loss = sharded ? model->loss(my_rows(batch.tokens), my_rows(batch.targets))
+                     : model->loss(batch.tokens, batch.targets);
+    }
+    engine.backward(loss);
+    const IterationReport report = engine.step();
+    if (reports != nullptr) reports->push_back(report);
+    losses.push_back(sharded ? mean_over_ranks(loss.item<double>()) : loss.item<double>());
+  }
+  return losses;
+}
+
 struct EngineRun {
   std::vector<double> losses;  // the global batch's loss (mean over ranks)
   std::vector<IterationReport> reports;

@@ -28,7 +28,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace data_parallel_steps_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -136,21 +136,8 @@ TEST(DataParallel, SaveAndResumeWithTheSameRanksContinuesIdentically) {
   const std::string weights = dir + "/ps_dp_weights_" + std::to_string(tag.item<int64_t>()) + ".pt";
   for (const char* extra : {"{}", R"({"bf16": {"enabled": true}})"}) {
     const Config config = tight_config(extra);
-    auto run_steps = [&](Engine& engine, models::Gpt& model, int from, int to) {
-      std::vector<double> losses;
-      for (int s = from; s < to; ++s) {
-        auto batch = batch_of_step(s);
-        engine.zero_grad();
-        at::Tensor loss;
-        {
-          auto active = engine.activate();
-          loss = model->loss(my_rows(batch.tokens), my_rows(batch.targets));
-        }
-        engine.backward(loss);
-        engine.step();
-        losses.push_back(mean_over_ranks(loss.item<double>()));
-      }
-      return losses;
+    auto run_steps = [](Engine& engine, models::Gpt& model, int from, int to) {
+      return train_steps(engine, model, from, to, /*sharded=*/true);
     };
     models::Gpt first = make_model(1);
     Engine straight(first.ptr(), config, comm());
@@ -282,11 +269,11 @@ TEST(DataParallel, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
   }
 }
 
-}  // namespace
+}  // namespace data_parallel_steps_test
 }  // namespace patrickstar
 
 namespace patrickstar {
-namespace {
+namespace data_parallel_steps_test {
 
 // A rank dies (PS_DEAD_RANK=kill: SIGKILL) or hangs (PS_DEAD_RANK=hang) between the forward and the
 // backward of step 2; the others wait for it in the gradient reduction. Run by the ctest
@@ -319,5 +306,5 @@ TEST(DataParallel, DeadRankEndsTheJob) {
   ADD_FAILURE() << "the job went on past a dead rank";
 }
 
-}  // namespace
+}  // namespace data_parallel_steps_test
 }  // namespace patrickstar

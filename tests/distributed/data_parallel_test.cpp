@@ -29,7 +29,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -267,5 +267,5 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
   }
 }
 
-}  // namespace
+}  // namespace data_parallel_test
 }  // namespace patrickstar

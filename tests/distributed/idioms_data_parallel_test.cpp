@@ -16,7 +16,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace idioms_data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -122,5 +122,5 @@ TEST(DataParallelIdioms, ASubmodulesZeroGradWithGradientsIsRefused) {
   optimizer.step();
 }
 
-}  // namespace
+}  // namespace idioms_data_parallel_test
 }  // namespace patrickstar

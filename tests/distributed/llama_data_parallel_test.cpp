@@ -19,7 +19,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace llama_data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -94,5 +94,5 @@ TEST(LlamaDataParallel, RanksTrainACheckpointAndRankZeroWritesTheOneProcessWeigh
   EXPECT_LE(largest, 2 * 3e-3 * 3);  // no element further apart than Adam can move it (lr 3e-3)
 }
 
-}  // namespace
+}  // namespace llama_data_parallel_test
 }  // namespace patrickstar

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/data_parallel_helpers.h"
 #include "distributed/ranks.h"
 #include "engine/gpt_training.h"
 #include "patrickstar/engine/engine_inspect.h"
@@ -19,7 +20,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace lora_data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -29,33 +30,6 @@ models::Gpt lora_model(uint64_t seed) {
   spec.lora_alpha = 8.0;
   torch::manual_seed(seed);
   return models::Gpt(spec);
-}
-
-double mean_over_ranks(double value) {
-  at::Tensor t = at::full({1}, value, at::kDouble);
-  comm()->all_reduce(t, ReduceOp::kSum);
-  return t.item<double>() / comm()->world_size();
-}
-
-// Steps [from, to) on this rank's rows (`sharded`) or the whole batch; the global batch's losses.
-std::vector<double> train(Engine& engine, models::Gpt& model, int from, int to, bool sharded,
-                          std::vector<IterationReport>* reports = nullptr) {
-  std::vector<double> losses;
-  for (int s = from; s < to; ++s) {
-    auto batch = batch_of_step(s);
-    engine.zero_grad();
-    at::Tensor loss;
-    {
-      auto active = engine.activate();
-      loss = sharded ? model->loss(my_rows(batch.tokens), my_rows(batch.targets))
-                     : model->loss(batch.tokens, batch.targets);
-    }
-    engine.backward(loss);
-    const IterationReport report = engine.step();
-    if (reports != nullptr) reports->push_back(report);
-    losses.push_back(sharded ? mean_over_ranks(loss.item<double>()) : loss.item<double>());
-  }
-  return losses;
 }
 
 TEST(LoraDataParallel, LeanFrozenBaseTrainsAsInOneProcessWithoutReductionsAndResumes) {
@@ -72,8 +46,8 @@ TEST(LoraDataParallel, LeanFrozenBaseTrainsAsInOneProcessWithoutReductionsAndRes
   models::Gpt one_model = lora_model(1);
   Engine one(one_model.ptr(), config);  // one process on the whole batch, whatever the launcher
   std::vector<IterationReport> reports;
-  const std::vector<double> losses = train(engine, model, 0, 4, /*sharded=*/true, &reports);
-  const std::vector<double> expected = train(one, one_model, 0, 4, /*sharded=*/false);
+  const std::vector<double> losses = train_steps(engine, model, 0, 4, /*sharded=*/true, &reports);
+  const std::vector<double> expected = train_steps(one, one_model, 0, 4, /*sharded=*/false);
 
   // Frozen indices hold their param chunk alone, and only trained groups are reduced.
   const ChunkStore& store = inspect(engine).chunks();
@@ -140,11 +114,11 @@ TEST(LoraDataParallel, LeanFrozenBaseTrainsAsInOneProcessWithoutReductionsAndRes
   const std::string path =
       ::testing::TempDir() + "/ps_lora_dp_" + std::to_string(tag.item<int64_t>()) + ".pt";
   engine.save_checkpoint(path);
-  const std::vector<double> straight = train(engine, model, 4, 7, /*sharded=*/true);
+  const std::vector<double> straight = train_steps(engine, model, 4, 7, /*sharded=*/true);
   models::Gpt other = lora_model(99 + static_cast<uint64_t>(me));
   Engine resumed(other.ptr(), config, comm());
   resumed.load_checkpoint(path);
-  EXPECT_EQ(train(resumed, other, 4, 7, /*sharded=*/true), straight);
+  EXPECT_EQ(train_steps(resumed, other, 4, 7, /*sharded=*/true), straight);
   const auto a = engine.fp32_state_dict(), b = resumed.fp32_state_dict();
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
@@ -217,8 +191,9 @@ TEST(LoraDataParallel, ADeferredBaseIsInitializedByTheRanksThatOwnItsChunks) {
   for (size_t i = 0; i < ours.size(); ++i) {
     EXPECT_TRUE(torch::equal(ours[i].second, theirs[i].second)) << ours[i].first;
   }
-  const double apart = max_relative_difference(train(engine, model, 0, 3, /*sharded=*/true),
-                                               train(one, one_model, 0, 3, /*sharded=*/false));
+  const double apart =
+      max_relative_difference(train_steps(engine, model, 0, 3, /*sharded=*/true),
+                              train_steps(one, one_model, 0, 3, /*sharded=*/false));
   if (comm()->rank() == 0) {
     std::printf("%d rank(s), deferred base: losses within %.3g of one process\n",
                 comm()->world_size(), apart);
@@ -234,7 +209,7 @@ TEST(LoraDataParallel, AGradientAssignedToAFrozenParameterOnOneRankStopsEveryRan
       R"({"default_chunk_size": 32768, "client": {"device": {"capacity_bytes": 8388608}}})");
   models::Gpt model = lora_model(1);
   Engine engine(model.ptr(), config, comm());
-  train(engine, model, 0, 1, /*sharded=*/true);
+  train_steps(engine, model, 0, 1, /*sharded=*/true);
   const auto batch = batch_of_step(1);
   engine.zero_grad();
   at::Tensor loss;
@@ -261,8 +236,9 @@ TEST(LoraDataParallel, AGradientAssignedToAFrozenParameterOnOneRankStopsEveryRan
   } else {
     EXPECT_NE(error.find("another rank"), std::string::npos) << error;
   }
-  for (const double l : train(engine, model, 2, 4, /*sharded=*/true)) EXPECT_TRUE(std::isfinite(l));
+  for (const double l : train_steps(engine, model, 2, 4, /*sharded=*/true))
+    EXPECT_TRUE(std::isfinite(l));
 }
 
-}  // namespace
+}  // namespace lora_data_parallel_test
 }  // namespace patrickstar

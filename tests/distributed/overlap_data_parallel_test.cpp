@@ -19,7 +19,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace overlap_data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -147,5 +147,5 @@ INSTANTIATE_TEST_SUITE_P(
              /*commits=*/true, /*undoes=*/true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-}  // namespace
+}  // namespace overlap_data_parallel_test
 }  // namespace patrickstar

@@ -14,7 +14,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace activation_checkpoint_test {
 
 using models::Gpt;
 using models::GptSpec;
@@ -190,5 +190,5 @@ TEST_F(ActivationCheckpoint, EvaluationUnderTheEngineStaysTheEvaluationPath) {
   EXPECT_EQ(inspect(engine).tracer().current_trace().size(), moments) << "no moment recorded";
 }
 
-}  // namespace
+}  // namespace activation_checkpoint_test
 }  // namespace patrickstar

@@ -25,7 +25,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace allocation_failure_test {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
@@ -280,5 +280,5 @@ TEST_F(AllocationFailure, LoadThatRunsOutOfMemoryChangesNothing) {
   std::remove(path.c_str());
 }
 
-}  // namespace
+}  // namespace allocation_failure_test
 }  // namespace patrickstar

@@ -15,7 +15,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace async_moves_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
@@ -190,5 +190,5 @@ TEST(AsyncMoves, ConfigTurnsThemOff) {
   EXPECT_EQ(Config::from_json(off.to_json()).scheduler.async_moves, false);
 }
 
-}  // namespace
+}  // namespace async_moves_test
 }  // namespace patrickstar

@@ -21,7 +21,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace auto_chunk_size_test {
 
 // Four bias-free layers whose weights (46,080, 46,080, 65,536 and 39,424 elements) pack with
 // little waste only when a chunk holds both of the first two (about 1.6x the largest weight): the
@@ -273,5 +273,5 @@ TEST(AutoChunkSize, ChoosesTheLeastWasteSizeWhoseMomentsFit) {
       << choice.tightest;
 }
 
-}  // namespace
+}  // namespace auto_chunk_size_test
 }  // namespace patrickstar

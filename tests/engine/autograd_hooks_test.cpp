@@ -9,7 +9,7 @@
 #include "patrickstar/engine/autograd_hooks.h"
 
 namespace patrickstar {
-namespace {
+namespace autograd_hooks_test {
 
 // Points `param`'s own storage at `data` (non-owning) without changing the tensor or its storage
 // object, so every view autograd saved of `param` follows. nullptr releases it.
@@ -208,5 +208,5 @@ TEST(AutogradHooks, ErrorsAreClear) {
                c10::Error);
 }
 
-}  // namespace
+}  // namespace autograd_hooks_test
 }  // namespace patrickstar

@@ -16,7 +16,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace bad_calls_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -198,5 +198,5 @@ TEST(BadCalls, AFactoryThatThrowsPassesItsErrorThroughAndTheNextEngineWorks) {
   EXPECT_TRUE(std::isfinite(loss.item<double>()));
 }
 
-}  // namespace
+}  // namespace bad_calls_test
 }  // namespace patrickstar

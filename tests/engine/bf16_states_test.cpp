@@ -21,7 +21,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace bf16_states_test {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
@@ -387,5 +387,5 @@ TEST_F(Bf16States, BetasTooCloseToOneAreRefused) {
   }
 }
 
-}  // namespace
+}  // namespace bf16_states_test
 }  // namespace patrickstar

@@ -21,7 +21,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace checkpoint_corruption_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -177,5 +177,5 @@ TEST(CheckpointCorruption, AForeignFileAndAnUnsuitableLossScalerAreRejected) {
   std::remove(path.c_str());
 }
 
-}  // namespace
+}  // namespace checkpoint_corruption_test
 }  // namespace patrickstar

@@ -23,7 +23,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace checkpoint_dropout_test {
 
 using namespace test;  // NOLINT: the shared helpers of small_net.h and test_device.h
 
@@ -319,5 +319,5 @@ TEST_F(CheckpointDropout, TwoEnginesOfAGanTrainAsPlainLibTorch) {
             << worst_relative(engines, plain) << " over " << plain.size() << " losses\n";
 }
 
-}  // namespace
+}  // namespace checkpoint_dropout_test
 }  // namespace patrickstar

@@ -29,7 +29,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace checkpoint_file_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -309,5 +309,5 @@ TEST(AtomicFile, AReadOnlyFolderIsRefusedAndKeepsThePreviousCheckpoint) {
   remove_folder(folder);
 }
 
-}  // namespace
+}  // namespace checkpoint_file_test
 }  // namespace patrickstar

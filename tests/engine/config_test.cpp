@@ -19,7 +19,7 @@
 #include "test_data.h"
 
 namespace patrickstar {
-namespace {
+namespace config_test {
 
 std::string error_of(const std::string& text) {
   try {
@@ -461,5 +461,5 @@ TEST(ConfigKeys, EachObjectsKeysAreConsecutive) {
   }
 }
 
-}  // namespace
+}  // namespace config_test
 }  // namespace patrickstar

@@ -17,7 +17,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace deferred_init_test {
 
 models::GptSpec deferred_spec(int64_t layers = 2, int64_t lora_rank = 0) {
   models::GptSpec spec = test::tiny();
@@ -271,5 +271,5 @@ TEST(DeferredInit, AParameterWithoutAValueIsRefusedNamingItAndNothingStaysRegist
   for (const at::Tensor& p : doubled->parameters()) EXPECT_FALSE(is_deferred(p));
 }
 
-}  // namespace
+}  // namespace deferred_init_test
 }  // namespace patrickstar

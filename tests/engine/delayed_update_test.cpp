@@ -18,7 +18,7 @@
 #include "small_net.h"
 
 namespace patrickstar {
-namespace {
+namespace delayed_update_test {
 
 using test::compute_loss;
 using test::error_of;
@@ -416,5 +416,5 @@ TEST_F(DelayedParamUpdate, ConfigurationsItCannotRunAreRefused) {
   EXPECT_EQ(Config::from_json(c.to_json()).delayed_update.warmup_steps, 4);
 }
 
-}  // namespace
+}  // namespace delayed_update_test
 }  // namespace patrickstar

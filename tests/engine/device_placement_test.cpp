@@ -16,7 +16,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace device_placement_test {
 
 using models::Gpt;
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
@@ -172,5 +172,5 @@ TEST(HostPlusDeviceErrors, RefusedWhenThePlacedIndexCannotStepOnTheDevice) {
   EXPECT_NE(error.find("nothing was registered"), std::string::npos) << error;
 }
 
-}  // namespace
+}  // namespace device_placement_test
 }  // namespace patrickstar

@@ -19,7 +19,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace disk_tier_test {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
@@ -331,5 +331,5 @@ TEST(DiskTier, BadFoldersAndConfigsAreClearErrors) {
   for (const auto& p : model->parameters()) EXPECT_TRUE(p.defined() && p.numel() > 0 && p.sum().defined());
 }
 
-}  // namespace
+}  // namespace disk_tier_test
 }  // namespace patrickstar

@@ -18,7 +18,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_device_test {
 
 using test::error_of;
 
@@ -250,7 +250,6 @@ TEST(DeviceCapacity, AutoIsResolvedWhenTheEngineIsBuilt) {
   EXPECT_NE(error.find("device type \"cuda\": "), std::string::npos) << error;
 }
 
-}  // namespace
 // Copy delays test the emulated device's copy thread: a Config built in code (from_json refuses
 // the pair itself) that asks for them on "cuda" is refused at construction, before the device's
 // own checks, so the same on every machine, GPU or not; the model is left as it was.
@@ -267,4 +266,5 @@ TEST(CudaDevice, CopyDelaysAreRefusedBeforeAnythingIsBuilt) {
   EXPECT_TRUE(torch::equal(model->parameters()[0], before));
 }
 
+}  // namespace engine_device_test
 }  // namespace patrickstar

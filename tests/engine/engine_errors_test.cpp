@@ -11,7 +11,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_errors_test {
 
 Config small_config() {
   return Config::from_string(R"({"default_chunk_size": 40000,
@@ -176,5 +176,5 @@ TEST(EngineErrors, InitializeEngineHandlesAndTiedWeightsRegisteredOnce) {
                c10::Error);
 }
 
-}  // namespace
+}  // namespace engine_errors_test
 }  // namespace patrickstar

@@ -18,7 +18,7 @@
 #include "small_net.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_footprint_test {
 
 int64_t heap_bytes() {
 #if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)  // ASan's heap is not glibc's
@@ -143,5 +143,5 @@ TEST(EngineFootprint, TwoEnginesInOneProcessEachMeasureTheirOwnPeaks) {
   }
 }
 
-}  // namespace
+}  // namespace engine_footprint_test
 }  // namespace patrickstar

@@ -10,7 +10,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_init_test {
 
 TEST(EngineInit, HostPeakWithinModelDataPlusTheLargestModule) {
   const models::GptSpec spec = models::gpt_spec("gpt_mini");
@@ -45,5 +45,5 @@ TEST(EngineInit, HostPeakWithinModelDataPlusTheLargestModule) {
   }
 }
 
-}  // namespace
+}  // namespace engine_init_test
 }  // namespace patrickstar

@@ -13,7 +13,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_loop_test {
 
 using test::compute_loss;
 using test::input_of;
@@ -323,5 +323,5 @@ TEST_F(EngineLoop, EvalModeWithoutNoGradGuardBetweenStepsLeavesTheTrace) {
   EXPECT_EQ(model.engine().retrace_count(), 0);
 }
 
-}  // namespace
+}  // namespace engine_loop_test
 }  // namespace patrickstar

@@ -12,7 +12,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_precision_test {
 
 torch::nn::Sequential mlp() {
   torch::manual_seed(3);
@@ -189,5 +189,5 @@ INSTANTIATE_TEST_SUITE_P(
              std::get<1>(info.param);
     });
 
-}  // namespace
+}  // namespace engine_precision_test
 }  // namespace patrickstar

@@ -18,7 +18,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_recovery_test {
 
 using test::error_of;
 using test::test_device;
@@ -347,5 +347,5 @@ TEST_F(EngineRecoveryGpt, DroppedMicroBatchWithMovesEveryIteration) {
   EXPECT_EQ(engine.retrace_count(), 0);
 }
 
-}  // namespace
+}  // namespace engine_recovery_test
 }  // namespace patrickstar

@@ -18,7 +18,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace engine_training_test {
 
 using models::Gpt;
 using models::GptSpec;
@@ -339,5 +339,5 @@ TEST_F(EngineTraining, WeightsSaveAsAPlainLibTorchArchive) {
   std::remove(path.c_str());
 }
 
-}  // namespace
+}  // namespace engine_training_test
 }  // namespace patrickstar

@@ -7,7 +7,7 @@
 
 #include "iteration_tracker.h"
 
-namespace {
+namespace iteration_tracker_test {
 
 using patrickstar::engine_detail::IterationTracker;
 using patrickstar::engine_detail::Phase;
@@ -92,4 +92,4 @@ TEST(IterationTracker, AbandoningAForwardThatIsNotInProgressIsAnInternalError) {
   EXPECT_EQ(t.phase(), Phase::kIdle);
 }
 
-}  // namespace
+}  // namespace iteration_tracker_test

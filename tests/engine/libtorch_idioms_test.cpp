@@ -16,7 +16,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace libtorch_idioms_test {
 
 using test::input_of;
 using test::Net;
@@ -346,5 +346,5 @@ TEST(LibTorchIdioms, ASecondLibTorchOptimizerOverTheParametersIsRefused) {
   EXPECT_NE(error.find("fc2"), std::string::npos) << error;
 }
 
-}  // namespace
+}  // namespace libtorch_idioms_test
 }  // namespace patrickstar

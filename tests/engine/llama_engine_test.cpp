@@ -15,7 +15,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace llama_engine_test {
 
 constexpr int kSteps = 4;
 
@@ -102,5 +102,5 @@ TEST_P(LlamaEngine, TrainsAsPlainLibTorch) {
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaEngine,
                          ::testing::Values("fp32_checkpointed", "bf16", "lora", "disk"));
 
-}  // namespace
+}  // namespace llama_engine_test
 }  // namespace patrickstar

@@ -23,7 +23,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace llama_test {
 
 std::string reference_folder(const std::string& name) {
   return patrickstar::testing::test_data_dir() + "/llama/" + name;
@@ -195,5 +195,5 @@ TEST_F(LlamaPretrained, TrainsAndWritesACheckpointThatLoadsWithEqualLogits) {
   std::remove((out + "/expected").c_str());
 }
 
-}  // namespace
+}  // namespace llama_test
 }  // namespace patrickstar

@@ -19,7 +19,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace lora_test {
 
 constexpr int kSteps = 6;
 
@@ -481,5 +481,5 @@ TEST_F(LoraLean, TheDiskTierKeepsNoFilesForALeanBaseAndTrainsAlike) {
   for (const auto& [name, w] : b) EXPECT_TRUE(torch::equal(a.at(name), w)) << name;
 }
 
-}  // namespace
+}  // namespace lora_test
 }  // namespace patrickstar

@@ -12,7 +12,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace memory_breakdown_test {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
@@ -100,5 +100,5 @@ TEST(MemoryBreakdown, PeaksAccountForEveryPayloadOnceByKindAndTier) {
   }
 }
 
-}  // namespace
+}  // namespace memory_breakdown_test
 }  // namespace patrickstar

@@ -6,7 +6,7 @@
 #include "patrickstar/models/gpt.h"
 
 namespace patrickstar {
-namespace {
+namespace module_hooks_test {
 
 class RecordingHandler : public ModuleHookHandler {
  public:
@@ -100,5 +100,5 @@ TEST(GptModel, RandomTokensAreSeededAndShifted) {
   EXPECT_LT(a.tokens.max().item<int64_t>(), spec.vocab);
 }
 
-}  // namespace
+}  // namespace module_hooks_test
 }  // namespace patrickstar

@@ -16,7 +16,7 @@
 #include "patrickstar/patrickstar.h"
 
 namespace patrickstar {
-namespace {
+namespace outside_doors_test {
 
 using test::compute_loss;
 using test::error_of;
@@ -438,5 +438,5 @@ TEST_F(GatheredParameters, AStepInsideAReadWriteScopeIsRefusedAndAScopeMayOutliv
   }
 }
 
-}  // namespace
+}  // namespace outside_doors_test
 }  // namespace patrickstar

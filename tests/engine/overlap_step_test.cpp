@@ -21,7 +21,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace overlap_step_test {
 
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
@@ -308,11 +308,11 @@ TEST(OverlapStepReport, TheDiskTierUpdatesAtTheStepAndSaysSoWhenAskedToOverlap) 
   engine.set_overlap_step(false);  // off is always fine
 }
 
-}  // namespace
+}  // namespace overlap_step_test
 }  // namespace patrickstar
 
 namespace patrickstar {
-namespace {
+namespace overlap_step_test {
 
 // "auto" measures: after the warm-up the steady iterations alternate, overlapped first, three each
 // way; the iteration that decides says so in its report, and from then on every iteration runs the
@@ -366,5 +366,5 @@ TEST(OverlapStepAuto, MeasuresBothWaysThenKeepsTheFaster) {
   EXPECT_GT(committed, 0);
 }
 
-}  // namespace
+}  // namespace overlap_step_test
 }  // namespace patrickstar

@@ -5,7 +5,7 @@
 #include "param_table.h"
 
 namespace patrickstar::engine_detail {
-namespace {
+namespace param_table_test {
 
 struct Net : torch::nn::Module {
   Net() {
@@ -80,5 +80,5 @@ TEST(OpenDoors, TokensStayValidUntilTheLastDoorCloses) {
   EXPECT_THROW(doors.close(), c10::Error);  // closed twice
 }
 
-}  // namespace
+}  // namespace param_table_test
 }  // namespace patrickstar::engine_detail

@@ -25,7 +25,7 @@
 #include "temp_folder.h"
 
 namespace patrickstar {
-namespace {
+namespace safetensors_test {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
@@ -240,5 +240,5 @@ TEST(LlamaCheckpointChecks, AFailedSaveLeavesTheFolderAsItWas) {
   EXPECT_EQ(still.names().size(), SafetensorsCheckpoint(kTiny).names().size());
 }
 
-}  // namespace
+}  // namespace safetensors_test
 }  // namespace patrickstar

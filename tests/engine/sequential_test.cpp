@@ -13,7 +13,7 @@
 #include "test_device.h"
 
 namespace patrickstar {
-namespace {
+namespace sequential_test {
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(7);
@@ -105,5 +105,5 @@ TEST_F(SequentialDoors, MemberSequentialThroughCall) {
   EXPECT_TRUE(torch::equal(plain->forward(x), plain->stack->forward(x)));
 }
 
-}  // namespace
+}  // namespace sequential_test
 }  // namespace patrickstar

@@ -7,7 +7,7 @@
 #include "test_device.h"
 
 namespace patrickstar::test {
-namespace {
+namespace test_device_test {
 
 TEST(TestDeviceSwitch, TakesEmulatedAndCudaAndRefusesTheRest) {
   EXPECT_TRUE(test_device_problem("", false).why.empty());
@@ -38,5 +38,5 @@ TEST_F(TestDevice, TheSwitchPicksTheDeviceAndTheConfig) {
   }
 }
 
-}  // namespace
+}  // namespace test_device_test
 }  // namespace patrickstar::test

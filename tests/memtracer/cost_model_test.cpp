@@ -10,7 +10,7 @@
 #include "patrickstar/memtracer/cost_model.h"
 
 namespace patrickstar {
-namespace {
+namespace cost_model_test {
 
 using ::testing::HasSubstr;
 
@@ -243,5 +243,5 @@ TEST(CostModel, BadInputIsRefusedWithWhatIsWrong) {
               HasSubstr("not positive"));
 }
 
-}  // namespace
+}  // namespace cost_model_test
 }  // namespace patrickstar

@@ -12,7 +12,7 @@
 #include "patrickstar/memtracer/memory_probe.h"
 
 namespace patrickstar {
-namespace {
+namespace counting_allocator_test {
 
 constexpr int64_t kMiB = 1 << 20;
 
@@ -205,5 +205,5 @@ TEST(CountingAllocator, CudaProbeMatchesTheBuild) {
   EXPECT_EQ(probe->peak_bytes(), probe->live_bytes());
 }
 
-}  // namespace
+}  // namespace counting_allocator_test
 }  // namespace patrickstar

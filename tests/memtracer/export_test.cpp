@@ -11,7 +11,7 @@
 #include "patrickstar/memtracer/simulator.h"
 
 namespace patrickstar {
-namespace {
+namespace export_test {
 
 SimulationResult small_run(int64_t* capacity) {
   GptLikeOptions gpt;
@@ -160,5 +160,5 @@ TEST(Export, SvgPlotAndFile) {
   EXPECT_THROW(write_text_file("/nonexistent-dir/x.svg", svg), c10::Error);
 }
 
-}  // namespace
+}  // namespace export_test
 }  // namespace patrickstar

@@ -10,7 +10,7 @@
 #include "scheduler_test_util.h"
 
 namespace patrickstar {
-namespace {
+namespace scheduler_test {
 
 using ::testing::HasSubstr;
 using namespace scheduler_testing;  // NOLINT: the scheduler tests' shared helpers
@@ -426,5 +426,5 @@ TEST(Scheduler, GptLikeOptNearTheBound) {
   }
 }
 
-}  // namespace
+}  // namespace scheduler_test
 }  // namespace patrickstar

@@ -10,7 +10,7 @@
 #include "scheduler_test_util.h"
 
 namespace patrickstar {
-namespace {
+namespace scheduler_warmup_test {
 
 using ::testing::HasSubstr;
 using test::error_of;
@@ -239,5 +239,5 @@ TEST(Scheduler, DeviceOnlyChunksNeverLeaveAndShrinkTheBudget) {
   EXPECT_THAT(error, HasSubstr("100 bytes of chunks that never leave the device"));
 }
 
-}  // namespace
+}  // namespace scheduler_warmup_test
 }  // namespace patrickstar

@@ -11,7 +11,7 @@
 #include "patrickstar/memtracer/trace.h"
 
 namespace patrickstar {
-namespace {
+namespace trace_test {
 
 using ::testing::HasSubstr;
 
@@ -223,5 +223,5 @@ TEST(TraceRecorder, MatchesNextRewarmMidIterationAndRewind) {
   EXPECT_THAT(error_of([&] { recorder.rewind_to(0); }), HasSubstr("rewind_to"));
 }
 
-}  // namespace
+}  // namespace trace_test
 }  // namespace patrickstar

@@ -17,7 +17,7 @@
 #include "test_device_switch.h"
 
 namespace patrickstar {
-namespace {
+namespace traced_model_test {
 
 class TrackingMover final : public ChunkMover {
  public:
@@ -172,5 +172,5 @@ TEST_F(TracedModel, ChunksPlusMeasuredNonModelStayWithinCapacity) {
   EXPECT_TRUE(recorder.current_trace().same_moments(recorder.warmup_trace()));
 }
 
-}  // namespace
+}  // namespace traced_model_test
 }  // namespace patrickstar

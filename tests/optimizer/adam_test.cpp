@@ -18,7 +18,7 @@
 #include "patrickstar/optimizer/cpu_adam.h"
 
 namespace patrickstar {
-namespace {
+namespace adam_test {
 
 using testing::bit_equal;
 using testing::max_norm_rel_diff;
@@ -465,5 +465,5 @@ TEST(CpuAdam, RejectsMismatchedViews) {
                c10::Error);
 }
 
-}  // namespace
+}  // namespace adam_test
 }  // namespace patrickstar

@@ -15,7 +15,7 @@
 #include "patrickstar/optimizer/cpu_adam.h"
 
 namespace patrickstar {
-namespace {
+namespace half_conversion_test {
 
 uint16_t bits_of(c10::Half h) {
   return h.x;
@@ -74,5 +74,5 @@ TEST(HalfConversion, RestoreHalfFromMasterIsTorchRounding) {
   }
 }
 
-}  // namespace
+}  // namespace half_conversion_test
 }  // namespace patrickstar

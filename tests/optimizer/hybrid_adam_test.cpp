@@ -10,7 +10,7 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar {
-namespace {
+namespace hybrid_adam_test {
 
 using testing::bit_equal;
 using testing::max_norm_rel_diff;
@@ -252,5 +252,5 @@ TEST(HybridAdamMixedFp32Gradient, UpdatesFromTheFp32GradientNotItsHalfRounding) 
   }
 }
 
-}  // namespace
+}  // namespace hybrid_adam_test
 }  // namespace patrickstar

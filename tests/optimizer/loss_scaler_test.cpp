@@ -10,7 +10,7 @@
 #include "patrickstar/optimizer/loss_scaler.h"
 
 namespace patrickstar {
-namespace {
+namespace loss_scaler_test {
 
 LossScalerOptions dynamic_options(int power, int64_t window, int hysteresis, double min_scale) {
   LossScalerOptions o;
@@ -173,5 +173,5 @@ TEST(LossScaler, MatchesDeepSpeedOnRandomSequences) {
   }
 }
 
-}  // namespace
+}  // namespace loss_scaler_test
 }  // namespace patrickstar

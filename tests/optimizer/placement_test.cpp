@@ -9,7 +9,7 @@
 #include "patrickstar/optimizer/placement.h"
 
 namespace patrickstar {
-namespace {
+namespace placement_test {
 
 TEST(Placement, EqualChunksFillAPrefix) {
   const std::vector<int64_t> bytes(10, 100);
@@ -55,5 +55,5 @@ TEST(Placement, AllOnHostAndBadInput) {
   EXPECT_THROW(plan_placement(std::vector<int64_t>{10, -1}, 100), c10::Error);
 }
 
-}  // namespace
+}  // namespace placement_test
 }  // namespace patrickstar

@@ -14,7 +14,7 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar {
-namespace {
+namespace sum_squares_test {
 
 TEST(SumSquaresOnDevice, EqualsTheHostKernelsDoubleSum) {
   torch::manual_seed(3);
@@ -76,5 +76,5 @@ TEST(SumSquaresOnDevice, OnCudaEqualsTheHostAndStaysWithinOneSlice) {
   EXPECT_NEAR(sum.item<double>(), expected, 1e-9 * expected);
 }
 
-}  // namespace
+}  // namespace sum_squares_test
 }  // namespace patrickstar

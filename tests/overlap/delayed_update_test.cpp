@@ -13,7 +13,7 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar::engine_detail {
-namespace {
+namespace delayed_update_test {
 
 at::Tensor plain(int64_t numel, at::ScalarType dtype) {
   return at::empty({numel}, at::dtype(dtype));
@@ -111,5 +111,5 @@ TEST(DelayedUpdate, WhatTheUpdateThrowsReachesResultUntilDone) {
   delayed.done();
 }
 
-}  // namespace
+}  // namespace delayed_update_test
 }  // namespace patrickstar::engine_detail

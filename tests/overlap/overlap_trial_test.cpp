@@ -7,7 +7,7 @@
 #include "overlap_trial.h"
 
 namespace patrickstar::engine_detail {
-namespace {
+namespace overlap_trial_test {
 
 // Runs iterations of `overlapped` seconds when the trial overlaps and `serial` seconds otherwise
 // until it decides; returns the decision's line.
@@ -63,5 +63,5 @@ TEST(OverlapTrial, TheMedianIgnoresOneSlowIterationAndUncountedOnesChangeNothing
   EXPECT_TRUE(trial.overlap_now());
 }
 
-}  // namespace
+}  // namespace overlap_trial_test
 }  // namespace patrickstar::engine_detail

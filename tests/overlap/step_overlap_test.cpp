@@ -14,7 +14,7 @@
 #include "step_overlap.h"
 
 namespace patrickstar::engine_detail {
-namespace {
+namespace step_overlap_test {
 
 // One chunk index's tensors: fp32 (master is the parameter) or mixed (a bf16 half slot holding
 // the gradient, no gradient space).
@@ -196,5 +196,5 @@ TEST(StepOverlap, TheMemoryBoundRefusesWhatWouldPassIt) {
   overlap.clear();
 }
 
-}  // namespace
+}  // namespace step_overlap_test
 }  // namespace patrickstar::engine_detail

@@ -21,7 +21,7 @@
 #include "step_pipeline.h"
 
 namespace patrickstar::engine_detail {
-namespace {
+namespace step_pipeline_test {
 
 // Four chunk indices of two tensors each. The trace's forward reads index i at moment i; its
 // backward reads index 3 - (m - 4) at moment m = 4 .. 7, so index i is last used at moment 7 - i:
@@ -133,7 +133,7 @@ struct Rig {
                          /*grad_space=*/true);
   }
 
-  ChunkStore& store() { return *storage.store; }
+  ChunkStore& store() { return *storage.store(); }
 
   void build_store(uint64_t seed) {
     Layout layout;
@@ -141,13 +141,11 @@ struct Rig {
       layout.add_tensor("w" + std::to_string(id), {64, 512});
     }
     layout.finalize(2 * 64 * 512);  // two tensors per chunk index
-    storage.host = std::make_unique<HostTier>(MemoryTier::kUnlimited, HostTier::Pinning::kNever);
-    storage.device = std::make_unique<EmulatedDeviceTier>(int64_t{64} << 20);
     std::vector<ChunkKindSpec> kinds;
     for (ChunkKind kind : kStoredKinds) kinds.push_back({kind, at::kFloat});
-    storage.store =
-        std::make_unique<ChunkStore>(std::move(layout), kinds, *storage.host, *storage.device);
-    storage.set_lean_from_layout(/*lean_frozen=*/false);
+    storage.build(std::make_unique<HostTier>(MemoryTier::kUnlimited, HostTier::Pinning::kNever),
+                  std::make_unique<EmulatedDeviceTier>(int64_t{64} << 20), std::move(layout), kinds,
+                  /*copy_queue=*/nullptr, /*lean_frozen=*/false);
     torch::manual_seed(seed);
     for (ChunkId c = 0; c < store().chunk_count(); ++c) {
       store().allocate(c, Tier::kHost);
@@ -292,5 +290,5 @@ TEST(StepPipeline, TheStepCommitsTheUpdatesMadeAheadBitForBitTheSerialStep) {
   }
 }
 
-}  // namespace
+}  // namespace step_pipeline_test
 }  // namespace patrickstar::engine_detail

@@ -1,0 +1,347 @@
+// Data parallel across processes (docs/design.md section 9): ownership, gather on use, drop after
+// use, gradient reduction into the owners (DataParallel, data_parallel.h). With one process none of
+// this runs.
+//
+// The rules, identical on every rank because they follow the doors and the gradients (the same
+// model runs the same graph everywhere), never a rank's own memory decisions:
+// - Rank r owns chunk index i when i % world_size == r, and keeps that index's payloads of every
+//   kind. A comm group is world_size consecutive chunk indices.
+// - A door that needs a parameter whose group is not present gathers the group: one all-gather of
+//   the owners' param chunks into one buffer of world_size chunks on the device (on the host for a
+//   CPU embedding's group). The doors place these buffers, not the scheduler: their bytes are
+//   non-model bytes to the trace (GatheredBytesProbe), so the budgets of every later iteration
+//   leave room for them at the moments they are present, and dropping them costs no copy.
+// - Outside a backward, a group's remote chunks are dropped when every tensor of the group was used
+//   since the gather and none is in use (so a forward gathers each group once).
+// - In a backward, a group is reduced when each of its trainable tensors got its gradients (one per
+//   autograd pass that uses it) and none is in use: every chunk of the group is summed in fp32 into
+//   its owner, then the remote chunks are dropped. The end of the backward reduces the groups left
+//   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
+#include "data_parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gradient_state.h"
+#include "iteration_metrics.h"
+#include "iteration_tracker.h"
+#include "model_storage.h"
+#include "non_model_probe.h"
+#include "param_table.h"
+#include "patrickstar/engine/deferred_init.h"
+
+namespace patrickstar::engine_detail {
+
+void DataParallel::connect(ShardWiring wiring) {
+  wiring_ = std::make_unique<ShardWiring>(std::move(wiring));
+}
+
+ChunkStore& DataParallel::store() const {
+  return *wiring_->storage.store();
+}
+
+bool DataParallel::owns_index(int64_t index) const {
+  return owns(store().layout(), index);
+}
+
+bool DataParallel::lean(int64_t index) const {
+  return wiring_->storage.lean()[static_cast<size_t>(index)];
+}
+
+bool DataParallel::host_only(int64_t index) const {
+  return wiring_->storage.host_only()[static_cast<size_t>(index)];
+}
+
+void DataParallel::note_gradient(TensorId id) {
+  if (!distributed()) return;
+  ++wiring_->params[id].grads_this_backward;
+  groups_.on_gradient(group_of(id));
+}
+
+int64_t DataParallel::group_of(TensorId id) const {
+  return store().layout().comm_group(store().layout().placement(id).chunk_index);
+}
+
+void DataParallel::broadcast_initial_state(
+    const std::vector<std::pair<std::string, at::Tensor>>& params, torch::nn::Module& model) {
+  if (!distributed()) return;
+  torch::NoGradGuard no_grad;
+  const ScopeTimer timer = timed();
+  auto broadcast = [&](const at::Tensor& t) {
+    if (t.is_contiguous()) {
+      comm_->broadcast(t, 0);
+    } else {
+      at::Tensor staging = t.contiguous();
+      comm_->broadcast(staging, 0);
+      t.copy_(staging);
+    }
+  };
+  // A deferred parameter has no value yet: its owner's initializer gives it one at registration.
+  for (const auto& item : params) {
+    if (!is_deferred(item.second)) broadcast(item.second);
+  }
+  for (const at::Tensor& b : model.buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device().is_cpu() && b.numel() > 0) broadcast(b);
+  }
+}
+
+void DataParallel::gather_group(int64_t group) {
+  // The overlapped step: this rank's chunk of the group updated ahead (a frozen parameter read
+  // again in this backward, an evaluation before the step) is undone first, so that every rank
+  // receives the weights of before the step.
+  wiring_->index_used(groups_.index(group, rank_));
+  // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
+  // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
+  // the other ranks' chunks, freed with the last of them (release_group).
+  std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_)
+      slots[static_cast<size_t>(r)] = store().chunk_id(ChunkKind::kParam, groups_.index(group, r));
+  }
+  const ChunkId own = store().chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
+  const bool on_host = host_only(groups_.index(group, 0));
+  const int64_t bytes = world_ * store().chunk_bytes(own);
+  at::Tensor buffer;
+  try {
+    if (!on_host) {
+      // The trace's budgets leave room for the groups the doors gather; in the warm-up, or when
+      // this moment's compute holds more than measured, chunks the scheduler placed make room.
+      const int64_t free =
+          wiring_->storage.device()->capacity_bytes() - wiring_->storage.device()->used_bytes();
+      if (bytes > free) wiring_->make_device_room(bytes - free);
+    }
+    buffer = store().allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
+  } catch (c10::Error& e) {
+    e.add_context(absl::StrCat("while gathering comm group ", group, " (", world_,
+                               " param chunks, ", bytes, " bytes) onto the ",
+                               on_host ? "host" : "device",
+                               "; chunks pinned by tensors in use: ", wiring_->describe_pinned()));
+    throw;
+  }
+  {
+    const ScopeTimer timer = timed();
+    comm_->all_gather(store().chunk_view(own), buffer);
+  }
+  if (!on_host) {
+    wiring_->probe().add_gathered(bytes);
+    wiring_->metrics.note_gathered_bytes(wiring_->probe().gathered_bytes());
+  }
+  groups_.on_gathered(group);
+  for (int64_t index : groups_.indices(group)) {
+    for (TensorId t : store().layout().tensors_in_chunk(index)) wiring_->params[t].touched = false;
+  }
+}
+
+void DataParallel::ensure_gathered(const std::vector<TensorId>& ids, bool with_grad_chunks) {
+  if (!distributed()) return;
+  for (TensorId id : ids) {
+    const int64_t g = group_of(id);
+    if (!groups_.gathered(g)) {
+      // A backward leaves a lean group (frozen: never reduced, so never dropped by a reduction)
+      // behind when it needs the next one: backward visits the groups in reverse order, so the
+      // frozen base is never gathered whole on the device (a group needed again is gathered
+      // again).
+      if (wiring_->tracker.in_backward() && lean(groups_.index(g, 0)))
+        release_lean_groups_except(ids);
+      gather_group(g);
+    }
+    Param& p = wiring_->params[id];
+    if (!p.touched) {
+      p.touched = true;
+      groups_.on_used(g);
+    }
+    // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the
+    // Mover allocates it on the device); a CPU embedding's, which is never scheduled, on the host.
+    const int64_t index = store().layout().placement(id).chunk_index;
+    if (!with_grad_chunks || !wiring_->gradients.space() || !p.trainable || !host_only(index)) {
+      continue;
+    }
+    const ChunkId grad = store().chunk_id(ChunkKind::kGrad, index);
+    if (store().tier(grad) == Tier::kNone) store().allocate(grad, Tier::kHost);  // zeros
+  }
+}
+
+void DataParallel::release_group(int64_t group) {
+  const int64_t first = groups_.index(group, 0);
+  if (groups_.gathered(group) && !host_only(first)) {
+    wiring_->probe().add_gathered(-world_ *
+                                  store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
+  }
+  for (int64_t index : groups_.indices(group)) {
+    if (owns_index(index)) continue;
+    store().release(store().chunk_id(ChunkKind::kParam, index));
+    if (wiring_->gradients.space()) store().release(store().chunk_id(ChunkKind::kGrad, index));
+  }
+  groups_.on_released(group);
+}
+
+namespace {
+template <class Indices>
+bool any_in_compute(const ChunkStore& store, bool grad_space, Indices indices) {
+  for (int64_t index : indices) {
+    if (!store.is_movable(store.chunk_id(ChunkKind::kParam, index))) return true;
+    if (grad_space && !store.is_movable(store.chunk_id(ChunkKind::kGrad, index))) return true;
+  }
+  return false;
+}
+}  // namespace
+
+void DataParallel::release_lean_groups_except(const std::vector<TensorId>& ids) {
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (!groups_.gathered(g) || !lean(groups_.index(g, 0)) || groups_.has_gradients(g)) continue;
+    if (std::any_of(ids.begin(), ids.end(), [&](TensorId id) { return group_of(id) == g; }))
+      continue;
+    if (any_in_compute(store(), wiring_->gradients.space(), groups_.indices(g))) continue;
+    release_group(g);
+  }
+}
+
+void DataParallel::release_used_groups(const std::vector<TensorId>& ids) {
+  if (!distributed() || wiring_->tracker.in_backward()) return;
+  for (TensorId id : ids) {
+    const int64_t g = group_of(id);
+    if (!groups_.gathered(g) || groups_.has_gradients(g) || !groups_.all_used(g)) continue;
+    if (any_in_compute(store(), wiring_->gradients.space(), groups_.indices(g))) continue;
+    release_group(g);
+  }
+}
+
+void DataParallel::reduce_ready_groups(const std::vector<TensorId>& ids) {
+  if (!distributed()) return;
+  for (TensorId id : ids) {
+    const int64_t g = group_of(id);
+    if (!groups_.has_gradients(g)) continue;
+    bool ready = !any_in_compute(store(), wiring_->gradients.space(), groups_.indices(g));
+    for (int64_t index : groups_.indices(g)) {
+      if (!ready) break;
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
+        const Param& p = wiring_->params[t];
+        if (p.trainable && (p.segments == 0 || p.grads_this_backward < p.segments)) {
+          ready = false;
+          break;
+        }
+      }
+    }
+    if (ready) reduce_group(g);
+  }
+}
+
+void DataParallel::reduce_group(int64_t group) {
+  torch::NoGradGuard no_grad;
+  // The overlapped step: this rank's index of the group updated ahead before this reduction (its
+  // gradients came in an earlier backward of the iteration, none in this one) is undone first: the
+  // reduction writes what the update reads.
+  wiring_->index_used(groups_.index(group, rank_));
+  {
+    const ScopeTimer timer = timed();
+    for (int owner = 0; owner < world_; ++owner) {
+      const int64_t index = groups_.index(group, owner);
+      if (wiring_->gradients.space()) {
+        // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
+        // micro-batches reduced, receives the sum in place.
+        const ChunkId c = store().chunk_id(ChunkKind::kGrad, index);
+        if (store().tier(c) == Tier::kNone) store().allocate(c, Tier::kHost);  // nothing here
+        comm_->reduce_sum(store().chunk_view(c), owner);
+        continue;
+      }
+      // Mixed precision without a gradient space: the half slots hold the gradients. They are
+      // summed in fp32 (MPI has no bf16); the owner keeps the fp32 sum for Adam and its half slot
+      // gets the weight back from the master (a later gather reads weights).
+      at::Tensor sum =
+          store().chunk_view(store().chunk_id(ChunkKind::kParam, index)).to(at::kFloat);
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
+        if (wiring_->params[t].has_grad) continue;  // a weight, not a gradient
+        const TensorPlacement& where = store().layout().placement(t);
+        sum.narrow(0, where.offset_elems, where.numel).zero_();
+      }
+      sum.mul_(1.0 / world_);
+      comm_->reduce_sum(sum, owner);
+      if (!owns_index(index)) continue;
+      at::Tensor& kept = wiring_->gradients.reduced(index);
+      kept = kept.defined() ? kept.add_(sum) : sum;
+      for (TensorId t : store().layout().tensors_in_chunk(index)) {
+        if (wiring_->params[t].has_grad) {
+          store().view(t, ChunkKind::kParam).copy_(store().view(t, ChunkKind::kParamFp32));
+        }
+      }
+    }
+  }
+  groups_.on_reduced();
+  release_group(group);
+}
+
+void DataParallel::reduce_remaining_groups() {
+  if (!distributed()) return;
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (groups_.has_gradients(g)) reduce_group(g);
+  }
+}
+
+void DataParallel::release_remote(bool discard) {
+  if (!distributed()) return;
+  for (int64_t g = 0; g < groups_.count(); ++g) {
+    if (!discard && groups_.has_gradients(g)) continue;
+    if (any_in_compute(store(), wiring_->gradients.space(), groups_.indices(g))) continue;
+    bool present = groups_.gathered(g);
+    for (int64_t index : groups_.indices(g)) {
+      if (present) break;
+      present = !owns_index(index) && wiring_->gradients.space() &&
+                store().tier(store().chunk_id(ChunkKind::kGrad, index)) != Tier::kNone;
+    }
+    if (present) release_group(g);
+  }
+}
+
+at::Tensor DataParallel::master_chunk_everywhere(const StateAccess& /*access*/, int64_t index,
+                                                 ChunkKind master_kind) const {
+  // A lean index's weights are its param chunk (widened from the half weights in mixed precision).
+  const ChunkKind master = lean(index) ? ChunkKind::kParam : master_kind;
+  at::Tensor buffer =
+      owns_index(index)
+          ? store()
+                .chunk_view(store().chunk_id(master, index))
+                .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+          : at::empty({store().chunk(store().chunk_id(master, index)).capacity_elems}, at::kFloat);
+  comm_->broadcast(buffer, static_cast<int>(index % world_));
+  return buffer;
+}
+
+at::Tensor DataParallel::value_in(const Layout& layout, const at::Tensor& chunk, TensorId id) {
+  const TensorPlacement& where = layout.placement(id);
+  return chunk.narrow(0, where.offset_elems, where.numel).view(layout.sizes(id)).clone();
+}
+
+StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp), adam_(adam) {
+  if (!dp_.distributed()) return;
+  adam_.set_stats_reducer([this](GradStats& stats) {
+    const double global = dp_.sum(stats.sum_squares);
+    agreed_ = true;
+    TORCH_CHECK(!(global < 0), "patrickstar: another rank could not take this step (its error "
+                "is reported there); every rank discards the iteration");
+    stats.sum_squares = global;
+  });
+  installed_ = true;
+}
+
+void StepAgreement::release() {
+  if (!installed_) return;
+  adam_.set_stats_reducer(nullptr);
+  installed_ = false;
+}
+
+bool StepAgreement::give_up() {
+  release();
+  if (!dp_.distributed()) return false;
+  if (!agreed_) {
+    dp_.sum(-1e300);
+    agreed_ = true;
+  }
+  return true;
+}
+
+}  // namespace patrickstar::engine_detail
