@@ -59,7 +59,7 @@ bool DataParallel::host_only(int64_t index) const {
 
 void DataParallel::note_gradient(TensorId id) {
   if (!distributed()) return;
-  ++wiring_->params[id].grads_this_backward;
+  wiring_->params.count_backward_gradient(id);
   groups_.on_gradient(group_of(id));
 }
 
@@ -133,7 +133,8 @@ void DataParallel::gather_group(int64_t group) {
   }
   groups_.on_gathered(group);
   for (int64_t index : groups_.indices(group)) {
-    for (TensorId t : store().layout().tensors_in_chunk(index)) wiring_->params[t].touched = false;
+    for (TensorId t : store().layout().tensors_in_chunk(index))
+      wiring_->params.set_touched(t, false);
   }
 }
 
@@ -150,9 +151,9 @@ void DataParallel::ensure_gathered(const std::vector<TensorId>& ids, bool with_g
         release_lean_groups_except(ids);
       gather_group(g);
     }
-    Param& p = wiring_->params[id];
+    const Param& p = wiring_->params[id];
     if (!p.touched) {
-      p.touched = true;
+      wiring_->params.set_touched(id, true);
       groups_.on_used(g);
     }
     // Another rank's gradient chunk starts as zeros where the scheduler first puts it (the

@@ -127,7 +127,7 @@ EngineCore::~EngineCore() {
 
 void EngineCore::give_back_model(const StateAccess& access, bool may_gather) {
   if (storage_.store() == nullptr) return;
-  for (Param& p : params_) p.grad.consumed = false;
+  for (const Param& p : params_) params_.set_grad_consumed(p.id, false);
   clear_gradient_handles();  // no grad() may keep pointing into a chunk
   // The model gets ordinary fp32 parameters back, with the master weights: it trains on with plain
   // LibTorch. Nothing may keep pointing into the payloads the store is about to free.

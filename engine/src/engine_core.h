@@ -262,7 +262,7 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // restored from the fp32 master.
   // `access`: where restores_half_weight(p) (mixed precision without a gradient space, a
   // gradient in the half slot of an index this rank owns), the access to its master.
-  void drop_gradient(Param& p, const engine_detail::StateAccess* access);
+  void drop_gradient(const Param& p, const engine_detail::StateAccess* access);
   bool restores_half_weight(const Param& p) const;
   // A forward between doors whose graph is gone (its loss was dropped): forgotten.
   void forget_dropped_forward();

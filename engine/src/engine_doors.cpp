@@ -148,8 +148,8 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
     throw;
   }
   for (TensorId id : module.params) {
-    Param& p = params_[id];
-    if (p.compute_refs++ > 0) continue;
+    if (!params_.begin_use(id)) continue;
+    const Param& p = params_[id];
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
     if (with_grad_chunks && gradients_.space() && p.trainable) {
       store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
@@ -182,11 +182,11 @@ void EngineCore::follow_trace(MomentKind kind, const std::string& label) {
 void EngineCore::abandon_forward() {
   // Nothing of this forward reaches backward: its moments are forgotten (the next forward starts
   // where it started) and its parameters wait for nothing.
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
-    p.forget_segments();
+    params_.forget_passes(p.id);
   }
   tracker_.set_open_moment(-1);
   recorder_->rewind_to(tracker_.forward_start_moment());
@@ -240,10 +240,9 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
     for (TensorId id : info.params) indices.push_back(store().layout().placement(id).chunk_index);
     pipeline_->on_evaluation_reads(indices);  // and the delayed update in flight is written in
     for (TensorId id : info.params) {
-      Param& p = params_[id];
-      if (p.compute_refs++ > 0) continue;
+      if (!params_.begin_use(id)) continue;
       store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
-      point_at_chunk(p);
+      point_at_chunk(params_[id]);
     }
     return doors_.open(OpenScope{&info, info.params, kind});
   }
@@ -269,20 +268,15 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
   }
   if (!tracker_.in_backward()) {  // a recompute in backward is not a pass of its own
     const int64_t segment = kind == ForwardKind::kCheckpointed ? checkpointed_forward_serial() : 0;
-    for (TensorId id : info.params) {
-      Param& p = params_[id];
-      if (p.last_segment == segment) continue;
-      p.last_segment = segment;
-      ++p.segments;
-    }
+    for (TensorId id : info.params) params_.note_pass(id, segment);
   }
   return token;
 }
 
 void EngineCore::release(TensorId id, TensorState to) {
-  Param& p = params_[id];
+  const Param& p = params_[id];
   TORCH_CHECK(p.compute_refs > 0, "patrickstar: internal: release of ", p.name, " not in use");
-  if (--p.compute_refs > 0) return;
+  if (!params_.end_use(id)) return;
   store().set_state(id, ChunkKind::kParam, to);
   point_at_nothing(p);
 }

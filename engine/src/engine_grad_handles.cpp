@@ -40,10 +40,9 @@ constexpr const char* kLaterWhy =
     "read it there";
 
 // A view handle leaves its slot: the storage it (and any copy the trainer kept) shares is fenced.
-void withdraw_view(c10::Storage& storage, const std::string& name) {
+void withdraw_view(const c10::Storage& storage, const std::string& name) {
   storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
       unreadable_message(name, kLaterWhy));
-  storage = c10::Storage();
 }
 
 }  // namespace
@@ -51,9 +50,10 @@ void withdraw_view(c10::Storage& storage, const std::string& name) {
 void EngineCore::show_gradients(GradientsShown when) {
   const bool views_possible = !distributed() && config_.precision() != Precision::kFp16;
   const at::ScalarType half = param_dtype(config_.precision());
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (!p.grad.defined) continue;
     at::Tensor handle;
+    c10::Storage view_storage;
     const bool view =
         views_possible &&
         ((when == GradientsShown::kAfterBackward && (gradients_.space() || p.has_grad)) ||
@@ -61,10 +61,10 @@ void EngineCore::show_gradients(GradientsShown when) {
     if (view) {
       const at::Tensor slot =
           store().view(p.id, gradients_.space() ? ChunkKind::kGrad : ChunkKind::kParam);
-      p.grad.storage = storage_without_memory(
+      view_storage = storage_without_memory(
           slot.numel() * static_cast<int64_t>(slot.element_size()), slot.device());
-      repoint(p.grad.storage, slot.data_ptr());
-      handle = tensor_over(p.grad.storage, p.tensor.sizes(), slot.scalar_type());
+      repoint(view_storage, slot.data_ptr());
+      handle = tensor_over(view_storage, p.tensor.sizes(), slot.scalar_type());
     } else if (when == GradientsShown::kAfterBackward && !views_possible) {
       const char* why = distributed()
                             ? "with data parallel each rank keeps only its share of the gradients, "
@@ -82,10 +82,8 @@ void EngineCore::show_gradients(GradientsShown when) {
                                                        "without a gradient space)"
                                                      : kLaterWhy));
     }
-    p.grad.is_view = view;
-    p.grad.tensor = handle;
-    p.grad.version = static_cast<int64_t>(handle._version());
     p.tensor.mutable_grad() = handle;
+    params_.show_grad(p.id, handle, view, std::move(view_storage));
     gradients_.note_handles_shown(/*views=*/view);
   }
 }
@@ -101,10 +99,10 @@ void EngineCore::take_gradient_edits(bool door) {
   torch::NoGradGuard no_grad;
   // First what was done, checked before anything changes: a refused edit leaves the engine and
   // every handle as they were, so the same call refuses again until the trainer does otherwise.
-  std::vector<Param*> reset, zeroed, assigned;
+  std::vector<const Param*> reset, zeroed, assigned;
   int64_t with_handle = 0;
   bool edited = false;
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (!p.grad.tensor.defined()) continue;
     ++with_handle;
     const at::Tensor& grad = p.tensor.grad();
@@ -135,11 +133,11 @@ void EngineCore::take_gradient_edits(bool door) {
   }
   // Gradients changed since the optimizer thread read them: what it updated ahead is undone.
   if (edited || !reset.empty() || !assigned.empty()) pipeline_->on_gradients_change();
-  std::vector<Param*> dropped = reset;  // reset, or a marker zeroed in place
+  std::vector<const Param*> dropped = reset;  // reset, or a marker zeroed in place
   dropped.insert(dropped.end(), zeroed.begin(), zeroed.end());
   const bool whole = !dropped.empty() && static_cast<int64_t>(dropped.size()) == with_handle;
   if (!whole) {
-    for (Param* p : dropped) {
+    for (const Param* p : dropped) {
       TORCH_CHECK(!distributed() || !p->has_grad, "patrickstar: data parallel: the gradient of ",
                   p->name,
                   " was reset alone (a submodule's zero_grad(), or one parameter's); "
@@ -147,27 +145,24 @@ void EngineCore::take_gradient_edits(bool door) {
                   "optimizer's zero_grad()) or none");
     }
   }
-  for (Param* p : assigned) p->grad.tensor.copy_(p->tensor.grad());
-  for (Param* p : reset) p->grad.defined = false;
+  for (const Param* p : assigned) p->grad.tensor.copy_(p->tensor.grad());
+  for (const Param* p : reset) params_.set_grad_defined(p->id, false);
   // Withdraw: views are fenced (a copy of one kept by the trainer throws when read) and every
   // parameter still showing a gradient gets a marker; the chunks may move from here on.
-  for (Param& p : params_) {
-    if (p.grad.is_view) {
-      withdraw_view(p.grad.storage, p.name);
-      p.grad.is_view = false;
-    }
-    p.grad.tensor.reset();
+  for (const Param& p : params_) {
+    if (p.grad.is_view) withdraw_view(p.grad.storage, p.name);
+    params_.withdraw_grad(p.id);
   }
   gradients_.clear_shown();
   if (whole) {
     // Zeroed in place (set_to_none false) stays defined, as in LibTorch: such a parameter is
     // stepped with a zero gradient even where the next loss does not reach it.
-    std::vector<Param*> kept;
-    for (Param* p : dropped) {
-      if (p->grad.defined) kept.push_back(p);
+    std::vector<TensorId> kept;
+    for (const Param* p : dropped) {
+      if (p->grad.defined) kept.push_back(p->id);
     }
     zero_grad();  // also takes the handles away
-    for (Param* p : kept) p->grad.defined = true;
+    for (TensorId id : kept) params_.set_grad_defined(id, true);
     if (!kept.empty()) show_gradients(GradientsShown::kWithdrawn);
     return;
   }
@@ -178,7 +173,7 @@ void EngineCore::take_gradient_edits(bool door) {
     });
     std::optional<StateAccess> access;
     if (restores) access.emplace(pipeline_->access());
-    for (Param* p : dropped) drop_gradient(*p, access ? &*access : nullptr);
+    for (const Param* p : dropped) drop_gradient(*p, access ? &*access : nullptr);
     if (access) access->finish_views();
     gradients_.set_in_half_slots(
         !gradients_.space() &&
@@ -191,7 +186,7 @@ bool EngineCore::restores_half_weight(const Param& p) const {
   return !gradients_.space() && p.has_grad && owns(store().layout().placement(p.id).chunk_index);
 }
 
-void EngineCore::drop_gradient(Param& p, const StateAccess* access) {
+void EngineCore::drop_gradient(const Param& p, const StateAccess* access) {
   if (gradients_.space()) {
     if (!distributed() || owns(store().layout().placement(p.id).chunk_index)) {
       store().view(p.id, ChunkKind::kGrad).zero_();
@@ -201,24 +196,17 @@ void EngineCore::drop_gradient(Param& p, const StateAccess* access) {
                           "without access to the states");
     store().view(p.id, ChunkKind::kParam).copy_(access->state(p.id, ChunkKind::kParamFp32));
   }
-  p.has_grad = false;
-  p.grad.consumed = false;
-  p.pending_grad.reset();
+  params_.drop_gradient(p.id);
 }
 
 void EngineCore::clear_gradient_handles() {
   bool consumed = false;
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     consumed |= p.grad.consumed && p.grad.tensor.defined();
-    p.grad.consumed = false;
-    if (p.grad.is_view) {
-      withdraw_view(p.grad.storage, p.name);
-      p.grad.is_view = false;
-    }
-    if (p.grad.tensor.defined()) {
-      if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
-      p.grad.tensor.reset();
-    }
+    params_.set_grad_consumed(p.id, false);
+    if (p.grad.is_view) withdraw_view(p.grad.storage, p.name);
+    if (p.grad.tensor.defined() && p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
+    params_.withdraw_grad(p.id);
   }
   gradients_.clear_shown();
   if (consumed && gradients_.first_consumed_warning()) {

@@ -50,8 +50,8 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
   // The module's backward is over. Parameters whose gradient is still to come (a tied weight used
   // again earlier in the model) wait without memory; their gradient lands in the slot later.
   for (TensorId id : module.params) {
-    Param& p = params_[id];
-    if (p.compute_refs == 0 || --p.compute_refs > 0) continue;
+    if (!params_.end_use(id)) continue;
+    const Param& p = params_[id];
     store().set_state(id, ChunkKind::kParam,
                       p.trainable ? TensorState::kHoldAfterFwd : TensorState::kHold);
     if (gradients_.space() && p.trainable &&
@@ -64,7 +64,7 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
 
 void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
-  Param& p = params_[id];
+  const Param& p = params_[id];
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
   TORCH_CHECK(p.gathered == GatherHold::kNone, "patrickstar: a gradient reached parameter ", p.name,
@@ -78,11 +78,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     // Used in a checkpointed block and elsewhere (or in two): each recompute's backward brings a
     // gradient of its own, and a later recompute still reads the weight, so the half slot keeps
     // the weight until the end of backward; the gradients add up in fp32 meanwhile.
-    if (p.pending_grad.defined()) {
-      p.pending_grad.add_(grad);
-    } else {
-      p.pending_grad = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    }
+    params_.add_pending_gradient(id, grad);
     param.mutable_grad().reset();
     return;
   }
@@ -90,7 +86,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     dp_.ensure_gathered({id}, gradients_.space());
     store().set_state(id, ChunkKind::kParam, TensorState::kCompute);
     if (gradients_.space()) store().set_state(id, ChunkKind::kGrad, TensorState::kCompute);
-    p.compute_refs = 1;
+    params_.hold_one_use(id);
   }
   if (gradients_.space()) {
     at::Tensor slot = store().view(id, ChunkKind::kGrad);
@@ -112,10 +108,8 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     store().view(id, ChunkKind::kParam).copy_(grad);
   }
   param.mutable_grad().reset();
-  p.has_grad = true;
-  p.grad.defined = true;
+  params_.note_gradient(id);
   gradients_.set_in_half_slots(!gradients_.space());
-  p.compute_refs = 0;
   store().set_state(id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
   point_at_nothing(p);
   dp_.note_gradient(id);  // data parallel: the group is reduced once its gradients are final
@@ -124,7 +118,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
 
 void EngineCore::flush_pending_gradients() {
   torch::NoGradGuard no_grad;
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (!p.pending_grad.defined()) continue;
     pipeline_->on_index_used(store().layout().placement(p.id).chunk_index);
     dp_.ensure_gathered({p.id}, /*with_grad_chunks=*/false);
@@ -132,13 +126,10 @@ void EngineCore::flush_pending_gradients() {
     if (store().state(p.id, ChunkKind::kParam) != TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kCompute);
     }
-    store().view(p.id, ChunkKind::kParam).copy_(p.pending_grad);
+    store().view(p.id, ChunkKind::kParam).copy_(params_.take_pending_gradient(p.id));
     store().set_state(p.id, ChunkKind::kParam, TensorState::kHoldAfterBwd);
-    p.pending_grad.reset();
-    p.has_grad = true;
-    p.grad.defined = true;
+    params_.note_gradient(p.id);
     gradients_.set_in_half_slots(true);
-    p.compute_refs = 0;
     point_at_nothing(p);
   }
 }
@@ -203,10 +194,10 @@ void EngineCore::sync_trainable() {
                 "false, or build the engine with \"frozen_parameters\": \"full_state\" to "
                 "unfreeze parameters later");
   }
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     const bool wants = p.tensor.requires_grad();
     if (wants == p.trainable) continue;
-    p.trainable = wants;
+    params_.set_trainable(p.id, wants);
     const TensorId id = p.id;
     if (wants) {
       set_post_accumulate_grad_hook(p.tensor,
@@ -221,10 +212,10 @@ void EngineCore::finish_backward() {
   std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
   flush_pending_gradients();
   // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     const TensorState state = store().state(p.id, ChunkKind::kParam);
     if (p.compute_refs > 0 || state == TensorState::kCompute) {
-      p.compute_refs = 0;
+      params_.end_uses(p.id);
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
       point_at_nothing(p);
     } else if (state == TensorState::kHoldAfterFwd) {
@@ -233,8 +224,8 @@ void EngineCore::finish_backward() {
     if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    p.forget_segments();
-    p.grads_this_backward = 0;
+    params_.forget_passes(p.id);
+    params_.reset_backward_gradients(p.id);
   }
   // Data parallel: the groups whose gradients were not all final (parameters unused by this loss)
   // are reduced now, and nothing gathered stays.
@@ -293,22 +284,21 @@ void EngineCore::discard_gradients() {
     TORCH_WARN("patrickstar: discarding the iteration's gradients, some half weights could not be "
                "restored from their fp32 masters and hold gradients (", unrestored, ")");
   }
-  for (Param& p : params_) {
-    p.grad.consumed = false;
-    p.grad.defined = false;
+  for (const Param& p : params_) {
+    params_.set_grad_consumed(p.id, false);
+    params_.set_grad_defined(p.id, false);
   }
   clear_gradient_handles();
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.mutable_grad().reset();
-    p.grads_this_backward = 0;
+    params_.reset_backward_gradients(p.id);
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
     if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    p.has_grad = false;
-    p.pending_grad.reset();
+    params_.drop_gradient(p.id);
   }
   if (gradients_.space()) {
     for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
@@ -323,7 +313,7 @@ void EngineCore::discard_gradients() {
 void EngineCore::drop_iteration() {
   pipeline_->on_iteration_dropped();  // weights and optimizer state as before the iteration
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     const TensorState state = store().state(p.id, ChunkKind::kParam);
     if (state == TensorState::kCompute || state == TensorState::kHoldAfterFwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
@@ -331,8 +321,8 @@ void EngineCore::drop_iteration() {
     if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kCompute) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    p.compute_refs = 0;
-    p.forget_segments();
+    params_.end_uses(p.id);
+    params_.forget_passes(p.id);
     point_at_nothing(p);
   }
   discard_gradients();
@@ -367,7 +357,9 @@ void EngineCore::zero_grad(bool set_to_none) {
     tracker_.set_open_moment(-1);
   }
   if (!set_to_none) {
-    for (size_t i = 0; i < params_.size(); ++i) params_[i].grad.defined = kept[i] != 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_.set_grad_defined(static_cast<TensorId>(i), kept[i] != 0);
+    }
     show_gradients(GradientsShown::kWithdrawn);
   }
 }

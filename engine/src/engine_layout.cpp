@@ -111,7 +111,7 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
     storage_.host()->empty_cache();
     storage_.device()->empty_cache();
   }
-  for (Param& p : params_) p.eval_copy.reset();
+  for (const Param& p : params_) p.eval_copy.reset();
   storage_.replace_store(std::move(fresh), lean_frozen);
   pipeline_->on_new_layout(store().chunk_count(), n);
   scheduler_->replace_chunks(scheduler_chunks());  // (its history stays, for the reports)

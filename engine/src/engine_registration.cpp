@@ -349,11 +349,16 @@ void EngineCore::fill_chunks(Registration& reg) {
       sample();
       for (TensorId id : placed->tensors_in_chunk(index)) {
         const auto& [name, t] = reg.unique[static_cast<size_t>(id)];
-        Param& p = params_[id];
-        p.name = name;
-        p.tensor = t;
-        p.id = id;
-        p.trainable = t.requires_grad();
+        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(reg.half));
+        // A CPU embedding's parameters compute on the host; the others where the device tier is.
+        const c10::Device where = storage_.host_only()[static_cast<size_t>(index)]
+                                      ? c10::Device(c10::kCPU)
+                                      : storage_.device()->device();
+        params_.fill(
+            id, name, t, storage_without_memory(nbytes, where),
+            fence_storage(nbytes, outside_door_message(name, reg.owner_of[t.unsafeGetTensorImpl()]),
+                          where));
+        const Param& p = params_[id];
         if (mine) {
           // A deferred parameter's value exists from here to its copies (one parameter at a time).
           const at::Tensor value = reg.was_deferred[static_cast<size_t>(id)]
@@ -362,14 +367,6 @@ void EngineCore::fill_chunks(Registration& reg) {
           store().view(p.id, ChunkKind::kParam).copy_(value);
           if (mixed() && full) store().view(p.id, ChunkKind::kParamFp32).copy_(value);
         }
-        const int64_t nbytes = t.numel() * static_cast<int64_t>(c10::elementSize(reg.half));
-        // A CPU embedding's parameters compute on the host; the others where the device tier is.
-        const c10::Device where = storage_.host_only()[static_cast<size_t>(index)]
-                                      ? c10::Device(c10::kCPU)
-                                      : storage_.device()->device();
-        p.live = storage_without_memory(nbytes, where);
-        p.fence = fence_storage(
-            nbytes, outside_door_message(name, reg.owner_of[t.unsafeGetTensorImpl()]), where);
         t.set_data(tensor_over(p.fence, t.sizes(), reg.half));
         reg.moved.push_back(id);
       }
@@ -406,7 +403,7 @@ bool EngineCore::restore_moved(const Registration& reg) {
   const StateAccess access = pipeline_->access();
   bool all = true;
   for (TensorId id : reg.moved) {
-    Param& p = params_[id];
+    const Param& p = params_[id];
     if (reg.was_deferred[static_cast<size_t>(id)]) {
       p.tensor.set_data(deferred_tensor(p.tensor.sizes(), at::kFloat));
       continue;

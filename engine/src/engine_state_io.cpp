@@ -244,8 +244,9 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   }
   access.finish_views();
   pipeline_->adam().set_step_count(c.adam_step);
-  for (Param& p : params_) {
-    p.adam_steps = c.param_steps.empty() ? c.adam_step : c.param_steps[static_cast<size_t>(p.id)];
+  for (const Param& p : params_) {
+    params_.set_adam_steps(
+        p.id, c.param_steps.empty() ? c.adam_step : c.param_steps[static_cast<size_t>(p.id)]);
   }
   pipeline_->adam().loss_scaler().load_state(c.scaler);
   if (gradients_.space()) zero_grad();

@@ -111,7 +111,7 @@ void EngineCore::step_kept_zero_gradients() {
   // gradient space holds those zeros already, at the owner with data parallel; a half slot takes
   // them now, the step writes the new weight over them). Data parallel without a gradient space
   // refuses: the reduced sums hold nothing for such a parameter.
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (!p.grad.defined || p.has_grad) continue;
     if (!gradients_.space()) {
       TORCH_CHECK(!distributed(), "patrickstar: parameter ", p.name, " has a gradient kept at zero "
@@ -122,7 +122,7 @@ void EngineCore::step_kept_zero_gradients() {
                   "1");
       store().view(p.id, ChunkKind::kParam).zero_();
     }
-    p.has_grad = true;
+    params_.keep_zero_gradient(p.id);
   }
 }
 
@@ -318,18 +318,17 @@ IterationReport EngineCore::update_timed(StepAgreement& agreement,
 }
 
 void EngineCore::settle_parameters(const IterationReport& report) {
-  for (Param& p : params_) {
+  for (const Param& p : params_) {
     if (store().state(p.id, ChunkKind::kParam) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kParam, TensorState::kHold);
     }
     if (gradients_.space() && store().state(p.id, ChunkKind::kGrad) == TensorState::kHoldAfterBwd) {
       store().set_state(p.id, ChunkKind::kGrad, TensorState::kHold);
     }
-    if (p.has_grad) {
-      if (!report.skipped && !report.update_delayed) ++p.adam_steps;  // (delayed: at hand-over)
-      p.grad.consumed = !gradients_.space();  // the half slot holds the new weight now
-    }
-    p.has_grad = false;
+    // (The delayed update counts its steps at hand-over; in mixed precision without a gradient
+    // space the half slot holds the new weight now.)
+    params_.after_update(p.id, /*counted=*/!report.skipped && !report.update_delayed,
+                         /*consumed=*/!gradients_.space());
   }
   gradients_.drop_reduced();
   gradients_.set_in_half_slots(false);

@@ -63,12 +63,12 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
     }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
-    Param& p = params_[ids[i]];
+    const Param& p = params_[ids[i]];
     c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
     impl->set_storage_and_dtype(values[i].storage(), c10::scalarTypeToTypeMeta(at::kFloat));
     impl->set_storage_offset(0);
     impl->set_sizes_contiguous(store().layout().sizes(p.id));
-    p.gathered = write_back ? GatherHold::kReadWrite : GatherHold::kReadOnly;
+    params_.set_gathered(p.id, write_back ? GatherHold::kReadWrite : GatherHold::kReadOnly);
   }
 }
 
@@ -90,12 +90,12 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
   auto restore = [&] {
     const caffe2::TypeMeta half = c10::scalarTypeToTypeMeta(param_dtype(config_.precision()));
     for (TensorId id : ids) {
-      Param& p = params_[id];
+      const Param& p = params_[id];
       c10::TensorImpl* impl = p.tensor.unsafeGetTensorImpl();
       impl->set_storage_and_dtype(p.fence, half);
       impl->set_storage_offset(0);
       impl->set_sizes_contiguous(store().layout().sizes(p.id));
-      p.gathered = GatherHold::kNone;
+      params_.set_gathered(p.id, GatherHold::kNone);
     }
   };
   try {

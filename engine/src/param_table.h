@@ -2,6 +2,10 @@
 // TensorImpl: a tied parameter once), the modules whose doors open over them, and the doors open
 // now. It owns what each parameter is and where its storage points; the engine decides when that
 // changes (a door opens, a gradient arrives, a step runs) and the chunk store holds the values.
+//
+// Invariants: a parameter's entry is written only by ParamTable's named operations (operator[] and
+// iteration hand out const Param&); its use count never goes below zero, and a pass is counted
+// once however many doors of it open; a parameter with has_grad has grad.defined.
 #pragma once
 
 #include <algorithm>
@@ -68,7 +72,8 @@ struct Param {
   }
   at::Tensor pending_grad;  // fp32 sum of such gradients, written to the half slot at the end
   // An evaluation forward on CUDA whose chunk is on the host reads this device copy of the slot
-  // (the schedule is not followed outside training; the copy goes when the door closes).
+  // (the schedule is not followed outside training; the copy goes when the door closes). The one
+  // field written through a const Param: a cache of the slot, not the parameter's state.
   mutable at::Tensor eval_copy;
   // Data parallel: gradients written this backward (the group is reduced once every trainable
   // tensor of it has `segments` of them), and whether a door used it since its group's gather.
@@ -122,12 +127,109 @@ class ParamTable {
 
   size_t size() const { return params_.size(); }
   bool empty() const { return params_.empty(); }
-  Param& operator[](TensorId id) { return params_[static_cast<size_t>(id)]; }
+  // Read-only: what the engine does to a parameter is one of the operations below.
   const Param& operator[](TensorId id) const { return params_[static_cast<size_t>(id)]; }
-  auto begin() { return params_.begin(); }
-  auto end() { return params_.end(); }
-  auto begin() const { return params_.begin(); }
-  auto end() const { return params_.end(); }
+  auto begin() const { return params_.cbegin(); }
+  auto end() const { return params_.cend(); }
+
+  // --- what the engine does to a parameter ---
+  // Registration, step 4: parameter `id` is `tensor`, named `name`; `live` is the storage its
+  // doors re-point at its chunk slot, `fence` what it holds outside them.
+  void fill(TensorId id, std::string name, at::Tensor tensor, c10::Storage live,
+            c10::Storage fence) {
+    Param& p = at(id);
+    p.name = std::move(name);
+    p.trainable = tensor.requires_grad();
+    p.tensor = std::move(tensor);
+    p.id = id;
+    p.live = std::move(live);
+    p.fence = std::move(fence);
+  }
+  // requires_grad changed between iterations (frozen_parameters "full_state").
+  void set_trainable(TensorId id, bool trainable) { at(id).trainable = trainable; }
+  // Uses by open doors and backward: begin_use is true for the first, end_use for the last (and
+  // false when none was open); a gradient that came without its module's pre-backward holds one.
+  bool begin_use(TensorId id) { return at(id).compute_refs++ == 0; }
+  bool end_use(TensorId id) {
+    Param& p = at(id);
+    return p.compute_refs > 0 && --p.compute_refs == 0;
+  }
+  void hold_one_use(TensorId id) { at(id).compute_refs = 1; }
+  void end_uses(TensorId id) { at(id).compute_refs = 0; }
+  // A use in autograd pass `segment` (0 the plain forward, else a checkpoint's serial): each pass
+  // counts once.
+  void note_pass(TensorId id, int64_t segment) {
+    Param& p = at(id);
+    if (p.last_segment == segment) return;
+    p.last_segment = segment;
+    ++p.segments;
+  }
+  void forget_passes(TensorId id) { at(id).forget_segments(); }
+  // Data parallel: a gradient of this backward arrived; the backward ended; a door used it since
+  // its group's gather (false: gathered again).
+  void count_backward_gradient(TensorId id) { ++at(id).grads_this_backward; }
+  void reset_backward_gradients(TensorId id) { at(id).grads_this_backward = 0; }
+  void set_touched(TensorId id, bool touched) { at(id).touched = touched; }
+  // Mixed precision, a parameter of several passes: its gradients add up in fp32 until the end of
+  // the backward, which takes the sum.
+  void add_pending_gradient(TensorId id, const at::Tensor& grad) {
+    Param& p = at(id);
+    if (p.pending_grad.defined()) {
+      p.pending_grad.add_(grad);
+    } else {
+      p.pending_grad = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
+  at::Tensor take_pending_gradient(TensorId id) { return std::exchange(at(id).pending_grad, {}); }
+  // A gradient landed in its slot: the parameter has one (LibTorch's grad() is defined) and no use
+  // holds it any more.
+  void note_gradient(TensorId id) {
+    Param& p = at(id);
+    p.has_grad = true;
+    p.grad.defined = true;
+    p.compute_refs = 0;
+  }
+  // zero_grad(set_to_none=false) kept a zero gradient a loss did not reach: the step uses it.
+  void keep_zero_gradient(TensorId id) { at(id).has_grad = true; }
+  // Its gradient goes (zero_grad, an edit of grad(), a discarded iteration).
+  void drop_gradient(TensorId id) {
+    Param& p = at(id);
+    p.has_grad = false;
+    p.grad.consumed = false;
+    p.pending_grad.reset();
+  }
+  // After the step: `counted` adds an Adam update to its count; `consumed`, the half slot now holds
+  // the new weight instead of the gradient (mixed precision without a gradient space).
+  void after_update(TensorId id, bool counted, bool consumed) {
+    Param& p = at(id);
+    if (p.has_grad) {
+      if (counted) ++p.adam_steps;
+      p.grad.consumed = consumed;
+    }
+    p.has_grad = false;
+  }
+  // Adam updates applied to it: one more or one taken back (the delayed update), or a checkpoint's.
+  void add_adam_steps(TensorId id, int64_t delta) { at(id).adam_steps += delta; }
+  void set_adam_steps(TensorId id, int64_t steps) { at(id).adam_steps = steps; }
+  // tensor.grad() as LibTorch code sees it (GradHandle).
+  void set_grad_defined(TensorId id, bool defined) { at(id).grad.defined = defined; }
+  void set_grad_consumed(TensorId id, bool consumed) { at(id).grad.consumed = consumed; }
+  void show_grad(TensorId id, at::Tensor handle, bool is_view, c10::Storage view_storage) {
+    GradHandle& g = at(id).grad;
+    if (is_view) g.storage = std::move(view_storage);
+    g.is_view = is_view;
+    g.version = static_cast<int64_t>(handle._version());
+    g.tensor = std::move(handle);
+  }
+  // The handle is withdrawn (its view, if any, was fenced by the caller).
+  void withdraw_grad(TensorId id) {
+    GradHandle& g = at(id).grad;
+    g.is_view = false;
+    g.storage = c10::Storage();
+    g.tensor.reset();
+  }
+  // GatheredParameters holds it as a real fp32 tensor (kNone: back behind its fence).
+  void set_gathered(TensorId id, GatherHold hold) { at(id).gathered = hold; }
 
   // Parameters a GatheredParameters scope holds (`for_write`: read-write scopes only).
   int64_t gathered(bool for_write = false) const {
@@ -166,6 +268,8 @@ class ParamTable {
   }
 
  private:
+  Param& at(TensorId id) { return params_.at(static_cast<size_t>(id)); }
+
   std::vector<Param> params_;
   std::unordered_map<const c10::TensorImpl*, TensorId> ids_;
   std::unordered_map<const torch::nn::Module*, std::string> module_names_;

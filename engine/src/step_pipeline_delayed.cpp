@@ -74,7 +74,7 @@ void StepPipeline::hand_over_delayed_update(const std::vector<AdamChunk>& views,
       optimizer_thread_kernels());
   // Their Adam step counts advance now (the next runs are made from them); an update that turns
   // out skipped (non-finite gradients) takes its back when landed.
-  for (int64_t id : stepped) ++wiring_.params[id].adam_steps;
+  for (int64_t id : stepped) wiring_.params.add_adam_steps(id, 1);
 }
 
 void StepPipeline::land_delayed_update(bool even_mid_iteration) {
@@ -92,7 +92,7 @@ void StepPipeline::land_delayed_update(bool even_mid_iteration) {
     taken = delayed_->result();
   } catch (...) {
     // It failed on its thread: the states of the chunks it was updating may be partly updated.
-    for (int64_t id : delayed_->job().params) --wiring_.params[id].adam_steps;
+    for (int64_t id : delayed_->job().params) wiring_.params.add_adam_steps(id, -1);
     delayed_->done();
     TORCH_WARN(
         "patrickstar: the delayed update failed on its thread; the optimizer states of the "
@@ -102,7 +102,7 @@ void StepPipeline::land_delayed_update(bool even_mid_iteration) {
   // (A throw here leaves it pending: the next caller writes it in again.)
   write_delayed_weights(*taken.first, /*skip_gradients=*/true);
   if (taken.second.skipped) {
-    for (int64_t id : taken.first->params) --wiring_.params[id].adam_steps;
+    for (int64_t id : taken.first->params) wiring_.params.add_adam_steps(id, -1);
   }
   delayed_taken_ = taken.second;
   delayed_->done();

@@ -34,6 +34,20 @@ inline double max_over_ranks(double value) {
   return t.item<double>();
 }
 
+// One step through `engine` on this rank's rows of a global batch (`sharded`) or on all of it, as
+// a LibTorch loop writes it; `loss` gets the loss this rank computed.
+template <class Model>
+IterationReport train_step(Engine& engine, Model& model, const at::Tensor& tokens,
+                           const at::Tensor& targets, bool sharded, at::Tensor& loss) {
+  engine.zero_grad();
+  {
+    auto active = engine.activate();
+    loss = sharded ? model->loss(my_rows(tokens), my_rows(targets)) : model->loss(tokens, targets);
+  }
+  engine.backward(loss);
+  return engine.step();
+}
+
 // Steps [from, to) of the GPT batches through `engine`: on this rank's rows (`sharded`; the loss is
 // the mean over ranks, the global batch's) or on the whole global batch in one process.
 inline std::vector<double> train_steps(Engine& engine, models::Gpt& model, int from, int to,
@@ -42,15 +56,9 @@ inline std::vector<double> train_steps(Engine& engine, models::Gpt& model, int f
   std::vector<double> losses;
   for (int s = from; s < to; ++s) {
     auto batch = batch_of_step(s);
-    engine.zero_grad();
     at::Tensor loss;
-    {
-      auto active = engine.activate();
-      loss = sharded ? model->loss(my_rows(batch.tokens), my_rows(batch.targets))
-                     : model->loss(batch.tokens, batch.targets);
-    }
-    engine.backward(loss);
-    const IterationReport report = engine.step();
+    const IterationReport report =
+        train_step(engine, model, batch.tokens, batch.targets, sharded, loss);
     if (reports != nullptr) reports->push_back(report);
     losses.push_back(sharded ? mean_over_ranks(loss.item<double>()) : loss.item<double>());
   }

@@ -10,13 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "test_data.h"
+#include "distributed/data_parallel_helpers.h"
 #include "distributed/ranks.h"
 #include "engine/gpt_training.h"
 #include "patrickstar/models/llama.h"
 #include "patrickstar/models/llama_pretrained.h"
 #include "patrickstar/patrickstar.h"
 #include "temp_folder.h"
+#include "test_data.h"
 
 namespace patrickstar {
 namespace llama_data_parallel_test {
@@ -36,15 +37,8 @@ void train(Engine& engine, models::Llama& model, bool sharded) {
   vocabulary.vocab = model->spec().vocab;
   for (int s = 0; s < 3; ++s) {
     const auto batch = models::random_tokens(vocabulary, 4, 16, 300 + s);
-    engine.zero_grad();
     at::Tensor loss;
-    {
-      auto active = engine.activate();
-      loss = sharded ? model->loss(my_rows(batch.tokens), my_rows(batch.targets))
-                     : model->loss(batch.tokens, batch.targets);
-    }
-    engine.backward(loss);
-    engine.step();
+    train_step(engine, model, batch.tokens, batch.targets, sharded, loss);
   }
 }
 

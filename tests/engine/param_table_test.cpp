@@ -54,10 +54,68 @@ TEST(ParamTable, GatheredCountsReadOnlyAndReadWriteHolds) {
   const std::vector<at::Tensor> tensors = {torch::zeros({1}), torch::zeros({1}), torch::zeros({1})};
   for (const at::Tensor& t : tensors) table.add(t);
   table.create_entries();
-  table[0].gathered = GatherHold::kReadOnly;
-  table[2].gathered = GatherHold::kReadWrite;
+  table.set_gathered(0, GatherHold::kReadOnly);
+  table.set_gathered(2, GatherHold::kReadWrite);
   EXPECT_EQ(table.gathered(), 2);
   EXPECT_EQ(table.gathered(/*for_write=*/true), 1);
+  table.set_gathered(2, GatherHold::kNone);
+  EXPECT_EQ(table.gathered(/*for_write=*/true), 0);
+}
+
+// The operations keep the entry's invariants: uses never go below zero (an end without a begin is
+// not the last use), a pass counts once however many doors of it open, a landed gradient is
+// defined and holds no use, and only a parameter with a gradient counts an Adam update.
+TEST(ParamTable, OperationsKeepUsesPassesAndGradientsConsistent) {
+  ParamTable table;
+  const at::Tensor w = torch::zeros({2}).requires_grad_();
+  table.add(w);
+  table.create_entries();
+  table.fill(0, "w", w, c10::Storage(), c10::Storage());
+  EXPECT_EQ(table[0].name, "w");
+  EXPECT_TRUE(table[0].trainable);
+
+  EXPECT_FALSE(table.end_use(0));  // none open
+  EXPECT_EQ(table[0].compute_refs, 0);
+  EXPECT_TRUE(table.begin_use(0));
+  EXPECT_FALSE(table.begin_use(0));  // a second door over it
+  EXPECT_FALSE(table.end_use(0));
+  EXPECT_TRUE(table.end_use(0));
+  EXPECT_EQ(table[0].compute_refs, 0);
+
+  table.note_pass(0, 0);
+  table.note_pass(0, 0);  // another door of the plain forward
+  table.note_pass(0, 7);  // a checkpointed block
+  EXPECT_EQ(table[0].segments, 2);
+  EXPECT_EQ(table[0].last_segment, 7);
+  table.forget_passes(0);
+  EXPECT_EQ(table[0].segments, 0);
+
+  table.add_pending_gradient(0, torch::ones({2}, at::kBFloat16));
+  table.add_pending_gradient(0, torch::ones({2}, at::kBFloat16));
+  EXPECT_EQ(table[0].pending_grad.scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(table.take_pending_gradient(0), torch::full({2}, 2.0f)));
+  EXPECT_FALSE(table[0].pending_grad.defined());
+
+  table.hold_one_use(0);
+  table.note_gradient(0);
+  EXPECT_TRUE(table[0].has_grad);
+  EXPECT_TRUE(table[0].grad.defined);
+  EXPECT_EQ(table[0].compute_refs, 0);
+  table.after_update(0, /*counted=*/true, /*consumed=*/true);
+  EXPECT_FALSE(table[0].has_grad);
+  EXPECT_TRUE(table[0].grad.consumed);
+  EXPECT_EQ(table[0].adam_steps, 1);
+  table.after_update(0, /*counted=*/true, /*consumed=*/false);  // no gradient: nothing counted
+  EXPECT_EQ(table[0].adam_steps, 1);
+  EXPECT_TRUE(table[0].grad.consumed);
+  table.drop_gradient(0);
+  EXPECT_FALSE(table[0].grad.consumed);
+
+  table.show_grad(0, torch::zeros({2}), /*is_view=*/false, c10::Storage());
+  EXPECT_TRUE(table[0].grad.tensor.defined());
+  table.withdraw_grad(0);
+  EXPECT_FALSE(table[0].grad.tensor.defined());
+  EXPECT_FALSE(table[0].grad.is_view);
 }
 
 TEST(OpenDoors, TokensStayValidUntilTheLastDoorCloses) {

@@ -97,17 +97,14 @@ struct Rig {
     config.overlap_step.mode = OverlapMode::kOn;
     build_store(seed);
     for (TensorId id = 0; id < kTensors; ++id) {
-      tensors.push_back(at::empty({0}));
+      tensors.push_back(at::empty({0}).requires_grad_());  // trainable
       params.add(tensors.back());
     }
     params.create_entries();
     for (TensorId id = 0; id < kTensors; ++id) {
-      Param& p = params[id];
-      p.tensor = tensors[static_cast<size_t>(id)];
-      p.id = id;
-      p.trainable = true;
-      p.has_grad = true;
-      p.adam_steps = 0;
+      params.fill(id, "w" + std::to_string(id), tensors[static_cast<size_t>(id)], c10::Storage(),
+                  c10::Storage());
+      params.note_gradient(id);
     }
     build_scheduler();
     mover = std::make_unique<StoreMover>(store());
@@ -222,7 +219,7 @@ struct Rig {
     IterationReport report;
     pipeline->update(inputs, report);
     pipeline->after_step(report);
-    for (Param& p : params) ++p.adam_steps;
+    for (const Param& p : params) params.add_adam_steps(p.id, 1);
     torch::manual_seed(next_seed);
     for (int64_t i = 0; i < kIndices; ++i) {
       at::Tensor grad = store().chunk_view(store().chunk_id(ChunkKind::kGrad, i));
