@@ -82,7 +82,7 @@ endfunction()
 # build). The engine's files each instantiate the same LibTorch and engine templates: four of them
 # took 24 s together here against 75 s apart. A library's files therefore keep distinct names in
 # their anonymous namespaces. PATRICKSTAR_UNITY=OFF compiles each file on its own.
-option(PATRICKSTAR_UNITY "Unity builds of the engine, the model zoo and the tests" ON)
+option(PATRICKSTAR_UNITY "Unity builds of the engine, the model zoo, ps_bench and the tests" ON)
 function(ps_unity_library name)
   set_target_properties(ps_${name} PROPERTIES UNITY_BUILD ${PATRICKSTAR_UNITY} UNITY_BUILD_BATCH_SIZE 6)
 endfunction()
