@@ -63,6 +63,18 @@ void DataParallel::note_gradient(TensorId id) {
   groups_.on_gradient(group_of(id));
 }
 
+void DataParallel::start_groups(const Layout& layout) {
+  if (!distributed()) return;
+  // (Each step agrees on the gradient norm across ranks: StepAgreement installs the reducer.)
+  std::vector<int64_t> tensors(static_cast<size_t>(layout.chunk_count() / world_), 0);
+  for (int64_t i = 0; i < layout.chunk_count(); ++i) {
+    tensors[static_cast<size_t>(layout.comm_group(i))] +=
+        static_cast<int64_t>(layout.tensors_in_chunk(i).size());
+  }
+  groups_.init(world_, tensors);
+  wiring_->gradients.size_reduced(layout.chunk_count());
+}
+
 int64_t DataParallel::group_of(TensorId id) const {
   return store().layout().comm_group(store().layout().placement(id).chunk_index);
 }

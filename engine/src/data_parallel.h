@@ -105,7 +105,27 @@ class DataParallel {
     comm_->all_reduce(sum, ReduceOp::kSum);
     return sum.item<double>();
   }
+  // --- what several ranks change: the engine asks these, never which case it is in ---
+  // A parameter's fp32 value is its owner's: every rank reads it from the owner's chunk, broadcast
+  // (master_chunk_everywhere), not from its own store, and a value rank 0 writes is broadcast
+  // before each owner takes its part (GatheredParameters).
+  bool values_from_owners() const { return distributed(); }
+  // Each rank keeps only its share of the gradients, reduced into their owners and averaged over
+  // the ranks as they land (remote gradient chunks are allocated lazily): no rank can show a whole
+  // gradient as a view of a slot, change one on its own, or keep at zero one that no loss reached
+  // without a gradient space (the reduced sums hold nothing for it).
+  bool shards_gradients() const { return distributed(); }
+  // The features that run with one process only: the disk tier, the delayed update, "auto"'s
+  // retry, optimizer states placed on the device at registration; frozen parameters are packed
+  // apart from trained ones with one process (with several, only where that takes fewer bytes).
+  bool one_process() const { return !distributed(); }
+  // `text` with several ranks (what an error adds about them), else "".
+  const char* with_ranks(const char* text) const { return distributed() ? text : ""; }
+
   // --- chunk groups (data_parallel.cpp); none of these does anything with one process ---
+  // Registration: the comm groups of the placed layout (how many tensors each holds) and, for
+  // mixed precision without a gradient space, a reduced-sum slot per chunk index.
+  void start_groups(const Layout& layout);
   void connect(ShardWiring wiring);
   // The comm group of the chunk index that holds parameter `id`.
   int64_t group_of(TensorId id) const;

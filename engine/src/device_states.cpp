@@ -17,7 +17,7 @@ std::string EngineCore::place_states_on_device(int64_t shortfall) {
   if (config_.offload_optimizer.nvme) {
     return "";  // the disk tier's staging figure says it all
   }
-  if (distributed()) {
+  if (!dp_.one_process()) {
     return absl::StrCat("; with ", dp_.world(), " ranks no optimizer state is placed on the device at "
                         "registration (one process only)");
   }

@@ -56,7 +56,8 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   pipeline_ = std::make_unique<StepPipeline>(pipeline_wiring());
   // Non-model memory: what LibTorch's CPU allocator serves (the counter sees it from now on), or
   // on a GPU the caching allocator's (chunk payloads do not come from it).
-  probe_ = std::make_unique<NonModelProbe>(config_.device.type, dp_.distributed());
+  probe_ = std::make_unique<NonModelProbe>(config_.device.type,
+                                           /*gathers_groups=*/!dp_.one_process());
   dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_,
                           [this]() -> NonModelProbe& { return *probe_; },
                           [this](int64_t index) { pipeline_->on_index_used(index); },
@@ -136,7 +137,7 @@ void EngineCore::give_back_model(const StateAccess& access, bool may_gather) {
   // while an exception unwinds (the other ranks are elsewhere): then, and when the gather fails,
   // the parameters keep their fences (reading one throws) and nothing points at the engine.
   std::vector<at::Tensor> masters(static_cast<size_t>(store().chunks_per_kind()));
-  if (distributed()) {
+  if (dp_.values_from_owners()) {
     const std::string failure = gather_masters(access, may_gather, masters);
     if (!failure.empty()) {
       leave_model_without_values(failure);
@@ -185,11 +186,11 @@ int64_t EngineCore::give_back_parameters(const StateAccess& access,
   // values would take the whole model in fp32, more than the model data on the host with a lean
   // frozen base or the disk tier (GPT3_8B with adapters: 33 GB against 17). The parameters get a
   // fence that says so instead (a submodule or a parameter kept from elsewhere throws when read).
-  const bool values = distributed() || model_.use_count() > 1;
+  const bool values = dp_.values_from_owners() || model_.use_count() > 1;
   // One chunk at a time: its tensors get their values, then (one process) its payloads of every
   // kind go back to the system, so the host holds the model data plus one chunk's fp32 values at
   // most, not the model data plus the whole model in fp32 (megatron_1.3B: 18.5 GB + 5.3 GB).
-  if (!distributed()) {
+  if (!dp_.values_from_owners()) {
     try {
       store().finish_copies();
     } catch (const std::exception&) {
@@ -204,9 +205,10 @@ int64_t EngineCore::give_back_parameters(const StateAccess& access,
       at::Tensor value;
       try {
         if (values) {
-          value = distributed() ? DataParallel::value_in(store().layout(),
-                                                         masters[static_cast<size_t>(index)], p.id)
-                                : fp32_copy(access.weight(p.id));
+          value = dp_.values_from_owners()
+                      ? DataParallel::value_in(store().layout(),
+                                               masters[static_cast<size_t>(index)], p.id)
+                      : fp32_copy(access.weight(p.id));
         }
       } catch (const std::exception&) {
         ++lost;
@@ -227,7 +229,7 @@ int64_t EngineCore::give_back_parameters(const StateAccess& access,
             p.tensor.sizes(), at::kFloat));
       }
     }
-    if (distributed()) continue;
+    if (dp_.values_from_owners()) continue;  // the broadcasts above need every rank's chunks
     release_index_payloads(access, index);
   }
   return lost;

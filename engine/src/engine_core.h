@@ -276,8 +276,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void remove_scope(GatheredParameters* scope) override;
   // The registered parameter behind `t`, or -1.
   TensorId id_of(const at::Tensor& t) const { return params_.id_of(t); }
-  // Data parallel: the gathers, drops and reductions of chunk groups are dp_'s (data_parallel.h).
-  bool distributed() const { return dp_.distributed(); }
+  // Data parallel: the gathers, drops and reductions of chunk groups are dp_'s, and so are the
+  // questions of what several ranks change (data_parallel.h).
   // Every parameter's fp32 value, by name (fp32_state_dict, save_weights).
   std::vector<std::pair<std::string, at::Tensor>> fp32_values(
       const engine_detail::StateAccess& access) const;

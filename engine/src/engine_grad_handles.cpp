@@ -48,7 +48,7 @@ void withdraw_view(const c10::Storage& storage, const std::string& name) {
 }  // namespace
 
 void EngineCore::show_gradients(GradientsShown when) {
-  const bool views_possible = !distributed() && config_.precision() != Precision::kFp16;
+  const bool views_possible = !dp_.shards_gradients() && config_.precision() != Precision::kFp16;
   const at::ScalarType half = param_dtype(config_.precision());
   for (const Param& p : params_) {
     if (!p.grad.defined) continue;
@@ -66,7 +66,7 @@ void EngineCore::show_gradients(GradientsShown when) {
       repoint(view_storage, slot.data_ptr());
       handle = tensor_over(view_storage, p.tensor.sizes(), slot.scalar_type());
     } else if (when == GradientsShown::kAfterBackward && !views_possible) {
-      const char* why = distributed()
+      const char* why = dp_.shards_gradients()
                             ? "with data parallel each rank keeps only its share of the gradients, "
                               "reduced at their owner ranks"
                             : "in fp16 the gradients carry the loss scale";
@@ -120,7 +120,7 @@ void EngineCore::take_gradient_edits(bool door) {
       TORCH_CHECK(p.grad.is_view, "patrickstar: the gradient of parameter ", p.name,
                   " was replaced "
                   "by another tensor where the engine shows no view of it (",
-                  distributed()                             ? "data parallel"
+                  dp_.shards_gradients()                    ? "data parallel"
                   : config_.precision() == Precision::kFp16 ? "fp16"
                                                             : "after a call into the engine",
                   "); assign gradients between the end of backward and the next call into the "
@@ -138,8 +138,8 @@ void EngineCore::take_gradient_edits(bool door) {
   const bool whole = !dropped.empty() && static_cast<int64_t>(dropped.size()) == with_handle;
   if (!whole) {
     for (const Param* p : dropped) {
-      TORCH_CHECK(!distributed() || !p->has_grad, "patrickstar: data parallel: the gradient of ",
-                  p->name,
+      TORCH_CHECK(!dp_.shards_gradients() || !p->has_grad,
+                  "patrickstar: data parallel: the gradient of ", p->name,
                   " was reset alone (a submodule's zero_grad(), or one parameter's); "
                   "with several ranks zero the whole model's gradients (model->zero_grad() or the "
                   "optimizer's zero_grad()) or none");
@@ -188,7 +188,7 @@ bool EngineCore::restores_half_weight(const Param& p) const {
 
 void EngineCore::drop_gradient(const Param& p, const StateAccess* access) {
   if (gradients_.space()) {
-    if (!distributed() || owns(store().layout().placement(p.id).chunk_index)) {
+    if (!dp_.shards_gradients() || owns(store().layout().placement(p.id).chunk_index)) {
       store().view(p.id, ChunkKind::kGrad).zero_();
     }
   } else if (restores_half_weight(p)) {

@@ -96,7 +96,7 @@ void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
     const at::Tensor here = grad.to(slot.device());
     // Zeroed by zero_grad(): the first micro-batch adds to zeros. Data parallel: the average over
     // ranks (the owner's chunk accumulates the reduced sums of earlier micro-batches).
-    if (distributed()) {
+    if (dp_.shards_gradients()) {
       slot.add_(here, 1.0 / dp_.world());
     } else {
       slot.add_(here);
@@ -150,12 +150,10 @@ void EngineCore::backward(const at::Tensor& loss) {
     if (!finite) {
       const double value = loss.item<double>();
       abandon_forward();
-      TORCH_CHECK(false, "patrickstar: the loss is ", value, " in ",
-                  to_string(config_.precision()),
+      TORCH_CHECK(false, "patrickstar: the loss is ", value, " in ", to_string(config_.precision()),
                   "; the forward was discarded and no gradient was computed (weights unchanged). "
                   "Lower the learning rate or check the data.",
-                  distributed() ? " (data parallel: the loss of at least one rank was not finite)"
-                                : "");
+                  dp_.with_ranks(" (data parallel: the loss of at least one rank was not finite)"));
     }
   }
   const double factor = pipeline_->adam().loss_scale() / config_.gradient_accumulation_steps;

@@ -51,7 +51,7 @@ void EngineCore::build_scheduler() {
 }
 
 void EngineCore::build_mover() {
-  mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/distributed());
+  mover_ = std::make_unique<Mover>(store(), /*lazy_grads=*/dp_.shards_gradients());
   // The optimizer threads leave a chunk before it moves.
   mover_->before_move = [this](int64_t id) { pipeline_->before_chunk_move(id); };
 }

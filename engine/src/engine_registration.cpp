@@ -170,7 +170,7 @@ void EngineCore::pack_layout(Registration& reg) {
                         (t.requires_grad() || !split_frozen ? 0 : 2);
       layout.add_tensor(name, t.sizes(), group);
     }
-    if (!distributed()) retry_.keep_base(layout);  // "auto"'s retry packs other sizes from it
+    if (dp_.one_process()) retry_.keep_base(layout);  // "auto"'s retry packs other sizes from it
     try {
       if (config_.chunk_size_auto) {
         const SizeGrid grid = auto_size_grid(layout.max_numel());
@@ -195,11 +195,11 @@ void EngineCore::pack_layout(Registration& reg) {
     }
     return bytes;
   };
-  Layout layout = pack(/*split_frozen=*/!distributed() || lean);
+  Layout layout = pack(/*split_frozen=*/dp_.one_process() || lean);
   const bool any_frozen = std::any_of(reg.unique.begin(), reg.unique.end(), [](const auto& item) {
     return !item.second.requires_grad();
   });
-  if (distributed() && lean && any_frozen) {
+  if (!dp_.one_process() && lean && any_frozen) {
     Layout shared = pack(/*split_frozen=*/false);
     if (chunk_bytes_with_lean(shared) < chunk_bytes_with_lean(layout)) layout = std::move(shared);
   }
@@ -247,7 +247,7 @@ void EngineCore::place_model_data(Registration& reg) {
   std::vector<ChunkKind> disk_kinds;
   int64_t disk_state_bytes = 0;
   if (config_.offload_optimizer.nvme) {
-    if (distributed()) {
+    if (!dp_.one_process()) {
       abandon_registration();
       TORCH_CHECK(false,
                   "patrickstar::Engine: the disk tier (zero_optimization.offload_optimizer "
@@ -443,7 +443,7 @@ void EngineCore::build_scheduling() {
   // "auto" retries a warm-up whose trace does not fit with a smaller chunk size
   // (engine_layout.cpp), where moving the model between layouts is simple: one process, no disk
   // tier's files, no delayed update's buffers, no states on the device for good.
-  retry_.arm(config_.chunk_size_auto && !distributed() && storage_.disk() == nullptr &&
+  retry_.arm(config_.chunk_size_auto && dp_.one_process() && storage_.disk() == nullptr &&
              !config_.delayed_update.enabled && metrics_.registration().device_state_bytes == 0 &&
              config_.scheduler.policy != EvictionPolicy::kStatic);
   // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
@@ -464,7 +464,7 @@ void EngineCore::build_scheduling() {
         at::TensorOptions().dtype(dtype));
   };
   if (config_.delayed_update.enabled) {
-    TORCH_CHECK(!distributed(),
+    TORCH_CHECK(dp_.one_process(),
                 "patrickstar: zero_optimization.delayed_param_update runs in one "
                 "process; this is data parallel over ",
                 dp_.world(), " processes");
@@ -522,18 +522,7 @@ void EngineCore::build_optimizer() {
     scaler = LossScaler(s);
   }
   pipeline_->build_adam(adam_options, std::move(scaler), gradients_.space());
-  if (distributed()) {
-    // (Each step agrees on the gradient norm across ranks: step() installs the reducer.)
-    const Layout* placed = &store().layout();
-    const int64_t groups = placed->chunk_count() / dp_.world();
-    std::vector<int64_t> tensors(static_cast<size_t>(groups), 0);
-    for (int64_t i = 0; i < placed->chunk_count(); ++i) {
-      tensors[static_cast<size_t>(placed->comm_group(i))] +=
-          static_cast<int64_t>(placed->tensors_in_chunk(i).size());
-    }
-    dp_.groups().init(dp_.world(), tensors);
-    gradients_.size_reduced(placed->chunk_count());
-  }
+  dp_.start_groups(store().layout());
 }
 
 void EngineCore::report_registration(const Registration& reg) {

@@ -50,7 +50,7 @@ SafetensorsSaveReport EngineCore::save_safetensors(const std::string& folder,
     if (writer && !name.empty()) guarded([&] { writer->write(name, value); });
   };
   for (int64_t i = 0; i < layout.chunk_count(); ++i) {
-    if (!distributed()) {
+    if (!dp_.values_from_owners()) {
       for (TensorId id : layout.tensors_in_chunk(i)) write(id, access.weight(id));
       access.finish_views();  // one chunk staged at a time (disk tier)
     } else {

@@ -26,7 +26,7 @@ std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_state_dict() co
 std::vector<std::pair<std::string, at::Tensor>> EngineCore::fp32_values(
     const StateAccess& access) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  if (!distributed()) {
+  if (!dp_.values_from_owners()) {
     std::vector<at::Tensor> values(params_.size());  // by tensor id, which is params_'s index
     for (TensorId id : tensors_in_chunk_order(store().layout())) {
       values[static_cast<size_t>(id)] = fp32_copy(access.weight(id));
@@ -188,11 +188,10 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
                   "\" has no optimizer "
                   "state for parameter ",
                   p.name,
-                  distributed() ? " (another rank owned it there: the checkpoint's chunk layout is "
-                                  "not this engine's, from another default_chunk_size or "
-                                  "zero_optimization.frozen_parameters; use the config that saved "
-                                  "it)"
-                                : "");
+                  dp_.with_ranks(" (another rank owned it there: the checkpoint's chunk layout is "
+                                 "not this engine's, from another default_chunk_size or "
+                                 "zero_optimization.frozen_parameters; use the config that saved "
+                                 "it)"));
       TORCH_CHECK(it->second.master.sizes() == store().layout().sizes(p.id),
                   "patrickstar: checkpoint \"", path, "\" is from another model: parameter ",
                   p.name, " has shape ", it->second.master.sizes(), " there but ",

@@ -22,12 +22,10 @@ PipelineWiring EngineCore::pipeline_wiring() {
       tracker_,
       [this]() -> const Scheduler& { return *scheduler_; },
       [this]() -> ChunkMover& { return *mover_; },
-      distributed(),
+      dp_.shards_gradients(),
       mixed(),
       [this](int64_t index) { return owns(index); },
-      [this](int64_t index) {
-        return dp_.reduction_pending(store().layout(), index);
-      }};
+      [this](int64_t index) { return dp_.reduction_pending(store().layout(), index); }};
 }
 
 void EngineCore::decide_adam_placement() {
@@ -114,10 +112,12 @@ void EngineCore::step_kept_zero_gradients() {
   for (const Param& p : params_) {
     if (!p.grad.defined || p.has_grad) continue;
     if (!gradients_.space()) {
-      TORCH_CHECK(!distributed(), "patrickstar: parameter ", p.name, " has a gradient kept at zero "
+      TORCH_CHECK(!dp_.shards_gradients(), "patrickstar: parameter ", p.name,
+                  " has a gradient kept at zero "
                   "by zero_grad(set_to_none=false) but this loss did not reach it; LibTorch's "
                   "Adam would update it with a zero gradient, which data parallel in ",
-                  to_string(config_.precision()), " without a gradient space cannot do. Use "
+                  to_string(config_.precision()),
+                  " without a gradient space cannot do. Use "
                   "zero_grad() (set_to_none, LibTorch's default) or gradient_accumulation_steps > "
                   "1");
       store().view(p.id, ChunkKind::kParam).zero_();
@@ -278,7 +278,7 @@ void EngineCore::refuse_undelivered_gradients(const std::function<void()>& disca
                                            "may only be with \"frozen_parameters\": "
                                            "\"full_state\")",
                 ", or reset it (p.mutable_grad().reset())",
-                distributed() ? "; every rank discards the iteration" : "");
+                dp_.with_ranks("; every rank discards the iteration"));
   }
 }
 

@@ -41,7 +41,7 @@ void EngineCore::gather_begin(const std::vector<TensorId>& ids, bool write_back)
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> values;
   values.reserve(ids.size());
-  if (!distributed()) {
+  if (!dp_.values_from_owners()) {
     values.resize(ids.size());
     for (size_t k : chunk_order(store().layout(), ids)) {
       // On the parameter's compute device (the GPU on CUDA), as the model's tensors would be.
@@ -111,11 +111,11 @@ void EngineCore::gather_end(const std::vector<TensorId>& ids, bool write_back) {
       // chunk order (a disk tier writes each chunk's masters once).
       std::vector<size_t> order(ids.size());
       for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      if (!distributed()) order = chunk_order(store().layout(), ids);
+      if (!dp_.values_from_owners()) order = chunk_order(store().layout(), ids);
       for (size_t k : order) {
         const TensorId id = ids[k];
         const at::Tensor& t = params_[id].tensor;
-        if (distributed()) {
+        if (dp_.values_from_owners()) {
           dp_.comm().broadcast(t, 0);
           if (!owns(store().layout().placement(id).chunk_index)) continue;
         }

@@ -46,8 +46,9 @@ class GatheredBytesProbe final : public MemoryProbe {
 class NonModelProbe {
  public:
   // The probe of `device` (installs the counting CPU allocator: the counter must see LibTorch's
-  // CPU allocations from now on), with the gathered groups' bytes when `distributed`.
-  NonModelProbe(DeviceType device, bool distributed) {
+  // CPU allocations from now on), with the gathered groups' bytes when `gathers_groups` (data
+  // parallel).
+  NonModelProbe(DeviceType device, bool gathers_groups) {
     CountingCpuAllocator& counter = CountingCpuAllocator::install();
     if (device == DeviceType::kCuda) {
       probe_ = make_cuda_memory_probe(0);
@@ -57,7 +58,7 @@ class NonModelProbe {
       cpu_ = probe.get();
       probe_ = std::move(probe);
     }
-    if (distributed) {
+    if (gathers_groups) {
       auto gathered = std::make_unique<GatheredBytesProbe>(std::move(probe_));
       gathered_ = gathered.get();
       probe_ = std::move(gathered);

@@ -93,7 +93,7 @@ struct PipelineWiring {
   const IterationTracker& tracker;
   std::function<const Scheduler&()> scheduler;  // rebuilt by "auto"'s retry
   std::function<ChunkMover&()> mover;
-  bool distributed = false;  // data parallel: several ranks
+  bool shards_gradients = false;  // data parallel: reduced sums hold the owners' gradients
   bool mixed = false;        // bf16 or fp16: half weights, fp32 masters
   std::function<bool(int64_t index)> owns;  // data parallel: this rank steps index `index`
   // Data parallel: index `index`'s comm group holds gradients still to be reduced.

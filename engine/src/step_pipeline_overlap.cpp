@@ -70,7 +70,7 @@ AdamChunk StepPipeline::adam_views(int64_t i, const RunSpan& span, bool states_f
   // reduction gave this owner, likewise.
   if (grad_space_) {
     run.grad_fp32 = slice(ChunkKind::kGrad);
-  } else if (wiring_.distributed) {
+  } else if (wiring_.shards_gradients) {
     const at::Tensor& sum = wiring_.gradients.reduced(i);
     TORCH_CHECK(sum.defined(), "patrickstar: internal: chunk ", i,
                 " has gradients but was never reduced");
