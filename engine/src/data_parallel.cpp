@@ -140,8 +140,8 @@ void DataParallel::gather_group(int64_t group) {
     comm_->all_gather(store().chunk_view(own), buffer);
   }
   if (!on_host) {
-    wiring_->probe().add_gathered(bytes);
-    wiring_->metrics.note_gathered_bytes(wiring_->probe().gathered_bytes());
+    wiring_->probe.add_gathered(bytes);
+    wiring_->metrics.note_gathered_bytes(wiring_->probe.gathered_bytes());
   }
   groups_.on_gathered(group);
   for (int64_t index : groups_.indices(group)) {
@@ -182,8 +182,8 @@ void DataParallel::ensure_gathered(const std::vector<TensorId>& ids, bool with_g
 void DataParallel::release_group(int64_t group) {
   const int64_t first = groups_.index(group, 0);
   if (groups_.gathered(group) && !host_only(first)) {
-    wiring_->probe().add_gathered(-world_ *
-                                  store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
+    wiring_->probe.add_gathered(-world_ *
+                                store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
   }
   for (int64_t index : groups_.indices(group)) {
     if (owns_index(index)) continue;

@@ -54,7 +54,7 @@ struct ShardWiring {
   GradientState& gradients;
   const IterationTracker& tracker;
   IterationMetrics& metrics;
-  std::function<NonModelProbe&()> probe;
+  NonModelProbe& probe;                                 // built before the wiring, never replaced
   std::function<void(int64_t index)> index_used;        // the step pipeline's on_index_used
   std::function<void(int64_t bytes)> make_device_room;  // the scheduler frees this many bytes
   std::function<std::string()> describe_pinned;         // chunks pinned now, for an error
@@ -160,9 +160,6 @@ class DataParallel {
   double seconds() const { return seconds_; }
 
  private:
-  std::shared_ptr<Communicator> comm_;
-  int rank_ = 0;
-  int world_ = 1;
   ChunkStore& store() const;
   bool owns_index(int64_t index) const;
   bool lean(int64_t index) const;
@@ -172,6 +169,9 @@ class DataParallel {
   void release_lean_groups_except(const std::vector<TensorId>& ids);
   void reduce_group(int64_t group);
 
+  std::shared_ptr<Communicator> comm_;
+  int rank_ = 0;
+  int world_ = 1;
   CommGroups groups_;
   std::unique_ptr<ShardWiring> wiring_;
   mutable double seconds_ = 0;  // also spent by const collectives (fp32_state_dict)

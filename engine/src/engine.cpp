@@ -58,8 +58,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   // on a GPU the caching allocator's (chunk payloads do not come from it).
   probe_ = std::make_unique<NonModelProbe>(config_.device.type,
                                            /*gathers_groups=*/!dp_.one_process());
-  dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_,
-                          [this]() -> NonModelProbe& { return *probe_; },
+  dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_, *probe_,
                           [this](int64_t index) { pipeline_->on_index_used(index); },
                           [this](int64_t bytes) { scheduler_->make_room(bytes, *mover_); },
                           [this] { return describe_pinned(); }});
