@@ -61,6 +61,22 @@ void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, cons
                "cuda_restore_half_from_master", numel);
 }
 
+void cuda_adam_batch(const AdamBatch& batch, const AdamBatchEntry* device_entries,
+                     const AdamStepConstants* device_constants, void* stream) {
+  check_launch(cuda_detail::launch_adam_batch(
+                   device_entries, static_cast<int32_t>(batch.entries().size()), batch.tiles(),
+                   device_constants, batch.kind(), batch.bf16_states(), batch.bf16_half(), stream),
+               "cuda_adam_batch", batch.elements());
+}
+
+void cuda_sum_squares_batch(const AdamBatch& batch, const AdamBatchEntry* device_entries,
+                            double* partials, double* out, void* stream) {
+  check_launch(cuda_detail::launch_sum_squares_batch(
+                   device_entries, static_cast<int32_t>(batch.entries().size()), batch.tiles(),
+                   batch.kind(), batch.bf16_half(), partials, out, stream),
+               "cuda_sum_squares_batch", batch.elements());
+}
+
 #else  // no CUDA in this build
 
 bool cuda_adam_compiled() {
@@ -99,6 +115,20 @@ void cuda_restore_half_from_master(uint16_t*, HalfFormat, const float*, int64_t 
   TORCH_CHECK(false, "cuda_restore_half_from_master(", numel,
               " elements): this build has no CUDA "
               "kernels; configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
+}
+
+void cuda_adam_batch(const AdamBatch& batch, const AdamBatchEntry*, const AdamStepConstants*,
+                     void*) {
+  TORCH_CHECK(false, "cuda_adam_batch(", batch.elements(),
+              " elements): this build has no CUDA kernels; "
+              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
+}
+
+void cuda_sum_squares_batch(const AdamBatch& batch, const AdamBatchEntry*, double*, double*,
+                            void*) {
+  TORCH_CHECK(false, "cuda_sum_squares_batch(", batch.elements(),
+              " elements): this build has no CUDA kernels; "
+              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
 }
 
 #endif

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "patrickstar/optimizer/adam_batch.h"
 #include "patrickstar/optimizer/adam_rule.h"
 
 namespace patrickstar::cuda_detail {
@@ -17,6 +18,14 @@ int launch_adam_fp32(float* param, const float* grad, void* exp_avg, void* exp_a
                      void* stream);
 int launch_half_from_master(uint16_t* half_param, bool bf16, const float* master, int64_t numel,
                             void* stream);
+// The batched kernels of adam_batch.h, one launch each. entries and constants: device copies of
+// the batch's tables; partials: `tiles` doubles of device scratch; out: one device double.
+int launch_adam_batch(const AdamBatchEntry* entries, int32_t count, int64_t tiles,
+                      const AdamStepConstants* constants, AdamBatchKind kind, bool bf16_states,
+                      bool bf16_half, void* stream);
+int launch_sum_squares_batch(const AdamBatchEntry* entries, int32_t count, int64_t tiles,
+                             AdamBatchKind kind, bool bf16_half, double* partials, double* out,
+                             void* stream);
 const char* error_string(int error);
 
 }  // namespace patrickstar::cuda_detail

@@ -1,13 +1,11 @@
 #include "patrickstar/optimizer/hybrid_adam.h"
 
-#include <ATen/ops/add.h>
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "device_adam.h"
 #include "patrickstar/optimizer/adam_cuda.h"
 
 #if defined(PATRICKSTAR_OPTIMIZER_CUDA)
@@ -100,25 +98,18 @@ void* stream_for(const at::Tensor& t) {
 #endif
 }
 
-// The gradients' statistics over every chunk: the host kernel for chunks in host memory; on a GPU
-// sum_squares_on_device per chunk (bounded temporaries), summed on the device and read once (one
-// host synchronization per step, not per chunk).
-GradStats stats_of(c10::ArrayRef<AdamChunk> chunks) {
+// The gradients' statistics over every chunk: the host kernel for chunks in host memory; the chunks
+// on a GPU in one batched pass (device_adam.h), read once (one host synchronization per step).
+GradStats stats_of(c10::ArrayRef<AdamChunk> chunks, DeviceAdamBatches& on_gpu) {
   GradStats total;
-  at::Tensor device_sum;
   for (const AdamChunk& chunk : chunks) {
     const at::Tensor& grad = grad_of(chunk);
-    if (grad.device().is_cpu()) {
-      total += grad_stats(grad);
-      continue;
-    }
-    const at::Tensor sum = sum_squares_on_device(grad);
-    device_sum = device_sum.defined() ? at::add(device_sum, sum) : sum;
+    if (grad.device().is_cpu()) total += grad_stats(grad);
   }
-  if (device_sum.defined()) {
-    GradStats on_device;
-    on_device.sum_squares = device_sum.item<double>();
-    total += on_device;
+  if (!on_gpu.empty()) {
+    GradStats gpu;
+    gpu.sum_squares = on_gpu.sum_squares();
+    total += gpu;
   }
   return total;
 }
@@ -133,30 +124,9 @@ void restore_half(const AdamChunk& chunk) {
   }
 }
 
-// The CUDA kernel for the chunk's state dtype (float32 or bf16 bits).
-template <typename S>
-void cuda_update(const AdamChunk& chunk, const AdamStepConstants& constants) {
-  auto* m = static_cast<S*>(chunk.exp_avg.data_ptr());
-  auto* v = static_cast<S*>(chunk.exp_avg_sq.data_ptr());
-  void* stream = stream_for(chunk.master);
-  if (chunk.mixed() && !chunk.grad_fp32.defined()) {
-    cuda_adam_mixed(static_cast<uint16_t*>(chunk.half_param_grad.data_ptr()),
-                    format_of(chunk.half_param_grad), chunk.master.data_ptr<float>(), m, v,
-                    chunk.master.numel(), constants, stream);
-  } else {
-    cuda_adam_fp32(chunk.master.data_ptr<float>(), chunk.grad_fp32.data_ptr<float>(), m, v,
-                   chunk.master.numel(), constants, stream);
-  }
-}
-
+// A chunk in host memory (the host, or the emulated device); chunks on a GPU update in batches.
 void update_chunk(const AdamChunk& chunk, const AdamStepConstants& constants) {
-  if (!chunk.master.device().is_cpu()) {
-    if (chunk.exp_avg.scalar_type() == at::kBFloat16) {
-      cuda_update<uint16_t>(chunk, constants);
-    } else {
-      cuda_update<float>(chunk, constants);
-    }
-  } else if (chunk.mixed() && !chunk.grad_fp32.defined()) {
+  if (chunk.mixed() && !chunk.grad_fp32.defined()) {
     adam_step_mixed(chunk.half_param_grad, chunk.master, chunk.exp_avg, chunk.exp_avg_sq,
                     constants);
   } else {
@@ -192,23 +162,6 @@ GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,
   }
   result.multiplier = static_cast<float>(1.0 / loss_scale) * result.clip_coef;
   return result;
-}
-
-at::Tensor sum_squares_on_device(const at::Tensor& grad) {
-  TORCH_CHECK(grad.is_contiguous(), "sum_squares_on_device: the gradient is not contiguous");
-  // at::sum(grad, kDouble) would not do: a reduction to another dtype converts the whole input
-  // first (TensorIterator), the same double copy as grad.to(kDouble).
-  const at::Tensor flat = grad.view({-1});
-  const int64_t numel = flat.numel();
-  at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
-  for (int64_t start = 0; start < numel; start += kSumSquaresSliceElems) {
-    const int64_t elems = std::min(kSumSquaresSliceElems, numel - start);
-    // A copy (never the gradient itself, even if it were double), squared in place.
-    at::Tensor squares =
-        flat.narrow(0, start, elems).to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
-    total.add_(at::sum(squares.square_()));
-  }
-  return total;
 }
 
 HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
@@ -279,7 +232,15 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   StepReport report;
   report.loss_scale = loss_scaler_.scale();
 
-  GradStats total = stats_of(chunks);
+  // The chunks on a GPU (never speculative nor from a source: check_chunk) run batched.
+  DeviceAdamBatches on_gpu;
+  auto step_of = [&](size_t k) { return chunks[k].step > 0 ? chunks[k].step : step_ + 1; };
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    if (chunks[k].master.defined() && chunks[k].master.device().is_cuda()) {
+      on_gpu.add(chunks[k], step_of(k));
+    }
+  }
+  GradStats total = stats_of(chunks, on_gpu);
   if (agree_) agree_(total);
 
   if (!total.finite()) {
@@ -311,10 +272,12 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
                                     options_.eps(), options_.weight_decay(), options_.decoupled(),
                                     step, multiplier.multiplier);
   };
+  on_gpu.update(constants_of);  // asynchronous: the GPU updates while the host's chunks do
   int64_t cached_step = step_ + 1;
   AdamStepConstants cached = constants_of(cached_step);
   for (size_t k = 0; k < chunks.size(); ++k) {
-    const int64_t step = chunks[k].step > 0 ? chunks[k].step : step_ + 1;
+    if (chunks[k].master.defined() && chunks[k].master.device().is_cuda()) continue;
+    const int64_t step = step_of(k);
     if (step != cached_step) {
       cached = constants_of(step);
       cached_step = step;

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "patrickstar/optimizer/adam_batch.h"
 #include "patrickstar/optimizer/adam_rule.h"
 #include "patrickstar/optimizer/cpu_adam.h"
 
@@ -35,5 +36,14 @@ void cuda_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t
                     int64_t numel, const AdamStepConstants& constants, void* stream);
 void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
                                    int64_t numel, void* stream);
+
+// The batched kernels (adam_batch.h), one launch for every entry of `batch`. device_entries and
+// device_constants: device copies of batch.entries() and batch.constants(), ordered before the
+// launch on `stream`. cuda_sum_squares_batch writes the squared norm of every entry's gradient to
+// *out (a device double) and uses `partials` (batch.tiles() device doubles) as scratch.
+void cuda_adam_batch(const AdamBatch& batch, const AdamBatchEntry* device_entries,
+                     const AdamStepConstants* device_constants, void* stream);
+void cuda_sum_squares_batch(const AdamBatch& batch, const AdamBatchEntry* device_entries,
+                            double* partials, double* out, void* stream);
 
 }  // namespace patrickstar

@@ -110,13 +110,6 @@ struct GradMultiplier {
 };
 GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale, double max_grad_norm);
 
-// The squared L2 norm of `grad` (contiguous; float32, bfloat16 or float16; any device) as a 0-dim
-// double tensor on its device, without synchronizing: what step() reads of a chunk's gradient
-// on a GPU. Summed in double slice by slice, so its temporaries stay within one slice in double
-// (8 * kSumSquaresSliceElems bytes) however large the chunk; non-finite if any element is.
-inline constexpr int64_t kSumSquaresSliceElems = int64_t{1} << 20;
-at::Tensor sum_squares_on_device(const at::Tensor& grad);
-
 struct StepReport {
   bool skipped = false;     // overflow: nothing updated, half weights restored from fp32
   int64_t step = 0;         // optimizer steps taken so far (skipped ones do not count)
