@@ -15,7 +15,8 @@ import xml.etree.ElementTree as ET
 
 TARGET_PATHS = {"ps_copy_bench": "benchmarks/ps_copy_bench", "engine_tests": "tests/engine_tests",
                 "memtracer_tests": "tests/memtracer_tests", "chunk_tests": "tests/chunk_tests",
-                "optimizer_tests": "tests/optimizer_tests", "ps_bench": "benchmarks/ps_bench"}
+                "optimizer_tests": "tests/optimizer_tests", "ps_bench": "benchmarks/ps_bench",
+                "ps_micro": "benchmarks/ps_micro"}
 TARGETS = list(TARGET_PATHS)
 RESERVE_S = 6  # kept back from every step for the report and the archive
 SANITIZED_TEST = "EngineTraining.HybridAdamRunsOnTheDeviceWhenTheModelFits"  # Adam on the device
@@ -200,7 +201,7 @@ def capture(argv, timeout=60, cwd=None):
 
 def load_check(ctx, paths):
     """Each prebuilt binary starts here with every symbol bound (a torch of another version fails)."""
-    quick = {"ps_bench": ["--list-models"], "ps_copy_bench": ["--device", "emulated", "--chunk-bytes",
+    quick = {"ps_bench": ["--list-models"], "ps_micro": ["--benchmark_list_tests"], "ps_copy_bench": ["--device", "emulated", "--chunk-bytes",
              "4KiB", "--chunks", "1", "--rounds", "1"]}
     for target, path in paths.items():
         rc = ctx.command("load-" + target, [path] + quick.get(target, ["--gtest_list_tests"]),
@@ -484,6 +485,10 @@ def sanitize(ctx, sanitizer, tests):
     return status, detail or "memcheck clean on " + SANITIZED_TEST, {}, counts
 
 
+import gpu_check_perf as perf  # noqa: E402  (its steps use this module's helpers)
+
+# The last three do not fit the default deadline with the others: scripts/gpu-check --only
+# large_model,largest_gpt --deadline 590 runs them in a window of their own.
 STEPS = [
     Step("facts", facts, 120, 10, always=True),
     Step("binaries", binaries, 420, 30),
@@ -494,5 +499,8 @@ STEPS = [
     Step("ps_bench_capped", ps_bench, 120, 40),
     Step("ps_bench_fits", ps_bench, 150, 60),
     Step("ps_bench_auto", ps_bench, 60, 20),
+    Step("device_adam", perf.device_adam, 90, 30),
     Step("compute_sanitizer", compute_sanitizer, 150, 40),
+    Step("large_model", perf.large_model, 480, 300),
+    Step("largest_gpt", perf.largest_gpt, 300, 200),
 ]
