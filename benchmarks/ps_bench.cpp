@@ -75,6 +75,10 @@ ABSL_FLAG(std::string, policy, "", "chunk eviction policy: opt, lru or static");
 ABSL_FLAG(std::string, chunk_size, "", "elements per chunk, or auto");
 ABSL_FLAG(std::string, config, "", "a patrickstar JSON config; the flags above override it");
 ABSL_FLAG(bool, baseline, false, "also train with plain LibTorch + torch::optim::AdamW");
+ABSL_FLAG(bool, breakdown, false,
+          "time each step's forward, backward and step apart (on CUDA each ends with a device "
+          "synchronization, in the engine's steps and the baseline's alike); the JSON's breakdown "
+          "always has the engine's host time and host synchronizations per step");
 ABSL_FLAG(std::string, moves, "", "chunk moves: async (a copy thread, or a CUDA copy stream, overlaps compute) or sync (default: the config's, else async)");
 ABSL_FLAG(std::string, json, "", "write the figures to this JSON file");
 ABSL_FLAG(std::string, trace, "", "write the chunk timeline (Chrome trace-event JSON) here");
@@ -251,8 +255,11 @@ RunTotals run_steps(Model& model, Optimizer& optimizer, const Spec& spec, const 
     const at::Tensor tokens = data.tokens.narrow(0, shape.rank * rows, rows);
     const at::Tensor targets = data.targets.narrow(0, shape.rank * rows, rows);
     const auto start = Clock::now();
-    const auto [loss, r] = train_step(model, optimizer, tokens, targets);
+    PhaseClock clock(config.device.type == ps::DeviceType::kCuda);
+    const auto [loss, r] = train_step(model, optimizer, tokens, targets,
+                                      absl::GetFlag(FLAGS_breakdown) ? &clock : nullptr);
     totals.add(s, shape.steps, r, engine, config, shape.world);
+    if (s >= RunTotals::first_steady(shape.steps)) totals.phases += clock.phases();
     if (shape.lead && r.chunk_elems_retried > 0) print_chunk_size_retry(s + 1, r, reg);
     finish_device_work(config);
     const double t = seconds_since(start);
@@ -316,7 +323,8 @@ int train(const ps::Config& config, Spec spec) {
                       : " (the whole global batch, on every rank)");
     }
     baseline = run_baseline(spec, config, shape.batch, shape.seq, shape.steps, shape.seed,
-                            shape.lead, absl::GetFlag(FLAGS_init_from), shape.world);
+                            shape.lead, absl::GetFlag(FLAGS_init_from), shape.world,
+                            absl::GetFlag(FLAGS_breakdown));
   }
 
   nlohmann::json out;
@@ -335,6 +343,11 @@ int train(const ps::Config& config, Spec spec) {
     out["baseline_losses"] = baseline->losses;
     out["max_relative_loss_difference"] = max_relative_difference(totals.losses, baseline->losses);
     out["step_time_ratio_to_baseline"] = median(totals.times) / baseline->step_time_s;
+    if (absl::GetFlag(FLAGS_breakdown)) {
+      out["baseline_breakdown"] = {{"forward_s", baseline->phases.forward},
+                                   {"backward_s", baseline->phases.backward},
+                                   {"step_s", baseline->phases.step}};
+    }
   }
   if (!shape.lead) return 0;  // rank 0 prints and writes the files
   print_and_write(out, engine, model.module(), config, shape, totals);

@@ -209,6 +209,13 @@ c10::Device batch_device(const ps::Config& config) {
                                                      : c10::Device(c10::kCPU);
 }
 // A step's time includes its GPU work: kernels are asynchronous on CUDA.
+void PhaseClock::lap(double PhaseSeconds::*phase) {
+  if (cuda_) torch::cuda::synchronize();
+  const Clock::time_point now = Clock::now();
+  phases_.*phase += std::chrono::duration<double>(now - last_).count();
+  last_ = now;
+}
+
 void finish_device_work(const ps::Config& config) {
   if (config.device.type == ps::DeviceType::kCuda) torch::cuda::synchronize();
 }
@@ -297,7 +304,7 @@ at::Tensor ranks_as_micro_batches(Model& model, const ps::models::TokenBatch& da
 template <class Spec>
 BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
                             int64_t steps, uint64_t seed, bool print,
-                            const std::string& init_from, int world) {
+                            const std::string& init_from, int world, bool breakdown) {
   auto model = make_model(spec, seed, init_from);
   ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
@@ -311,22 +318,28 @@ BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t 
   for (int64_t s = 0; s < steps; ++s) {
     auto data = batch_of(spec, config, batch, seq, seed + 1 + static_cast<uint64_t>(s));
     const auto start = Clock::now();
+    PhaseClock clock(config.device.type == ps::DeviceType::kCuda);
     adamw.zero_grad();
     at::Tensor loss = spec.dropout > 0.0 && world > 1
                           ? ranks_as_micro_batches(model, data, world, batch_device(config))
                           : model->loss(data.tokens, data.targets);
+    if (breakdown) clock.lap(&PhaseSeconds::forward);
     if (loss.requires_grad()) loss.backward();
+    if (breakdown) clock.lap(&PhaseSeconds::backward);
     adamw.step();
+    if (breakdown) clock.lap(&PhaseSeconds::step);
     finish_device_work(config);
     const double t = seconds_since(start);
     r.losses.push_back(loss.item<double>());
     if (s > 0) times.push_back(t);
+    if (s > 0) r.phases += clock.phases();
     if (print) {
       std::printf("  baseline step %lld/%lld  loss %.5f  %.3f s\n", static_cast<long long>(s + 1),
                   static_cast<long long>(steps), r.losses.back(), t);
     }
   }
   r.step_time_s = median(times);
+  r.phases /= static_cast<double>(std::max<size_t>(times.size(), 1));
   return r;
 }
 
@@ -390,8 +403,10 @@ template ps::models::TokenBatch batch_of(const ps::models::GptSpec&, const ps::C
 template ps::models::TokenBatch batch_of(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
                                          int64_t, uint64_t);
 template BaselineResult run_baseline(const ps::models::GptSpec&, const ps::Config&, int64_t,
-                                     int64_t, int64_t, uint64_t, bool, const std::string&, int);
+                                     int64_t, int64_t, uint64_t, bool, const std::string&, int,
+                                     bool);
 template BaselineResult run_baseline(const ps::models::LlamaSpec&, const ps::Config&, int64_t,
-                                     int64_t, int64_t, uint64_t, bool, const std::string&, int);
+                                     int64_t, int64_t, uint64_t, bool, const std::string&, int,
+                                     bool);
 
 }  // namespace ps_bench

@@ -24,9 +24,25 @@ using Clock = std::chrono::steady_clock;
 // The process's resident bytes when main() began (the figures' accounting starts from it).
 extern int64_t g_rss_at_start;
 
+// --breakdown: one step's phases, each ended by a device synchronization on CUDA (it waits for
+// the phase's kernels; the synchronizations add to the step, for the engine and the baseline
+// alike). Sums over the steady steps until divided.
+struct PhaseSeconds {
+  double forward = 0, backward = 0, step = 0;
+  PhaseSeconds& operator+=(const PhaseSeconds& o) {
+    forward += o.forward, backward += o.backward, step += o.step;
+    return *this;
+  }
+  PhaseSeconds& operator/=(double n) {
+    forward /= n, backward /= n, step /= n;
+    return *this;
+  }
+};
+
 struct BaselineResult {
   std::vector<double> losses;
   double step_time_s = 0;
+  PhaseSeconds phases;  // --breakdown: per steady step
 };
 
 double seconds_since(Clock::time_point start);
@@ -58,7 +74,8 @@ ps::models::TokenBatch batch_of(const Spec& spec, const ps::Config& config, int6
 template <class Spec>
 BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
                             int64_t steps, uint64_t seed, bool print,
-                            const std::string& init_from = "", int world = 1);
+                            const std::string& init_from = "", int world = 1,
+                            bool breakdown = false);
 int local_rank();
 std::vector<double> sum_over_ranks(ps::Communicator& comm, std::vector<double> values);
 // The model of `spec` built from `seed` (the baseline builds the same weights); a Llama from the
@@ -92,13 +109,33 @@ struct StepResult {
   at::Tensor loss;
   ps::IterationReport report;
 };
+
+// Laps between a step's phases, kept in phases(); on CUDA each lap first waits for the device
+// (--breakdown).
+class PhaseClock {
+ public:
+  explicit PhaseClock(bool cuda) : cuda_(cuda) {}
+  // The time since the last lap (or the clock's start), added to `phase`.
+  void lap(double PhaseSeconds::*phase);
+  const PhaseSeconds& phases() const { return phases_; }
+
+ private:
+  bool cuda_;
+  Clock::time_point last_ = Clock::now();
+  PhaseSeconds phases_;
+};
+
 template <class Model, class Optimizer>
 StepResult train_step(Model& model, Optimizer& optimizer, const at::Tensor& tokens,
-                      const at::Tensor& targets) {
+                      const at::Tensor& targets, PhaseClock* clock = nullptr) {
   optimizer.zero_grad();
   at::Tensor loss = model->loss(tokens, targets);
+  if (clock != nullptr) clock->lap(&PhaseSeconds::forward);
   model.backward(loss);
-  return StepResult{loss, optimizer.step()};
+  if (clock != nullptr) clock->lap(&PhaseSeconds::backward);
+  ps::IterationReport report = optimizer.step();
+  if (clock != nullptr) clock->lap(&PhaseSeconds::step);
+  return StepResult{loss, std::move(report)};
 }
 
 // --find-max-model (ps_bench_search.cpp), --compare-moves (ps_bench_compare.cpp).

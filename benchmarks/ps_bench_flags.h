@@ -38,3 +38,4 @@ ABSL_DECLARE_FLAG(bool, compare_delayed);
 ABSL_DECLARE_FLAG(std::string, predict);
 ABSL_DECLARE_FLAG(bool, check_flags);
 ABSL_DECLARE_FLAG(int64_t, threads);
+ABSL_DECLARE_FLAG(bool, breakdown);

@@ -40,6 +40,9 @@ void RunTotals::add(int64_t step, int64_t steps, const ps::IterationReport& r, p
     reduce_bytes += static_cast<double>(r.reduce_bytes);
     all_reduce_bytes += static_cast<double>(r.all_reduce_bytes);
     collective_s += r.collective_seconds;
+    engine_host_s += r.engine_host_seconds;
+    engine_entries += static_cast<double>(r.engine_entries);
+    host_syncs += static_cast<double>(r.host_syncs);
     gathered_peak = std::max(gathered_peak, static_cast<double>(r.gathered_peak_bytes));
     // A group gather all-gathers world_size param chunks, a group reduce sends world_size fp32
     // gradient chunks to their owners, and the step agrees on the loss's finiteness (4 bytes,
@@ -62,9 +65,10 @@ void RunTotals::add(int64_t step, int64_t steps, const ps::IterationReport& r, p
 void RunTotals::average(int64_t steps) {
   steady_iterations = static_cast<double>(steps - first_steady(steps));
   for (double* sum : {&h2d, &d2h, &forced, &copy_wait, &adam_s, &disk_read, &disk_written,
-                      &disk_wait}) {
+                      &disk_wait, &engine_host_s, &engine_entries, &host_syncs}) {
     *sum /= steady_iterations;
   }
+  phases /= steady_iterations;
 }
 
 void print_step(int64_t step, const RunShape& shape, const ps::IterationReport& r, double loss,
@@ -163,6 +167,16 @@ void add_engine_figures(nlohmann::json& out, ps::Engine& engine, const ps::Confi
   out["copy_wait_s_per_iter"] = t.copy_wait;  // compute waiting for chunk copies (async moves)
   out["adam_host_d2h_bytes_per_iter"] = t.forced;
   out["adam_s_per_iter"] = t.adam_s;  // the optimizer step's wall time (steady iterations)
+  // Per steady iteration: the engine's host time in its entry points (doors, hooks, gradient
+  // arrival) and their count, the host synchronizations, and with --breakdown the phases.
+  out["breakdown"] = {{"engine_host_s", t.engine_host_s},
+                      {"engine_entries", t.engine_entries},
+                      {"host_syncs", t.host_syncs}};
+  if (absl::GetFlag(FLAGS_breakdown)) {
+    out["breakdown"]["forward_s"] = t.phases.forward;
+    out["breakdown"]["backward_s"] = t.phases.backward;
+    out["breakdown"]["step_s"] = t.phases.step;
+  }
   out["disk_bytes"] = reg.disk_bytes;  // optimizer states in the disk tier's files
   out["device_state_bytes"] = reg.device_state_bytes;  // optimizer states on the device for good
   out["disk_read_bytes_per_iter"] = t.disk_read;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "patrickstar/patrickstar.h"
+#include "ps_bench_common.h"
 
 namespace ps = patrickstar;
 
@@ -39,6 +40,10 @@ struct RunTotals {
   // Data parallel, summed (per_rank_figures divides them).
   double gathers = 0, gather_bytes = 0, reduces = 0, reduce_bytes = 0, all_reduce_bytes = 0;
   double collective_s = 0, gathered_peak = 0;
+  // The engine's host time in its entry points, their count and the host synchronizations
+  // (IterationReport), and with --breakdown the phases' times: per steady iteration.
+  double engine_host_s = 0, engine_entries = 0, host_syncs = 0;
+  PhaseSeconds phases;
   bool formula_ok = true;      // every steady iteration's collective bytes equalled the formula
   int64_t non_model_peak = 0;  // over every iteration
   int64_t device_peak = 0;     // over the steady iterations

@@ -6,8 +6,8 @@
 // engine", has the picture.
 //
 // Thread-safety: one training thread drives it; the entry points autograd and the doors call are
-// serialized by entry_mutex_ (on CUDA autograd runs a backward's CPU and GPU work on different
-// threads).
+// serialized by entry_gate_ (on CUDA autograd runs a backward's CPU and GPU work on different
+// threads), which also measures their host time (entry_gate.h).
 #pragma once
 
 #include <chrono>
@@ -42,6 +42,7 @@
 
 #include "chunk_size_retry.h"
 #include "data_parallel.h"
+#include "entry_gate.h"
 #include "gradient_state.h"
 #include "iteration_metrics.h"
 #include "iteration_tracker.h"
@@ -359,10 +360,9 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   std::unique_ptr<Mover> mover_;
   HookTable hooks_;
   // Held by every entry point autograd or a door calls (the doors, the backward hooks, gradients,
-  // a backward's start and end): on CUDA autograd runs a backward's CPU work (a CPU embedding) and GPU
-  // work on different threads, and the engine's state is one thread's at a time. Recursive: a
-  // checkpoint's recompute opens doors from inside a backward hook's work.
-  std::recursive_mutex entry_mutex_;
+  // a backward's start and end): the engine's state is one thread's at a time; the gate measures
+  // their host time and counts the host synchronizations per iteration (entry_gate.h).
+  engine_detail::EntryGate entry_gate_;
 
   engine_detail::IterationTracker tracker_;  // the phase of the iteration (iteration_tracker.h)
   engine_detail::GradientState gradients_;  // half slots, grad() handles, marker (gradient_state.h)

@@ -216,7 +216,7 @@ std::string EngineCore::describe_pinned() const {
 }
 
 int64_t EngineCore::pre_forward(torch::nn::Module& module) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   ModuleInfo& info = module_info(module);
   check_not_gathered(info);
   zero_grad_if_marker_reset(/*door=*/true);
@@ -282,7 +282,7 @@ void EngineCore::release(TensorId id, TensorState to) {
 }
 
 std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::Tensor> outputs) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   TORCH_CHECK(doors_.valid(token), "patrickstar: internal: unknown door token ", token);
   OpenScope& scope = doors_[token];
   // An output that shares a parameter's storage (the parameter itself, a view of it) would point at
@@ -327,7 +327,7 @@ std::vector<at::Tensor> EngineCore::post_forward(int64_t token, std::vector<at::
 }
 
 void EngineCore::forward_failed(int64_t token) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   const bool evaluation = doors_.valid(token) && doors_[token].kind == ForwardKind::kEvaluation;
   post_forward(token, {});
   // The outermost door of a training forward that threw: the next forward starts where this one
@@ -338,7 +338,7 @@ void EngineCore::forward_failed(int64_t token) {
 }
 
 std::vector<at::Tensor> EngineCore::wrap_inputs(int64_t token, std::vector<at::Tensor> inputs) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   TORCH_CHECK(doors_.valid(token), "patrickstar: internal: unknown door token ", token);
   if (mixed()) {
     // Floating-point inputs are cast to the compute dtype (as DeepSpeed does in fp16); integer

@@ -12,7 +12,7 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::backward_started() {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);  // a checkpoint's backward calls it
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);  // a checkpoint's backward calls it
   if (tracker_.in_backward()) return;
   pipeline_->on_gradients_change();  // another backward adds to the gradients updated ahead
   zero_grad_if_marker_reset();
@@ -33,7 +33,7 @@ void EngineCore::recover_from_a_dead_backward(const char* where) {
 }
 
 void EngineCore::pre_backward(ModuleInfo& module) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   if (module.params.empty()) return;
   backward_started();
   check_not_gathered(module);
@@ -41,7 +41,7 @@ void EngineCore::pre_backward(ModuleInfo& module) {
 }
 
 void EngineCore::post_backward(ModuleInfo& module) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   post_backward_release(module);
   dp_.reduce_ready_groups(module.params);  // data parallel: gradients final in a whole group
 }
@@ -63,7 +63,7 @@ void EngineCore::post_backward_release(ModuleInfo& module) {
 }
 
 void EngineCore::on_gradient(TensorId id, const at::Tensor& param) {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   const Param& p = params_[id];
   at::Tensor grad = param.grad();
   if (!grad.defined()) return;
@@ -146,6 +146,7 @@ void EngineCore::backward(const at::Tensor& loss) {
   if (config_.precision() != Precision::kFp16) {
     // Data parallel: every rank drops the forward when any rank's loss is not finite (else the
     // others would wait for it in the gradient reduction).
+    note_host_sync();  // the read of the check (on CUDA it waits for the forward)
     const bool finite = dp_.all_agree(at::isfinite(loss).item<bool>());
     if (!finite) {
       const double value = loss.item<double>();
@@ -207,7 +208,7 @@ void EngineCore::sync_trainable() {
 }
 
 void EngineCore::finish_backward() {
-  std::lock_guard<std::recursive_mutex> serialized(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);
   flush_pending_gradients();
   // Parameters whose gradient never arrived (frozen, or unused by this loss) still hold a slot.
   for (const Param& p : params_) {

@@ -186,7 +186,7 @@ IterationReport EngineCore::run_adam() {
 }
 
 void EngineCore::set_overlap_step(bool on) {
-  std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
   pipeline_->set_overlap_step(on);
 }
 
@@ -230,6 +230,10 @@ IterationReport EngineCore::step() {
 
   tracker_.on(PhaseEvent::kStepDone);
   show_gradients(GradientsShown::kAfterStep);
+  const engine_detail::EntryCosts costs = entry_gate_.take();
+  report.engine_host_seconds = costs.host_seconds;
+  report.engine_entries = costs.entries;
+  report.host_syncs = costs.host_syncs;
   return report;
 }
 
@@ -369,7 +373,7 @@ void EngineCore::report_iteration(IterationReport& report, bool warmup) {
 }
 
 void EngineCore::set_record_timeline(bool on) {
-  std::lock_guard<std::recursive_mutex> lock(entry_mutex_);
+  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
   scheduler_->set_record_timeline(on);
   pipeline_->set_record_spans(on);
   if (storage_.copy_queue() != nullptr) storage_.copy_queue()->set_record_spans(on);

@@ -405,7 +405,8 @@ BENCHES = {
         ["--model", "gpt_mini", "--dtype", "fp32", "--batch", "2", "--device", "emulated:1GiB",
          "--steps", "3", "--baseline", "--predict", "h100"],
         ["step_time_ratio_to_baseline", "max_relative_loss_difference", "step_time_s",
-         "prediction.step_s", "h2d_bytes_per_iter"]),
+         "prediction.step_s", "h2d_bytes_per_iter", "breakdown.engine_host_s",
+         "breakdown.engine_entries", "breakdown.host_syncs"]),
     "ps_bench_auto": (
         ["--model", "gpt_mini", "--device", "cuda", "--steps", "3"],
         ["--model", "gpt_mini", "--steps", "3"],  # no --device: the emulated device's "auto"

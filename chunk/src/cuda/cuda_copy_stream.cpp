@@ -1,5 +1,6 @@
 // Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); runs on a GPU only (scripts/gpu-check).
 #include "patrickstar/chunk/cuda_copy_stream.h"
+#include "patrickstar/chunk/host_syncs.h"
 
 #include "patrickstar/chunk/memory_tier.h"
 
@@ -67,6 +68,7 @@ struct CudaCopyStream::State {
         if (f.done != nullptr) last = f.done;
       }
       if (last != nullptr) {
+        note_host_sync();
         const cudaError_t status = cudaEventSynchronize(last);
         if (status != cudaSuccess) (void)cudaGetLastError();  // poll() names the copy
       }

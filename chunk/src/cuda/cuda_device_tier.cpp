@@ -1,5 +1,6 @@
 // Compiled only when PATRICKSTAR_HAVE_CUDA (see chunk/CMakeLists.txt); runs on a GPU only (scripts/gpu-check).
 #include "patrickstar/chunk/cuda_device_tier.h"
+#include "patrickstar/chunk/host_syncs.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -165,6 +166,7 @@ void CudaDeviceTier::raw_deallocate(void* ptr, int64_t /*bytes*/, int64_t /*alig
   // cache instead is reused only by writers ordered after the compute stream: a copy issued after
   // an event recorded on it, or a zero fill or kernel on it). Warns, never throws: this runs from
   // the tier's destructor, maybe after an earlier CUDA error (whose own message must survive).
+  note_host_sync();
   C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 
@@ -181,6 +183,7 @@ void CudaDeviceTier::copy(void* dst, const void* src, int64_t bytes, CopyDirecti
       copy));
   C10_CUDA_CHECK(cudaEventRecord(copy_stream_->done, copy));
   C10_CUDA_CHECK(cudaStreamWaitEvent(compute, copy_stream_->done, 0));
+  note_host_sync();
   C10_CUDA_CHECK(cudaEventSynchronize(copy_stream_->done));
 }
 

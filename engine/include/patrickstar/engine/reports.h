@@ -50,6 +50,15 @@ struct IterationReport {
   // the engine waited for the disk tier (reads not done ahead, writes still going at the end).
   double adam_seconds = 0;
   double disk_wait_seconds = 0;
+  // What the engine cost the host outside the step, since the last step: the wall time inside its
+  // entry points (the doors, the backward hooks, gradient arrival, a backward's start and end; an
+  // entry nested in another counts once) and how many there were. And the host synchronizations
+  // (waits for the device's queued work: the loss's finiteness check, the gradient norm's read, a
+  // synchronous copy, a copy stream's wait; chunk/host_syncs.h), the step's included. On the
+  // emulated device the loss check and the norm read count where CUDA's would.
+  double engine_host_seconds = 0;
+  int64_t engine_entries = 0;
+  int64_t host_syncs = 0;
   // The overlapped step ("zero_optimization.overlap_step"): runs of tensors whose host Adam ran
   // on the optimizer thread during backward and that the step committed as they were, or undid
   // (clipping, an overflow, another learning rate) and recomputed; chunk indices taken back before
