@@ -235,8 +235,10 @@ class StepPipeline {
   // "auto" on the emulated device overlaps only where a core is free of compute.
   bool auto_overlap_may_run() const;
   // Host-Adam kernel threads for an optimizer thread (the overlapped step's, the delayed
-  // update's): on a GPU the host's cores are its; on the emulated device compute keeps its
-  // threads and the optimizer thread takes the cores left (at least one).
+  // update's): on a GPU the host's cores but kCudaBusyHostThreads (autograd's device thread and
+  // the training thread keep one each), at most compute's threads; on the emulated device compute
+  // keeps its threads and the optimizer thread takes the cores left (at least one).
+  static constexpr int kCudaBusyHostThreads = 2;
   int optimizer_thread_kernels() const;
   void undo_early_update(EarlyIndex& job) const;
   void cancel_early_update(int64_t index);

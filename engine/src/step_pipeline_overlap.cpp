@@ -195,7 +195,15 @@ void StepPipeline::start_early_update(int64_t i) {
 int StepPipeline::optimizer_thread_kernels() const {
   const int compute = at::get_num_threads();
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  return wiring_.config.device.type == DeviceType::kCuda ? compute : std::max(1, cores - compute);
+  // On CUDA the host Adam runs during backward beside two busy host threads: autograd's device
+  // thread (it launches backward's kernels and runs the engine's hooks: starved, the GPU idles) and
+  // the training thread (chunk copies are issued and waited for there and on the hooks' thread).
+  // It takes the cores they leave, at most compute's. On the emulated device compute is the
+  // backward itself: the thread takes the cores compute leaves.
+  if (wiring_.config.device.type == DeviceType::kCuda) {
+    return std::max(1, std::min(compute, cores - kCudaBusyHostThreads));
+  }
+  return std::max(1, cores - compute);
 }
 
 void StepPipeline::undo_early_update(EarlyIndex& job) const {

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "device_adam.h"
+#include "patrickstar/chunk/host_syncs.h"
 #include "patrickstar/optimizer/adam_cuda.h"
 
 #if defined(PATRICKSTAR_OPTIMIZER_CUDA)
@@ -241,6 +242,11 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
     }
   }
   GradStats total = stats_of(chunks, on_gpu);
+  // The norm of the chunks on the device is read back: one host synchronization (on the emulated
+  // device at the same point, chunk/host_syncs.h).
+  if (std::find(plan.on_device.begin(), plan.on_device.end(), true) != plan.on_device.end()) {
+    note_host_sync();
+  }
   if (agree_) agree_(total);
 
   if (!total.finite()) {
