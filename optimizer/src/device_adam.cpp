@@ -9,6 +9,7 @@
 #include "patrickstar/optimizer/adam_cuda.h"
 
 #if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -30,11 +31,25 @@ void* current_stream(const at::Device& device) {
 #endif
 }
 
+// The chunks' device current while launching: a kernel launched on another device's stream is
+// refused (a thread whose current device is not the chunks', on a machine with several GPUs).
+struct OnDevice {
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+  explicit OnDevice(const at::Device& device) : guard(device) {}
+  c10::cuda::CUDAGuard guard;
+#else
+  explicit OnDevice(const at::Device&) {}
+#endif
+};
+
 }  // namespace
 
 void DeviceAdamBatches::add(const AdamChunk& chunk, int64_t step) {
   const at::Device device = chunk.master.device();
   TORCH_CHECK(device.is_cuda(), "DeviceAdamBatches: a chunk on ", device);
+  TORCH_CHECK(entries_on_device_.empty(),
+              "DeviceAdamBatches: a chunk added after the tables went to the device");
+  if (chunk.master.numel() == 0) return;  // nothing to update (AdamBatch leaves it out too)
   if (!device_) device_ = device;
   TORCH_CHECK(*device_ == device, "HybridAdam: chunks on the device are on ", *device_, " and on ",
               device, "; one engine's device Adam runs on one GPU");
@@ -75,6 +90,7 @@ const AdamBatchEntry* DeviceAdamBatches::device_entries(size_t b) {
 
 double DeviceAdamBatches::sum_squares() {
   if (batches_.empty()) return 0.0;
+  const OnDevice on(*device_);
   void* stream = current_stream(*device_);
   at::Tensor sums =
       at::empty({static_cast<int64_t>(batches_.size())}, at::TensorOptions().dtype(at::kDouble).device(*device_));
@@ -91,7 +107,9 @@ double DeviceAdamBatches::sum_squares() {
 }
 
 void DeviceAdamBatches::update(const std::function<AdamStepConstants(int64_t)>& make) {
-  void* stream = batches_.empty() ? nullptr : current_stream(*device_);
+  if (batches_.empty()) return;
+  const OnDevice on(*device_);
+  void* stream = current_stream(*device_);
   for (size_t b = 0; b < batches_.size(); ++b) {
     AdamBatch& batch = batches_[b];
     batch.set_constants(make);

@@ -10,6 +10,7 @@
 #include "patrickstar/optimizer/adam_cuda.h"
 
 #if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -120,6 +121,9 @@ void restore_half(const AdamChunk& chunk) {
   if (half.device().is_cpu()) {
     restore_half_from_master(half, chunk.master);
   } else {
+#if defined(PATRICKSTAR_OPTIMIZER_CUDA)
+    const c10::cuda::CUDAGuard on(half.device());  // the launch goes to this device's stream
+#endif
     cuda_restore_half_from_master(static_cast<uint16_t*>(half.data_ptr()), format_of(half),
                                   chunk.master.data_ptr<float>(), half.numel(), stream_for(half));
   }

@@ -132,3 +132,46 @@ def largest_gpt(ctx):
     with open(out) as f:
         figures = json.load(f)
     return "passed", "the largest GPT at %s: %s" % (device, json.dumps(figures)[:300]), figures, None
+
+
+# Where the host Adam hides (issue 57, item 3): GPT2small bf16 at cuda:4GiB (its states do not fit:
+# the host Adam runs), serial against overlapped (--compare-step) and delayed (--compare-delayed),
+# at batch 8 and at the batch where the predicted GPU compute matches the host Adam (--predict
+# names it), the prediction's three schedules beside each.
+HIDDEN_GPU = ["--model", "GPT2small", "--dtype", "bf16", "--device", "cuda:4GiB"]
+HIDDEN_DRY = ["--model", "gpt_mini", "--dtype", "bf16", "--device", "emulated:24MiB"]
+
+
+def host_adam_hidden(ctx):
+    base = HIDDEN_DRY if ctx.dry_run else HIDDEN_GPU
+    first = 2 if ctx.dry_run else 8
+    out = ctx.log_path("predict-b%d.json" % first)
+    rc = ctx.command("predict-b%d" % first, [ctx.bins["ps_bench"]] + base + [
+        "--batch", str(first), "--steps", "4", "--predict", "h100", "--json", out])
+    status, detail = steps.outcome(rc, "ps_bench --predict")
+    if status != "passed":
+        return status, detail, {}, None
+    with open(out) as f:
+        prediction = json.load(f).get("prediction", {})
+    batches = [first]
+    matched = prediction.get("matched_batch", {}).get("batch")
+    if matched and matched != first:
+        batches.append(min(int(matched), 4 * first if ctx.dry_run else 64))
+    figures = {"predicted_b%d" % first: prediction.get("schedules"),
+               "matched_batch_predicted": prediction.get("matched_batch")}
+    lines = []
+    for batch in batches:
+        for mode, key in (("--compare-step", "overlapped_to_serial"),
+                          ("--compare-delayed", "delayed_to_serial")):
+            if ctx.step_ends - time.time() < 30:
+                break
+            out = ctx.log_path("%s-b%d.json" % (mode[2:], batch))
+            rc = ctx.command("%s-b%d" % (mode[2:], batch), [ctx.bins["ps_bench"]] + base + [
+                "--batch", str(batch), "--steps", "6" if ctx.dry_run else "13", mode, "--json", out])
+            if rc != 0:
+                lines.append("%s at batch %d: exit %s" % (mode, batch, rc))
+                continue
+            measured = steps.read_figures(out, [key, "serial_s"])
+            figures["%s_b%d" % (mode[2:], batch)] = measured
+            lines.append("batch %d %s %.2f" % (batch, key, measured[key]))
+    return "passed", "; ".join(lines), figures, None
