@@ -159,7 +159,7 @@ def host_adam_hidden(ctx):
         batches.append(min(int(matched), 4 * first if ctx.dry_run else 64))
     figures = {"predicted_b%d" % first: prediction.get("schedules"),
                "matched_batch_predicted": prediction.get("matched_batch")}
-    lines = []
+    lines, failed = [], False
     for batch in batches:
         for mode, key in (("--compare-step", "overlapped_to_serial"),
                           ("--compare-delayed", "delayed_to_serial")):
@@ -167,11 +167,12 @@ def host_adam_hidden(ctx):
                 break
             out = ctx.log_path("%s-b%d.json" % (mode[2:], batch))
             rc = ctx.command("%s-b%d" % (mode[2:], batch), [ctx.bins["ps_bench"]] + base + [
-                "--batch", str(batch), "--steps", "6" if ctx.dry_run else "13", mode, "--json", out])
+                "--batch", str(batch), "--steps", "12" if ctx.dry_run else "13", mode, "--json", out])
             if rc != 0:
                 lines.append("%s at batch %d: exit %s" % (mode, batch, rc))
+                failed = True
                 continue
             measured = steps.read_figures(out, [key, "serial_s"])
             figures["%s_b%d" % (mode[2:], batch)] = measured
             lines.append("batch %d %s %.2f" % (batch, key, measured[key]))
-    return "passed", "; ".join(lines), figures, None
+    return "failed" if failed else "passed", "; ".join(lines), figures, None
