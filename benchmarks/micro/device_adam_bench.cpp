@@ -10,9 +10,11 @@
 // Counters: adam_GBps, fused_GBps (both counting the bytes one fused pass must move: 28 per
 // parameter, 20 with bf16 states), copy_GBps (bytes read + written), vs_fused = fused time / ours
 // (the goal is >= 1.0), of_copy = our bytes per second / the copy's (the goal is >= 0.8).
-// fused_adamw_ wants one dtype: the mixed variants give it an fp32 gradient cast from the half
-// slot and cast the new master back (the work a mixed step needs); bf16 states run it on fp32
-// states of the same size (it has no bf16-state form).
+// Both sides read the gradient's norm back once per step (ours for clipping and the overflow check;
+// for fused AdamW, grad.norm().item(), the work clip_grad_norm_ adds). fused_adamw_ wants one
+// dtype: the mixed variants give it an fp32 gradient cast from the half slot and cast the new
+// master back (the work a mixed step needs); bf16 states run it on fp32 states of the same size
+// (it has no bf16-state form).
 #include <ATen/ops/_fused_adamw.h>
 #include <benchmark/benchmark.h>
 #include <torch/cuda.h>
@@ -104,12 +106,15 @@ struct Fused {
         exp_avg_sq(v.states == at::kFloat ? b.exp_avg_sq : torch::zeros_like(b.master)) {}
   void run(Buffers& b) {
     if (mixed) grad32.copy_(b.half);
+    // The gradient's norm read back once, as ours (clip_grad_norm_'s work before a fused step).
+    norm = grad32.norm().item<double>();
     step.add_(1);
     at::_fused_adamw_({b.master}, {grad32}, {exp_avg}, {exp_avg_sq}, {}, {step}, kLr, kBeta1,
                       kBeta2, kWeightDecay, kEps, false, false, std::nullopt, std::nullopt);
     if (mixed) b.half.copy_(b.master);
   }
   bool mixed;
+  double norm = 0;
   at::Tensor step, grad32, exp_avg, exp_avg_sq;
 };
 
