@@ -57,6 +57,19 @@ __device__ inline Tile tile_of_block(const AdamBatchEntry* entries, int32_t coun
   return t;
 }
 
+// Group k of this thread in the tile (adam_batch.cpp's for_each_in_tile: the same order), whether
+// it takes the 16-byte path (a whole group of an aligned entry), and its end.
+__device__ inline int64_t group_first(const Tile& t, int k) {
+  return t.begin + (static_cast<int64_t>(threadIdx.x) + int64_t{kAdamBatchThreads} * k) *
+                       kAdamGroupElems;
+}
+__device__ inline bool vector_group(const Tile& t, int64_t first) {
+  return t.entry.vector != 0 && first + kAdamGroupElems <= t.end;
+}
+__device__ inline int64_t group_last(const Tile& t, int64_t first) {
+  return first + kAdamGroupElems < t.end ? first + kAdamGroupElems : t.end;
+}
+
 template <AdamBatchKind K, typename S>
 __global__ void __launch_bounds__(kAdamBatchThreads)
     adam_batch_kernel(const AdamBatchEntry* entries, int32_t count,
@@ -67,11 +80,9 @@ __global__ void __launch_bounds__(kAdamBatchThreads)
   S* m = static_cast<S*>(e.exp_avg);
   S* v = static_cast<S*>(e.exp_avg_sq);
   for (int k = 0; k < kGroupsPerThread; ++k) {
-    const int64_t first =
-        t.begin + (static_cast<int64_t>(threadIdx.x) + int64_t{kAdamBatchThreads} * k) *
-                      kAdamGroupElems;
+    const int64_t first = group_first(t, k);
     if (first >= t.end) break;
-    if (e.vector != 0 && first + kAdamGroupElems <= t.end) {
+    if (vector_group(t, first)) {
       float p[8];
       S mm[8];
       S vv[8];
@@ -89,7 +100,7 @@ __global__ void __launch_bounds__(kAdamBatchThreads)
       if constexpr (K != AdamBatchKind::kFp32) store8(e.half + first, h);
       continue;
     }
-    const int64_t last = first + kAdamGroupElems < t.end ? first + kAdamGroupElems : t.end;
+    const int64_t last = group_last(t, first);
     for (int64_t i = first; i < last; ++i) {
       uint16_t h = K == AdamBatchKind::kMixed ? e.half[i] : 0;
       const float g = K != AdamBatchKind::kMixed ? e.grad[i] : 0.0f;
@@ -120,11 +131,9 @@ __global__ void __launch_bounds__(kAdamBatchThreads)
   const AdamBatchEntry& e = t.entry;
   double sum = 0.0;
   for (int k = 0; k < kGroupsPerThread; ++k) {
-    const int64_t first =
-        t.begin + (static_cast<int64_t>(threadIdx.x) + int64_t{kAdamBatchThreads} * k) *
-                      kAdamGroupElems;
+    const int64_t first = group_first(t, k);
     if (first >= t.end) break;
-    if (e.vector != 0 && first + kAdamGroupElems <= t.end) {
+    if (vector_group(t, first)) {
       uint16_t h[8] = {};
       float g[8] = {};
       if constexpr (K == AdamBatchKind::kMixed) load8(e.half + first, h);
@@ -132,7 +141,7 @@ __global__ void __launch_bounds__(kAdamBatchThreads)
       for (int j = 0; j < 8; ++j) sum += grad_square(K, bf16_half, h[j], g[j]);
       continue;
     }
-    const int64_t last = first + kAdamGroupElems < t.end ? first + kAdamGroupElems : t.end;
+    const int64_t last = group_last(t, first);
     for (int64_t i = first; i < last; ++i) {
       const uint16_t h = K == AdamBatchKind::kMixed ? e.half[i] : 0;
       const float g = K != AdamBatchKind::kMixed ? e.grad[i] : 0.0f;
