@@ -322,9 +322,9 @@ int train(const ps::Config& config, Spec spec) {
                       ? " (the ranks' rows as micro-batches from one random state, on every rank)"
                       : " (the whole global batch, on every rank)");
     }
-    baseline = run_baseline(spec, config, shape.batch, shape.seq, shape.steps, shape.seed,
-                            shape.lead, absl::GetFlag(FLAGS_init_from), shape.world,
-                            absl::GetFlag(FLAGS_breakdown));
+    baseline =
+        run_baseline(spec, config, shape.batch, shape.seq, shape.steps, shape.seed, shape.lead,
+                     absl::GetFlag(FLAGS_init_from), shape.world, absl::GetFlag(FLAGS_breakdown));
   }
 
   nlohmann::json out;

@@ -303,8 +303,8 @@ at::Tensor ranks_as_micro_batches(Model& model, const ps::models::TokenBatch& da
 
 template <class Spec>
 BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t batch, int64_t seq,
-                            int64_t steps, uint64_t seed, bool print,
-                            const std::string& init_from, int world, bool breakdown) {
+                            int64_t steps, uint64_t seed, bool print, const std::string& init_from,
+                            int world, bool breakdown) {
   auto model = make_model(spec, seed, init_from);
   ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda

@@ -47,7 +47,14 @@ at::Device bench_device() {
 
 int64_t bench_params(const at::Device& device) {
   const char* env = std::getenv("PATRICKSTAR_BENCH_PARAMS");
-  if (env != nullptr) return std::max<int64_t>(std::atoll(env), 1);
+  if (env != nullptr) {
+    char* end = nullptr;
+    const long long params = std::strtoll(env, &end, 10);
+    TORCH_CHECK(end != env && *end == '\0' && params > 0,
+                "PATRICKSTAR_BENCH_PARAMS must be a positive number of parameters, got '", env,
+                "'");
+    return params;
+  }
   return device.is_cuda() ? int64_t{1} << 26 : int64_t{1} << 22;
 }
 
@@ -126,8 +133,8 @@ bool same_update(const Variant& v, const at::Device& device, std::string& why) {
   theirs.master.copy_(ours.master);
   if (v.mixed) theirs.half.copy_(ours.half);
   if (!v.mixed) theirs.grad.copy_(ours.grad);
-  HybridAdam adam(AdamOptions().lr(kLr).beta1(kBeta1).beta2(kBeta2).eps(kEps).weight_decay(
-      kWeightDecay));
+  HybridAdam adam(
+      AdamOptions().lr(kLr).beta1(kBeta1).beta2(kBeta2).eps(kEps).weight_decay(kWeightDecay));
   adam.step(ours.chunks, ours.plan);
   Fused fused(v, theirs);
   fused.run(theirs);
@@ -151,8 +158,8 @@ void BM_DeviceAdam(benchmark::State& state, Variant v) {
   const int64_t copy_elems = params * bytes_per_param / 2 / 4;  // read + written: the same bytes
   const at::Tensor source = torch::randn({copy_elems}, b.master.options());
   const at::Tensor target = torch::empty_like(source);
-  HybridAdam adam(AdamOptions().lr(kLr).beta1(kBeta1).beta2(kBeta2).eps(kEps).weight_decay(
-      kWeightDecay));
+  HybridAdam adam(
+      AdamOptions().lr(kLr).beta1(kBeta1).beta2(kBeta2).eps(kEps).weight_decay(kWeightDecay));
   double ours = 0, theirs = 0, copy = 0;
   for (auto _ : state) {
     const double t = timed(device, [&] { adam.step(b.chunks, b.plan); });
@@ -172,8 +179,12 @@ void BM_DeviceAdam(benchmark::State& state, Variant v) {
   state.SetLabel(device.str());
 }
 
-BENCHMARK_CAPTURE(BM_DeviceAdam, Fp32, Variant{false, at::kFloat})->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_DeviceAdam, Mixed, Variant{true, at::kFloat})->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DeviceAdam, Fp32, Variant{false, at::kFloat})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_DeviceAdam, Mixed, Variant{true, at::kFloat})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_DeviceAdam, Mixed_Bf16States, Variant{true, at::kBFloat16})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);

@@ -12,7 +12,8 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::backward_started() {
-  std::lock_guard<engine_detail::EntryGate> serialized(entry_gate_);  // a checkpoint's backward calls it
+  std::lock_guard<engine_detail::EntryGate> serialized(
+      entry_gate_);  // a checkpoint's backward calls it
   if (tracker_.in_backward()) return;
   pipeline_->on_gradients_change();  // another backward adds to the gradients updated ahead
   zero_grad_if_marker_reset();

@@ -30,7 +30,8 @@ class EntryGate {
   }
   void unlock() {
     if (--depth_ == 0) {
-      seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - entered_).count();
+      seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - entered_).count();
       ++entries_;
     }
     mutex_.unlock();

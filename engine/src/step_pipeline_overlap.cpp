@@ -123,8 +123,7 @@ int host_cores() {
 
 bool StepPipeline::auto_overlap_may_run() const {
   // On the emulated device, where every core computes the thread would take compute's cores.
-  return wiring_.config.device.type == DeviceType::kCuda ||
-         host_cores() > at::get_num_threads();
+  return wiring_.config.device.type == DeviceType::kCuda || host_cores() > at::get_num_threads();
 }
 
 bool StepPipeline::overlap_applies(bool retraced) const {

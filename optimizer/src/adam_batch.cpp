@@ -111,15 +111,14 @@ double sum_squares_on_host(const AdamBatch& batch) {
   const std::vector<AdamBatchEntry>& entries = batch.entries();
   std::vector<double> partials(static_cast<size_t>(batch.tiles()), 0.0);
   for (int64_t tile = 0; tile < batch.tiles(); ++tile) {
-    const AdamBatchEntry& entry =
-        entries[static_cast<size_t>(adam_entry_of_tile(entries.data(),
-                                                       static_cast<int32_t>(entries.size()), tile))];
+    const AdamBatchEntry& entry = entries[static_cast<size_t>(
+        adam_entry_of_tile(entries.data(), static_cast<int32_t>(entries.size()), tile))];
     std::array<double, kAdamBatchThreads> threads{};
     for_each_in_tile(range_of(entry, tile), [&](int32_t thread, int64_t i) {
       const uint16_t half = entry.half != nullptr ? entry.half[i] : 0;
       const float grad32 = entry.grad != nullptr ? entry.grad[i] : 0.0f;
-      threads[static_cast<size_t>(thread)] += grad_square(batch.kind(), batch.bf16_half(), half,
-                                                          grad32);
+      threads[static_cast<size_t>(thread)] +=
+          grad_square(batch.kind(), batch.bf16_half(), half, grad32);
     });
     partials[static_cast<size_t>(tile)] = tree_sum(threads);
   }

@@ -60,8 +60,8 @@ __device__ inline Tile tile_of_block(const AdamBatchEntry* entries, int32_t coun
 // Group k of this thread in the tile (adam_batch.cpp's for_each_in_tile: the same order), whether
 // it takes the 16-byte path (a whole group of an aligned entry), and its end.
 __device__ inline int64_t group_first(const Tile& t, int k) {
-  return t.begin + (static_cast<int64_t>(threadIdx.x) + int64_t{kAdamBatchThreads} * k) *
-                       kAdamGroupElems;
+  return t.begin +
+         (static_cast<int64_t>(threadIdx.x) + int64_t{kAdamBatchThreads} * k) * kAdamGroupElems;
 }
 __device__ inline bool vector_group(const Tile& t, int64_t first) {
   return t.entry.vector != 0 && first + kAdamGroupElems <= t.end;
@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(kAdamBatchThreads)
       load8(v + first, vv);
       if constexpr (K == AdamBatchKind::kMixed) load8(e.half + first, h);
       if constexpr (K != AdamBatchKind::kMixed) load8(e.grad + first, g);
-      for (int j = 0; j < 8; ++j) adam_batch_update<S>(K, bf16_half, p[j], mm[j], vv[j], h[j], g[j], c);
+      for (int j = 0; j < 8; ++j)
+        adam_batch_update<S>(K, bf16_half, p[j], mm[j], vv[j], h[j], g[j], c);
       store8(e.master + first, p);
       store8(m + first, mm);
       store8(v + first, vv);
@@ -167,11 +168,11 @@ void launch_update(const AdamBatchEntry* entries, int32_t count, int64_t tiles,
                    cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(tiles));
   if (bf16_states) {
-    adam_batch_kernel<K, uint16_t><<<grid, kAdamBatchThreads, 0, s>>>(entries, count, constants,
-                                                                     bf16_half);
+    adam_batch_kernel<K, uint16_t>
+        <<<grid, kAdamBatchThreads, 0, s>>>(entries, count, constants, bf16_half);
   } else {
-    adam_batch_kernel<K, float><<<grid, kAdamBatchThreads, 0, s>>>(entries, count, constants,
-                                                                  bf16_half);
+    adam_batch_kernel<K, float>
+        <<<grid, kAdamBatchThreads, 0, s>>>(entries, count, constants, bf16_half);
   }
 }
 
@@ -190,16 +191,16 @@ int launch_adam_batch(const AdamBatchEntry* entries, int32_t count, int64_t tile
   const auto s = static_cast<cudaStream_t>(stream);
   switch (kind) {
     case AdamBatchKind::kMixed:
-      launch_update<AdamBatchKind::kMixed>(entries, count, tiles, constants, bf16_states,
-                                           bf16_half, s);
+      launch_update<AdamBatchKind::kMixed>(entries, count, tiles, constants, bf16_states, bf16_half,
+                                           s);
       break;
     case AdamBatchKind::kFp32:
       launch_update<AdamBatchKind::kFp32>(entries, count, tiles, constants, bf16_states, bf16_half,
                                           s);
       break;
     case AdamBatchKind::kFp32GradHalfOut:
-      launch_update<AdamBatchKind::kFp32GradHalfOut>(entries, count, tiles, constants,
-                                                     bf16_states, bf16_half, s);
+      launch_update<AdamBatchKind::kFp32GradHalfOut>(entries, count, tiles, constants, bf16_states,
+                                                     bf16_half, s);
       break;
   }
   return static_cast<int>(cudaGetLastError());

@@ -22,38 +22,6 @@ void check_launch(int error, const char* what, int64_t numel) {
 }
 }  // namespace
 
-void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, float* exp_avg,
-                     float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
-                     void* stream) {
-  check_launch(cuda_detail::launch_adam_mixed(half_param_grad, format == HalfFormat::kBFloat16,
-                                              master, exp_avg, exp_avg_sq, /*bf16_states=*/false,
-                                              numel, constants, stream),
-               "cuda_adam_mixed", numel);
-}
-
-void cuda_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                    int64_t numel, const AdamStepConstants& constants, void* stream) {
-  check_launch(cuda_detail::launch_adam_fp32(param, grad, exp_avg, exp_avg_sq,
-                                             /*bf16_states=*/false, numel, constants, stream),
-               "cuda_adam_fp32", numel);
-}
-
-void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, uint16_t* exp_avg,
-                     uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
-                     void* stream) {
-  check_launch(cuda_detail::launch_adam_mixed(half_param_grad, format == HalfFormat::kBFloat16,
-                                              master, exp_avg, exp_avg_sq, /*bf16_states=*/true,
-                                              numel, constants, stream),
-               "cuda_adam_mixed (bf16 states)", numel);
-}
-
-void cuda_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
-                    int64_t numel, const AdamStepConstants& constants, void* stream) {
-  check_launch(cuda_detail::launch_adam_fp32(param, grad, exp_avg, exp_avg_sq,
-                                             /*bf16_states=*/true, numel, constants, stream),
-               "cuda_adam_fp32 (bf16 states)", numel);
-}
-
 void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
                                    int64_t numel, void* stream) {
   check_launch(cuda_detail::launch_half_from_master(half_param, format == HalfFormat::kBFloat16,
@@ -81,34 +49,6 @@ void cuda_sum_squares_batch(const AdamBatch& batch, const AdamBatchEntry* device
 
 bool cuda_adam_compiled() {
   return false;
-}
-
-void cuda_adam_mixed(uint16_t*, HalfFormat, float*, float*, float*, int64_t numel,
-                     const AdamStepConstants&, void*) {
-  TORCH_CHECK(false, "cuda_adam_mixed(", numel,
-              " elements): this build has no CUDA kernels; "
-              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
-}
-
-void cuda_adam_fp32(float*, const float*, float*, float*, int64_t numel, const AdamStepConstants&,
-                    void*) {
-  TORCH_CHECK(false, "cuda_adam_fp32(", numel,
-              " elements): this build has no CUDA kernels; "
-              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
-}
-
-void cuda_adam_mixed(uint16_t*, HalfFormat, float*, uint16_t*, uint16_t*, int64_t numel,
-                     const AdamStepConstants&, void*) {
-  TORCH_CHECK(false, "cuda_adam_mixed(", numel,
-              " elements, bf16 states): this build has no CUDA kernels; "
-              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
-}
-
-void cuda_adam_fp32(float*, const float*, uint16_t*, uint16_t*, int64_t numel,
-                    const AdamStepConstants&, void*) {
-  TORCH_CHECK(false, "cuda_adam_fp32(", numel,
-              " elements, bf16 states): this build has no CUDA kernels; "
-              "configure with PATRICKSTAR_CUDA=ON on a machine with the CUDA toolkit");
 }
 
 void cuda_restore_half_from_master(uint16_t*, HalfFormat, const float*, int64_t numel, void*) {

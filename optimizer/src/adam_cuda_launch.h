@@ -9,13 +9,6 @@
 
 namespace patrickstar::cuda_detail {
 
-// exp_avg / exp_avg_sq: float*, or uint16_t* of bf16 bits when bf16_states.
-int launch_adam_mixed(uint16_t* half_param_grad, bool bf16, float* master, void* exp_avg,
-                      void* exp_avg_sq, bool bf16_states, int64_t numel,
-                      const AdamStepConstants& constants, void* stream);
-int launch_adam_fp32(float* param, const float* grad, void* exp_avg, void* exp_avg_sq,
-                     bool bf16_states, int64_t numel, const AdamStepConstants& constants,
-                     void* stream);
 int launch_half_from_master(uint16_t* half_param, bool bf16, const float* master, int64_t numel,
                             void* stream);
 // The batched kernels of adam_batch.h, one launch each. entries and constants: device copies of

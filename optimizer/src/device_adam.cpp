@@ -58,7 +58,8 @@ void DeviceAdamBatches::add(const AdamChunk& chunk, int64_t step) {
   const bool bf16_half = chunk.mixed() && chunk.half_param_grad.scalar_type() == at::kBFloat16;
   AdamBatch* batch = nullptr;
   for (AdamBatch& b : batches_) {
-    if (b.kind() == kind && b.bf16_states() == bf16_states && b.bf16_half() == bf16_half) batch = &b;
+    if (b.kind() == kind && b.bf16_states() == bf16_states && b.bf16_half() == bf16_half)
+      batch = &b;
   }
   if (batch == nullptr) batch = &batches_.emplace_back(kind, bf16_states, bf16_half);
   AdamBatchEntry entry;
@@ -92,8 +93,8 @@ double DeviceAdamBatches::sum_squares() {
   if (batches_.empty()) return 0.0;
   const OnDevice on(*device_);
   void* stream = current_stream(*device_);
-  at::Tensor sums =
-      at::empty({static_cast<int64_t>(batches_.size())}, at::TensorOptions().dtype(at::kDouble).device(*device_));
+  at::Tensor sums = at::empty({static_cast<int64_t>(batches_.size())},
+                              at::TensorOptions().dtype(at::kDouble).device(*device_));
   for (size_t b = 0; b < batches_.size(); ++b) {
     at::Tensor partials =
         at::empty({batches_[b].tiles()}, at::TensorOptions().dtype(at::kDouble).device(*device_));

@@ -18,6 +18,11 @@ namespace patrickstar {
 
 namespace {
 
+// Its tensors are on a GPU: its update and norm run batched (device_adam.h).
+bool on_gpu(const AdamChunk& chunk) {
+  return chunk.master.defined() && chunk.master.device().is_cuda();
+}
+
 const at::Tensor& grad_of(const AdamChunk& chunk) {
   return chunk.grad_fp32.defined() ? chunk.grad_fp32 : chunk.half_param_grad;
 }
@@ -102,15 +107,15 @@ void* stream_for(const at::Tensor& t) {
 
 // The gradients' statistics over every chunk: the host kernel for chunks in host memory; the chunks
 // on a GPU in one batched pass (device_adam.h), read once (one host synchronization per step).
-GradStats stats_of(c10::ArrayRef<AdamChunk> chunks, DeviceAdamBatches& on_gpu) {
+GradStats stats_of(c10::ArrayRef<AdamChunk> chunks, DeviceAdamBatches& gpu_batches) {
   GradStats total;
   for (const AdamChunk& chunk : chunks) {
     const at::Tensor& grad = grad_of(chunk);
     if (grad.device().is_cpu()) total += grad_stats(grad);
   }
-  if (!on_gpu.empty()) {
+  if (!gpu_batches.empty()) {
     GradStats gpu;
-    gpu.sum_squares = on_gpu.sum_squares();
+    gpu.sum_squares = gpu_batches.sum_squares();
     total += gpu;
   }
   return total;
@@ -238,14 +243,12 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   report.loss_scale = loss_scaler_.scale();
 
   // The chunks on a GPU (never speculative nor from a source: check_chunk) run batched.
-  DeviceAdamBatches on_gpu;
+  DeviceAdamBatches gpu_batches;
   auto step_of = [&](size_t k) { return chunks[k].step > 0 ? chunks[k].step : step_ + 1; };
   for (size_t k = 0; k < chunks.size(); ++k) {
-    if (chunks[k].master.defined() && chunks[k].master.device().is_cuda()) {
-      on_gpu.add(chunks[k], step_of(k));
-    }
+    if (on_gpu(chunks[k])) gpu_batches.add(chunks[k], step_of(k));
   }
-  GradStats total = stats_of(chunks, on_gpu);
+  GradStats total = stats_of(chunks, gpu_batches);
   // The norm of the chunks on the device is read back: one host synchronization (on the emulated
   // device at the same point, chunk/host_syncs.h).
   if (std::find(plan.on_device.begin(), plan.on_device.end(), true) != plan.on_device.end()) {
@@ -282,11 +285,11 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
                                     options_.eps(), options_.weight_decay(), options_.decoupled(),
                                     step, multiplier.multiplier);
   };
-  on_gpu.update(constants_of);  // asynchronous: the GPU updates while the host's chunks do
+  gpu_batches.update(constants_of);  // asynchronous: the GPU updates while the host's chunks do
   int64_t cached_step = step_ + 1;
   AdamStepConstants cached = constants_of(cached_step);
   for (size_t k = 0; k < chunks.size(); ++k) {
-    if (chunks[k].master.defined() && chunks[k].master.device().is_cuda()) continue;
+    if (on_gpu(chunks[k])) continue;
     const int64_t step = step_of(k);
     if (step != cached_step) {
       cached = constants_of(step);

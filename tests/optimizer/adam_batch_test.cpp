@@ -142,7 +142,8 @@ AdamStepConstants constants_of(int64_t step) {
 std::vector<Chunk> chunks_of(const Case& c) {
   std::vector<Chunk> chunks;
   uint64_t seed = 11;
-  for (const Shape& s : kShapes) chunks.emplace_back(c.kind, c.states, c.half_dtype, s.numel, s.offset, ++seed);
+  for (const Shape& s : kShapes)
+    chunks.emplace_back(c.kind, c.states, c.half_dtype, s.numel, s.offset, ++seed);
   return chunks;
 }
 
@@ -270,7 +271,8 @@ TEST_F(AdamBatchOnGpu, KernelsEqualTheHostReferenceBitForBit) {
     const auto& entries = gpu_batch.entries();
     const at::Tensor table = device_table(entries.data(), entries.size() * sizeof(AdamBatchEntry));
     const auto* device_entries = static_cast<const AdamBatchEntry*>(table.data_ptr());
-    const at::Tensor partials = torch::empty({gpu_batch.tiles()}, torch::dtype(torch::kDouble).device(torch::kCUDA));
+    const at::Tensor partials =
+        torch::empty({gpu_batch.tiles()}, torch::dtype(torch::kDouble).device(torch::kCUDA));
     const at::Tensor sum = torch::empty({1}, torch::dtype(torch::kDouble).device(torch::kCUDA));
     cuda_sum_squares_batch(gpu_batch, device_entries, partials.data_ptr<double>(),
                            sum.data_ptr<double>(), current_stream());

@@ -20,27 +20,27 @@ namespace patrickstar {
 
 // How an entry reads its gradient and writes its weights. One launch per kind and state dtype.
 enum class AdamBatchKind : uint8_t {
-  kMixed = 0,             // the gradient in the half slot; the new half weight written there
-  kFp32 = 1,              // fp32 parameter (the master) and fp32 gradient
-  kFp32GradHalfOut = 2,   // mixed precision with a gradient space: fp32 gradient, half weight out
+  kMixed = 0,            // the gradient in the half slot; the new half weight written there
+  kFp32 = 1,             // fp32 parameter (the master) and fp32 gradient
+  kFp32GradHalfOut = 2,  // mixed precision with a gradient space: fp32 gradient, half weight out
 };
 
 inline constexpr int64_t kAdamGroupElems = 8;  // one 16-byte load of 16-bit values
 inline constexpr int32_t kAdamBatchThreads = 256;
-inline constexpr int64_t kAdamTileElems = 8192;  // 4 groups per thread per tile
+inline constexpr int64_t kAdamTileElems = 8192;    // 4 groups per thread per tile
 inline constexpr int32_t kAdamNormThreads = 1024;  // the one block that sums the tiles' partials
 
 // One chunk: device pointers (host pointers for the host reference). POD, copied to the device.
 struct AdamBatchEntry {
-  uint16_t* half = nullptr;      // kMixed, kFp32GradHalfOut: the half slot
-  float* master = nullptr;       // the fp32 master weight (kFp32: the parameter)
-  const float* grad = nullptr;   // kFp32, kFp32GradHalfOut: the fp32 gradient
-  void* exp_avg = nullptr;       // float*, or uint16_t* of bf16 bits with bf16 states
+  uint16_t* half = nullptr;     // kMixed, kFp32GradHalfOut: the half slot
+  float* master = nullptr;      // the fp32 master weight (kFp32: the parameter)
+  const float* grad = nullptr;  // kFp32, kFp32GradHalfOut: the fp32 gradient
+  void* exp_avg = nullptr;      // float*, or uint16_t* of bf16 bits with bf16 states
   void* exp_avg_sq = nullptr;
   int64_t numel = 0;
-  int64_t first_tile = 0;        // the builder's: tiles of the entries before this one
-  int32_t constants = 0;         // the builder's: index into AdamBatch::constants()
-  int32_t vector = 0;            // the builder's: 1 when every pointer is 16-byte aligned
+  int64_t first_tile = 0;  // the builder's: tiles of the entries before this one
+  int32_t constants = 0;   // the builder's: index into AdamBatch::constants()
+  int32_t vector = 0;      // the builder's: 1 when every pointer is 16-byte aligned
 };
 
 // The entry holding tile `tile` of a table whose first_tile values ascend from 0 (binary search).

@@ -1,7 +1,9 @@
-// The device Adam: a CUDA kernel that calls adam_update() (adam_rule.h) per element, one thread per
-// element in a grid-stride loop, on the same chunk layout as the host kernel (half param/grad slot
-// rewritten with the new half weight in the same pass). Compiled by nvcc when the build has CUDA;
-// it cannot run on the machines this project is tested on (no GPU), so only compilation is checked.
+// The device Adam: CUDA kernels on the same chunk layout as the host kernel, the per-element rule
+// of adam_rule.h. The update and the gradient norm are batched over every chunk on the device
+// (adam_batch.h: one launch per step); the half weights' restore after a skipped step is one
+// launch per chunk. Compiled by nvcc when the build has CUDA; they cannot run on the machines
+// this project is tested on (no GPU), so only compilation is checked there (and the host
+// reference of adam_batch.h runs the batched kernels' tiles and order on the CPU).
 //
 // Why our own kernel and not ATen's _fused_adamw_: the fused op wants the parameter, gradient and
 // states in one dtype, so mixed precision would need a half->fp32 gradient copy and an fp32->half
@@ -23,17 +25,7 @@ bool cuda_adam_compiled();
 
 // Launch on `stream` (a cudaStream_t; nullptr = the legacy default stream). Device pointers.
 // Throw c10::Error if the launch fails or the build has no CUDA.
-void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, float* exp_avg,
-                     float* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
-                     void* stream);
-void cuda_adam_fp32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                    int64_t numel, const AdamStepConstants& constants, void* stream);
-// Momentum and variance stored in bf16 (raw bits), as the host kernels of the same signature.
-void cuda_adam_mixed(uint16_t* half_param_grad, HalfFormat format, float* master, uint16_t* exp_avg,
-                     uint16_t* exp_avg_sq, int64_t numel, const AdamStepConstants& constants,
-                     void* stream);
-void cuda_adam_fp32(float* param, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
-                    int64_t numel, const AdamStepConstants& constants, void* stream);
+// The half weights rounded from the fp32 masters (a skipped step puts them back).
 void cuda_restore_half_from_master(uint16_t* half_param, HalfFormat format, const float* master,
                                    int64_t numel, void* stream);
 
