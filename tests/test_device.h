@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "patrickstar/engine/config.h"
 #include "patrickstar/memtracer/memory_probe.h"
@@ -59,11 +60,17 @@ inline int64_t cuda_rounding_room(int64_t capacity_bytes) {
   return std::max<int64_t>(capacity_bytes / 16, int64_t{2} << 10);
 }
 
-// `config` on the test device; on CUDA a capacity it sets grows so that the usable bytes (capacity x
-// client.mem_tracer.overall_gpu_mem_ratio) grow by cuda_allowance_bytes() and
+// `config` on the test device; on CUDA a capacity it sets grows so that the usable bytes (capacity
+// x client.mem_tracer.overall_gpu_mem_ratio) grow by cuda_allowance_bytes() and
 // cuda_rounding_room() ("auto" stays "auto": the GPU's own memory). Call it last, after the
 // capacity and the ratio are set.
+//
+// Data parallel suites: PATRICKSTAR_TEST_SHARD_GROUP=k runs them with hybrid sharding
+// (zero_optimization.shard_group_size k; ctest's distributed.mpi_4_ranks_hybrid sets it).
 inline Config& use_test_device(Config& config) {
+  if (const char* k = std::getenv("PATRICKSTAR_TEST_SHARD_GROUP"); k != nullptr && *k != '\0') {
+    config.shard_group_size = std::atoi(k);
+  }
   if (on_cuda()) {
     config.device.type = DeviceType::kCuda;
     const int64_t capacity = config.device.capacity_bytes;

@@ -28,6 +28,13 @@ class LocalCommunicator final : public Communicator {
   int world_size() const override { return 1; }
   std::string_view backend() const override { return "local"; }
   void barrier() override {}
+  std::unique_ptr<Communicator> split(int color, int /*key*/) override {
+    TORCH_CHECK(color >= 0, "patrickstar::Communicator::split: color ", color, " is negative");
+    return std::make_unique<LocalCommunicator>();
+  }
+  std::unique_ptr<Communicator> split_by_host() override {
+    return std::make_unique<LocalCommunicator>();
+  }
 
  protected:
   void do_all_gather(const at::Tensor& in, const at::Tensor& out) override {

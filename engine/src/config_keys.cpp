@@ -163,6 +163,31 @@ constexpr ConfigKey kKeys[] = {
        r.byte_size(v, c.overlap_step.max_bytes);
      },
      [](const Config& c) { return json(c.overlap_step.max_bytes); }},
+    {"zero_optimization.shard_group_size",
+     "0 (the ranks of one host), \"world\" or a number of ranks from 2", "0",
+     "hybrid sharding: chunks sharded within groups of this many ranks, replicated across them",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_string() && absl::AsciiStrToLower(v.get<std::string>()) == "world") {
+         c.shard_group_size = kShardWholeWorld;
+       } else if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() != 1 &&
+                  v.get<int64_t>() <= kIntMax) {
+         c.shard_group_size = static_cast<int>(v.get<int64_t>());
+       } else {
+         r.error(v, "0 (the ranks of one host), \"world\" or a number of ranks from 2");
+       }
+     },
+     [](const Config& c) {
+       return c.shard_group_size == kShardWholeWorld ? json("world") : json(c.shard_group_size);
+     }},
+    {"zero_optimization.zero_hpz_partition_size", "a number of ranks from 1", "1",
+     "DeepSpeed's spelling of shard_group_size; its 1 (hpZ off) is the default", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       int k = 1;
+       r.integer(v, k, 1, kIntMax);
+       if (k > 1) c.shard_group_size = k;
+     },
+     nullptr},
     {"zero_optimization.frozen_parameters", "\"lean\" or \"full_state\"", "\"lean\"",
      "what a parameter frozen at registration costs", kUsed,
      [](const json& v, const ValueReader& r, Config& c) {

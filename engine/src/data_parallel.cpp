@@ -4,8 +4,10 @@
 //
 // The rules, identical on every rank because they follow the doors and the gradients (the same
 // model runs the same graph everywhere), never a rank's own memory decisions:
-// - Rank r owns chunk index i when i % world_size == r, and keeps that index's payloads of every
-//   kind. A comm group is world_size consecutive chunk indices.
+// - Chunks are sharded over a shard group of k ranks (the world unless hybrid sharding): the rank
+//   of shard rank r owns chunk index i when i % k == r, and keeps that index's payloads of every
+//   kind. A comm group is k consecutive chunk indices. With hybrid sharding the world_size / k
+//   shard groups are replicas of one another: the ranks of one shard rank form a replica group.
 // - A door that needs a parameter whose group is not present gathers the group: one all-gather of
 //   the owners' param chunks into one buffer of world_size chunks on the device (on the host for a
 //   CPU embedding's group). The doors place these buffers, not the scheduler: their bytes are
@@ -16,7 +18,10 @@
 // - In a backward, a group is reduced when each of its trainable tensors got its gradients (one per
 //   autograd pass that uses it) and none is in use: every chunk of the group is summed in fp32 into
 //   its owner, then the remote chunks are dropped. The end of the backward reduces the groups left
-//   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does.
+//   (parameters unused by this loss). Gradients are averaged over ranks, as DDP does. With hybrid
+//   sharding each owner's reduced sums are then summed over its replica group, once per iteration:
+//   in the backward that completes the accumulation (earlier micro-batches accumulate the shard
+//   group's sums at the owner).
 #include "data_parallel.h"
 
 #include <ATen/ops/empty.h>
@@ -36,6 +41,56 @@
 #include "patrickstar/engine/deferred_init.h"
 
 namespace patrickstar::engine_detail {
+
+void DataParallel::form_shard_groups(int configured) {
+  if (!distributed()) return;  // nothing to shard: a config written for many ranks runs on one
+  int k = world_;
+  std::unique_ptr<Communicator> host;
+  if (configured == 0) {
+    // The ranks of one host, when every host runs the same number of them (at least 2).
+    host = comm_->split_by_host();
+    at::Tensor sizes = at::tensor(
+        {static_cast<int64_t>(host->world_size()), -static_cast<int64_t>(host->world_size())},
+        at::kLong);
+    comm_->all_reduce(sizes, ReduceOp::kMax);
+    const int64_t largest = sizes[0].item<int64_t>();
+    const int64_t smallest = -sizes[1].item<int64_t>();
+    if (largest == smallest && smallest >= 2 && smallest < world_) k = static_cast<int>(smallest);
+  } else if (configured != kShardWholeWorld) {
+    TORCH_CHECK(configured >= 2 && configured <= world_ && world_ % configured == 0,
+                "patrickstar::Engine: zero_optimization.shard_group_size ", configured,
+                " does not divide the ", world_,
+                " ranks into groups of 2 or more (use a divisor "
+                "of ",
+                world_, " from 2, 0 for the ranks of one host, or \"world\")");
+    k = configured;
+  }
+  if (k == world_) return;  // one shard group: the world
+  shard_ = host != nullptr ? std::shared_ptr<Communicator>(std::move(host))
+                           : std::shared_ptr<Communicator>(comm_->split(rank_ / k, rank_));
+  shard_rank_ = shard_->rank();
+  shard_size_ = shard_->world_size();
+  TORCH_INTERNAL_ASSERT(shard_size_ == k, "patrickstar: internal: a shard group of ", shard_size_,
+                        " ranks where ", k, " were formed");
+  replicas_ = comm_->split(shard_rank_, rank_);
+}
+
+CollectiveCounters DataParallel::counters() const {
+  CollectiveCounters all = comm_->counters();
+  if (shard_ != comm_) all += shard_->counters();
+  if (replicas_ != nullptr) all += replicas_->counters();
+  return all;
+}
+
+void DataParallel::check_backward(int backwards_since_step, bool gradient_space) const {
+  TORCH_CHECK(replicas_ == nullptr || !gradient_space || wiring_->accumulation_steps > 1 ||
+                  backwards_since_step == 0,
+              "patrickstar: a second backward before step() with hybrid sharding (", replicas(),
+              " replicas of shard groups of ", shard_size_,
+              " ranks) and fp32 "
+              "gradients: set gradient_accumulation_steps to the number of backward passes per "
+              "step, so that the shard groups' sums are added across the replicas once");
+}
 
 void DataParallel::connect(ShardWiring wiring) {
   wiring_ = std::make_unique<ShardWiring>(std::move(wiring));
@@ -66,12 +121,16 @@ void DataParallel::note_gradient(TensorId id) {
 void DataParallel::start_groups(const Layout& layout) {
   if (!distributed()) return;
   // (Each step agrees on the gradient norm across ranks: StepAgreement installs the reducer.)
-  std::vector<int64_t> tensors(static_cast<size_t>(layout.chunk_count() / world_), 0);
+  TORCH_INTERNAL_ASSERT(layout.world_size() == shard_size_,
+                        "patrickstar: internal: a layout "
+                        "sharded over ",
+                        layout.world_size(), " ranks, the shard group has ", shard_size_);
+  std::vector<int64_t> tensors(static_cast<size_t>(layout.chunk_count() / shard_size_), 0);
   for (int64_t i = 0; i < layout.chunk_count(); ++i) {
     tensors[static_cast<size_t>(layout.comm_group(i))] +=
         static_cast<int64_t>(layout.tensors_in_chunk(i).size());
   }
-  groups_.init(world_, tensors);
+  groups_.init(shard_size_, tensors);
   wiring_->gradients.size_reduced(layout.chunk_count());
 }
 
@@ -106,18 +165,18 @@ void DataParallel::gather_group(int64_t group) {
   // The overlapped step: this rank's chunk of the group updated ahead (a frozen parameter read
   // again in this backward, an evaluation before the step) is undone first, so that every rank
   // receives the weights of before the step.
-  wiring_->index_used(groups_.index(group, rank_));
-  // One all-gather into one buffer of world_size param chunks: slot r is rank r's chunk. This
-  // rank's slot receives its own chunk (MPI copies it there); the others become the payloads of
-  // the other ranks' chunks, freed with the last of them (release_group).
-  std::vector<ChunkId> slots(static_cast<size_t>(world_), -1);
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_)
+  wiring_->index_used(groups_.index(group, shard_rank_));
+  // One all-gather in the shard group into one buffer of shard_size param chunks: slot r is shard
+  // rank r's chunk. This rank's slot receives its own chunk (MPI copies it there); the others
+  // become the payloads of the other ranks' chunks, freed with the last of them (release_group).
+  std::vector<ChunkId> slots(static_cast<size_t>(shard_size_), -1);
+  for (int r = 0; r < shard_size_; ++r) {
+    if (r != shard_rank_)
       slots[static_cast<size_t>(r)] = store().chunk_id(ChunkKind::kParam, groups_.index(group, r));
   }
-  const ChunkId own = store().chunk_id(ChunkKind::kParam, groups_.index(group, rank_));
+  const ChunkId own = store().chunk_id(ChunkKind::kParam, groups_.index(group, shard_rank_));
   const bool on_host = host_only(groups_.index(group, 0));
-  const int64_t bytes = world_ * store().chunk_bytes(own);
+  const int64_t bytes = shard_size_ * store().chunk_bytes(own);
   at::Tensor buffer;
   try {
     if (!on_host) {
@@ -129,7 +188,7 @@ void DataParallel::gather_group(int64_t group) {
     }
     buffer = store().allocate_block(slots, on_host ? Tier::kHost : Tier::kDevice);
   } catch (c10::Error& e) {
-    e.add_context(absl::StrCat("while gathering comm group ", group, " (", world_,
+    e.add_context(absl::StrCat("while gathering comm group ", group, " (", shard_size_,
                                " param chunks, ", bytes, " bytes) onto the ",
                                on_host ? "host" : "device",
                                "; chunks pinned by tensors in use: ", wiring_->describe_pinned()));
@@ -137,7 +196,7 @@ void DataParallel::gather_group(int64_t group) {
   }
   {
     const ScopeTimer timer = timed();
-    comm_->all_gather(store().chunk_view(own), buffer);
+    shard_->all_gather(store().chunk_view(own), buffer);
   }
   if (!on_host) {
     wiring_->probe.add_gathered(bytes);
@@ -182,7 +241,7 @@ void DataParallel::ensure_gathered(const std::vector<TensorId>& ids, bool with_g
 void DataParallel::release_group(int64_t group) {
   const int64_t first = groups_.index(group, 0);
   if (groups_.gathered(group) && !host_only(first)) {
-    wiring_->probe.add_gathered(-world_ *
+    wiring_->probe.add_gathered(-shard_size_ *
                                 store().chunk_bytes(store().chunk_id(ChunkKind::kParam, first)));
   }
   for (int64_t index : groups_.indices(group)) {
@@ -249,17 +308,18 @@ void DataParallel::reduce_group(int64_t group) {
   // The overlapped step: this rank's index of the group updated ahead before this reduction (its
   // gradients came in an earlier backward of the iteration, none in this one) is undone first: the
   // reduction writes what the update reads.
-  wiring_->index_used(groups_.index(group, rank_));
+  wiring_->index_used(groups_.index(group, shard_rank_));
   {
     const ScopeTimer timer = timed();
-    for (int owner = 0; owner < world_; ++owner) {
+    for (int owner = 0; owner < shard_size_; ++owner) {
       const int64_t index = groups_.index(group, owner);
       if (wiring_->gradients.space()) {
         // fp32 gradients (already divided by world_size): the owner's chunk, holding what earlier
         // micro-batches reduced, receives the sum in place.
         const ChunkId c = store().chunk_id(ChunkKind::kGrad, index);
         if (store().tier(c) == Tier::kNone) store().allocate(c, Tier::kHost);  // nothing here
-        comm_->reduce_sum(store().chunk_view(c), owner);
+        shard_->reduce_sum(store().chunk_view(c), owner);
+        if (owner == shard_rank_) sum_over_replicas(index, store().chunk_view(c));
         continue;
       }
       // Mixed precision without a gradient space: the half slots hold the gradients. They are
@@ -273,8 +333,9 @@ void DataParallel::reduce_group(int64_t group) {
         sum.narrow(0, where.offset_elems, where.numel).zero_();
       }
       sum.mul_(1.0 / world_);
-      comm_->reduce_sum(sum, owner);
+      shard_->reduce_sum(sum, owner);
       if (!owns_index(index)) continue;
+      sum_over_replicas(index, sum);
       at::Tensor& kept = wiring_->gradients.reduced(index);
       kept = kept.defined() ? kept.add_(sum) : sum;
       for (TensorId t : store().layout().tensors_in_chunk(index)) {
@@ -286,6 +347,16 @@ void DataParallel::reduce_group(int64_t group) {
   }
   groups_.on_reduced();
   release_group(group);
+}
+
+void DataParallel::sum_over_replicas(int64_t /*index*/, const at::Tensor& reduced) {
+  if (replicas_ == nullptr) return;
+  // Earlier micro-batches of the iteration leave the shard group's sums at the owner; the backward
+  // completing the accumulation adds them over the replicas, once (check_backward refuses a second
+  // backward where this would count a sum twice).
+  const int accumulation = wiring_->accumulation_steps;
+  if (accumulation > 1 && wiring_->tracker.backwards_since_step() + 1 != accumulation) return;
+  replicas_->all_reduce(reduced, ReduceOp::kSum);
 }
 
 void DataParallel::reduce_remaining_groups() {
@@ -320,7 +391,7 @@ at::Tensor DataParallel::master_chunk_everywhere(const StateAccess& /*access*/, 
                 .chunk_view(store().chunk_id(master, index))
                 .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
           : at::empty({store().chunk(store().chunk_id(master, index)).capacity_elems}, at::kFloat);
-  comm_->broadcast(buffer, static_cast<int>(index % world_));
+  shard_->broadcast(buffer, static_cast<int>(index % shard_size_));
   return buffer;
 }
 
@@ -331,8 +402,10 @@ at::Tensor DataParallel::value_in(const Layout& layout, const at::Tensor& chunk,
 
 StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp), adam_(adam) {
   if (!dp_.distributed()) return;
-  adam_.set_stats_reducer([this](GradStats& stats) {
-    const double global = dp_.sum(stats.sum_squares);
+  // With hybrid sharding every shard is held by each replica group: the first replica's count.
+  const bool counts = dp_.first_replica();
+  adam_.set_stats_reducer([this, counts](GradStats& stats) {
+    const double global = dp_.sum(counts || stats.sum_squares < 0 ? stats.sum_squares : 0.0);
     agreed_ = true;
     TORCH_CHECK(!(global < 0), "patrickstar: another rank could not take this step (its error "
                 "is reported there); every rank discards the iteration");

@@ -58,6 +58,7 @@ struct ShardWiring {
   std::function<void(int64_t index)> index_used;        // the step pipeline's on_index_used
   std::function<void(int64_t bytes)> make_device_room;  // the scheduler frees this many bytes
   std::function<std::string()> describe_pinned;         // chunks pinned now, for an error
+  int accumulation_steps = 1;                           // the config's
 };
 
 class DataParallel {
@@ -66,7 +67,10 @@ class DataParallel {
   explicit DataParallel(std::shared_ptr<Communicator> comm)
       : comm_(comm != nullptr ? std::move(comm) : make_local_communicator()),
         rank_(comm_->rank()),
-        world_(comm_->world_size()) {}
+        world_(comm_->world_size()),
+        shard_(comm_),
+        shard_rank_(rank_),
+        shard_size_(world_) {}
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
@@ -74,10 +78,29 @@ class DataParallel {
   int world() const { return world_; }
   bool distributed() const { return world_ > 1; }
   Communicator& comm() const { return *comm_; }
+  // Hybrid sharding (docs/design.md section 9): chunks are sharded over the shard_size() ranks of
+  // this one's shard group, where it is shard_rank(), and replicated over replicas() such groups
+  // (1 unless hybrid). Without form_shard_groups, or with one process, the group is the world.
+  // `configured`: Config::shard_group_size. A collective every rank calls once, before
+  // registration; a size that cannot be is refused on every rank alike before anything is sent.
+  void form_shard_groups(int configured);
+  int shard_size() const { return shard_size_; }
+  int shard_rank() const { return shard_rank_; }
+  int replicas() const { return world_ / shard_size_; }
+  // Whether this rank is its replica group's first (the one that counts its shard once).
+  bool first_replica() const { return replicas_ == nullptr || replicas_->rank() == 0; }
+  // Every collective this rank took part in: the world's, its shard group's, its replica group's.
+  CollectiveCounters counters() const;
+  // A backward is about to begin with `backwards_since_step` done since the step: refused when
+  // hybrid sharding would count a gradient twice (fp32 gradients summed in place across the
+  // replicas, gradient_accumulation_steps 1 and a second backward before the step).
+  void check_backward(int backwards_since_step, bool gradient_space) const;
   CommGroups& groups() { return groups_; }
   const CommGroups& groups() const { return groups_; }
   // Whether this rank owns chunk index `index` of `layout` (steps it, keeps its gradients).
-  bool owns(const Layout& layout, int64_t index) const { return layout.owner_rank(index) == rank_; }
+  bool owns(const Layout& layout, int64_t index) const {
+    return layout.owner_rank(index) == shard_rank_;
+  }
   // Index `index`'s comm group holds gradients still to be reduced (never with one process).
   bool reduction_pending(const Layout& layout, int64_t index) const {
     return distributed() && groups_.has_gradients(layout.comm_group(index));
@@ -168,10 +191,18 @@ class DataParallel {
   void release_group(int64_t group);
   void release_lean_groups_except(const std::vector<TensorId>& ids);
   void reduce_group(int64_t group);
+  // The sum over the replica groups of this rank's reduced gradients of index `index` (in place),
+  // in the backward that completes the iteration's accumulation.
+  void sum_over_replicas(int64_t index, const at::Tensor& reduced);
 
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0;
   int world_ = 1;
+  // The shard group (comm_ itself unless hybrid) and the replica group (null unless hybrid).
+  std::shared_ptr<Communicator> shard_;
+  std::unique_ptr<Communicator> replicas_;
+  int shard_rank_ = 0;
+  int shard_size_ = 1;
   CommGroups groups_;
   std::unique_ptr<ShardWiring> wiring_;
   mutable double seconds_ = 0;  // also spent by const collectives (fp32_state_dict)

@@ -48,6 +48,8 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
               "patrickstar::Engine: device type \"cuda\" with ", dp_.world(),
               " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
               "data parallel runs on the emulated device)");
+  // Hybrid sharding's groups (a collective; a bad size is refused alike on every rank).
+  dp_.form_shard_groups(config_.shard_group_size);
   // From here on config().device.capacity_bytes is the capacity in use, never "auto".
   config_.device.capacity_bytes = resolved_device_capacity(config_);
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
@@ -61,7 +63,8 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_, *probe_,
                           [this](int64_t index) { pipeline_->on_index_used(index); },
                           [this](int64_t bytes) { scheduler_->make_room(bytes, *mover_); },
-                          [this] { return describe_pinned(); }});
+                          [this] { return describe_pinned(); },
+                          config_.gradient_accumulation_steps});
   report_config_warnings();
   // A module belongs to one engine: refuse before anything moves.
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {

@@ -54,6 +54,9 @@ int64_t Engine::retrace_count() const { return core_->retrace_count(); }
 double Engine::loss_scale() const { return core_->loss_scale(); }
 int Engine::rank() const { return core_->rank(); }
 int Engine::world_size() const { return core_->world_size(); }
+int Engine::shard_group_size() const {
+  return core_->shard_group_size();
+}
 
 const ChunkStore& EngineInspector::chunks() const { return core_.chunks(); }
 std::vector<CopySpan> EngineInspector::optimizer_spans() const {

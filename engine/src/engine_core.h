@@ -94,6 +94,7 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   double loss_scale() const { return pipeline_->adam().loss_scale(); }
   int rank() const { return dp_.rank(); }
   int world_size() const { return dp_.world(); }
+  int shard_group_size() const { return dp_.shard_size(); }
 
   // What tests and benchmarks inspect (engine_inspect.h documents them).
   // (Updates the overlapped step made ahead are undone first: the chunks hold what the serial

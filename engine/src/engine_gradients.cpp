@@ -20,6 +20,7 @@ void EngineCore::backward_started() {
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here
   // A backward over a graph older than the last step (retain_graph): an iteration of its own.
   begin_iteration_if_needed();
+  dp_.check_backward(tracker_.backwards_since_step(), gradients_.space());
   tracker_.on(PhaseEvent::kBackwardBegins);
   // Plain loss.backward(): the end of this pass finishes the engine's backward.
   queue_end_of_backward([this] { finish_backward(); });
@@ -158,6 +159,7 @@ void EngineCore::backward(const at::Tensor& loss) {
                   dp_.with_ranks(" (data parallel: the loss of at least one rank was not finite)"));
     }
   }
+  dp_.check_backward(tracker_.backwards_since_step(), gradients_.space());
   const double factor = pipeline_->adam().loss_scale() / config_.gradient_accumulation_steps;
   pipeline_->on_gradients_change();  // another backward adds to the gradients updated ahead
   clear_gradient_handles();  // autograd accumulates into undefined gradients from here

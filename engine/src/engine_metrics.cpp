@@ -19,7 +19,7 @@ void EngineCore::note_memory(const std::string& moment) {
 RunningTotals EngineCore::running_totals() const {
   RunningTotals t;
   t.moves = store().move_counters();
-  t.comm = dp_.comm().counters();
+  t.comm = dp_.counters();
   t.group_gathers = dp_.groups().gathers();
   t.group_reduces = dp_.groups().reduces();
   t.copy_wait_seconds =

@@ -164,7 +164,7 @@ void EngineCore::pack_layout(Registration& reg) {
   reg.lean = config_.frozen_parameters == FrozenParameters::kLean;
   const bool lean = reg.lean;
   auto pack = [&](bool split_frozen) {
-    Layout layout(dp_.world());
+    Layout layout(dp_.shard_size());
     for (const auto& [name, t] : reg.unique) {
       const int group = (reg.embedding_params.count(t.unsafeGetTensorImpl()) ? 1 : 0) |
                         (t.requires_grad() || !split_frozen ? 0 : 2);

@@ -3,6 +3,9 @@
 // global batch), with what the tests compare.
 #pragma once
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -26,6 +29,13 @@ inline double mean_over_ranks(double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);
   comm()->all_reduce(t, ReduceOp::kSum);
   return t.item<double>() / ranks();
+}
+
+// The bytes one iteration's all-reduces carry: the loss's finiteness (4) and the squared norm (8),
+// and with hybrid sharding (`shard` < ranks()) each owned chunk's reduced gradients summed over
+// the replicas once (chunk_elems x 4, chunks / shard of them).
+inline int64_t all_reduce_bytes_per_iteration(int shard, int64_t chunks, int64_t chunk_elems) {
+  return 4 + 8 + (shard < ranks() ? chunks / shard * chunk_elems * 4 : 0);
 }
 
 inline double max_over_ranks(double value) {
@@ -73,12 +83,14 @@ struct EngineRun {
   int64_t chunks_per_kind = 0;
   int64_t chunk_elems = 0;
   int64_t param_chunk_bytes = 0;
+  int shard = 1;  // the ranks a chunk is sharded over (ranks() unless hybrid sharding)
 };
 
-// The engine on this rank's rows (`sharded`; else one process on the whole global batch);
-// gradient_accumulation_steps micro-batches per step split those rows further.
+// The engine on this rank's rows (`sharded`; else one process on the whole global batch of
+// `rows`); gradient_accumulation_steps micro-batches per step split those rows further.
 inline EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
-                           const std::function<void(Engine&)>& at_end = nullptr) {
+                           const std::function<void(Engine&)>& at_end = nullptr,
+                           int64_t rows = kBatch) {
   // Every rank builds its model from another seed: the engine starts all of them from rank 0's.
   models::Gpt model = make_model(sharded ? 1 + static_cast<uint64_t>(me()) * 17 : 1);
   auto engine = sharded ? std::make_shared<Engine>(model.ptr(), config, comm())
@@ -90,9 +102,10 @@ inline EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
   run.chunks_per_kind = store.chunks_per_kind();
   run.chunk_elems = store.chunk_elems();
   run.param_chunk_bytes = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
+  run.shard = engine->shard_group_size();
   const int micro = config.gradient_accumulation_steps;
   for (int s = 0; s < steps; ++s) {
-    auto batch = batch_of_step(s);
+    auto batch = batch_of_step(s, rows);
     const at::Tensor tokens = rows_of(batch.tokens);
     const at::Tensor targets = rows_of(batch.targets);
     const int64_t rows = tokens.size(0) / micro;
@@ -113,6 +126,29 @@ inline EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
   run.weights = engine->fp32_state_dict();
   if (at_end) at_end(*engine);
   return run;
+}
+
+// The largest relative difference ||a - b|| / ||b|| over the parameters. The key third of each
+// attention's qkv.bias is left out: a bias on the keys adds the same q.b to every score of a row,
+// which softmax ignores, so its gradient is zero up to rounding, and Adam turns that rounding noise
+// into full +-lr steps whose signs depend on the summation order (one process against plain
+// LibTorch differs there as much). PS_DEBUG_WEIGHTS=1 prints every parameter.
+inline double weight_difference(const EngineRun& a, const EngineRun& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) {
+    const std::string& name = a.weights[i].first;
+    at::Tensor x = a.weights[i].second.clone();
+    at::Tensor y = b.weights[i].second.clone();
+    if (name.size() > 8 && name.compare(name.size() - 8, 8, "qkv.bias") == 0) {
+      const int64_t hidden = x.numel() / 3;
+      x.narrow(0, hidden, hidden).zero_();
+      y.narrow(0, hidden, hidden).zero_();
+    }
+    const double d = ((x - y).norm() / y.norm().clamp_min(1e-12)).item<double>();
+    if (std::getenv("PS_DEBUG_WEIGHTS") != nullptr) std::printf("%s %.3g\n", name.c_str(), d);
+    worst = std::max(worst, d);
+  }
+  return worst;
 }
 
 }  // namespace patrickstar::test

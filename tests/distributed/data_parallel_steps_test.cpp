@@ -44,17 +44,20 @@ IterationReport mlp_step(Engine& engine, Net& model, int s) {
   return engine.step();
 }
 
-// The two-layer MLP: its chunks form one comm group, gathered for the forward, dropped after it,
-// gathered again for the backward and reduced once. Per iteration: gather bytes 2 x N x param chunk
-// bytes x groups; reduce bytes N x chunk_elems x 4 x groups; all-reduce 4 (the loss's finiteness)
-// + 8 (the squared norm, fp64). One process: no collective at all.
+// The two-layer MLP: each comm group is gathered for the forward, dropped after it, gathered again
+// for the backward and reduced once. With k the shard group's size (N unless hybrid sharding), per
+// iteration: gather bytes 2 x k x param chunk bytes x groups; reduce bytes k x chunk_elems x 4 x
+// groups; all-reduce 4 (the loss's finiteness) + 8 (the squared norm, fp64), and with hybrid
+// sharding each owned chunk's sums over the replicas (chunk_elems x 4 x groups). One process: no
+// collective at all.
 TEST(DataParallel, CollectiveBytesPerIterationEqualTheFormula) {
   for (const char* extra : {"{}", R"({"bf16": {"enabled": true}})"}) {
     torch::manual_seed(5);
     Net model;
     auto engine = std::make_shared<Engine>(model.ptr(), small_device(extra), comm());
     const ChunkStore& store = inspect(*engine).chunks();
-    const int64_t groups = store.chunks_per_kind() / ranks();
+    const int k = engine->shard_group_size();  // ranks() unless hybrid sharding
+    const int64_t groups = store.chunks_per_kind() / k;
     const int64_t param_chunk = store.chunk_bytes(store.chunk_id(ChunkKind::kParam, 0));
     for (int s = 0; s < 3; ++s) {
       const IterationReport r = mlp_step(*engine, model, s);
@@ -66,9 +69,21 @@ TEST(DataParallel, CollectiveBytesPerIterationEqualTheFormula) {
       }
       EXPECT_EQ(r.group_gathers, 2 * groups) << extra << " step " << s;
       EXPECT_EQ(r.group_reduces, groups) << extra << " step " << s;
-      EXPECT_EQ(r.gather_bytes, 2 * groups * ranks() * param_chunk) << extra << " step " << s;
-      EXPECT_EQ(r.reduce_bytes, groups * ranks() * store.chunk_elems() * 4) << extra << " step " << s;
-      EXPECT_EQ(r.all_reduce_bytes, 4 + 8) << extra << " step " << s;
+      EXPECT_EQ(r.gather_bytes, 2 * groups * k * param_chunk) << extra << " step " << s;
+      EXPECT_EQ(r.reduce_bytes, groups * k * store.chunk_elems() * 4) << extra << " step " << s;
+      EXPECT_EQ(r.all_reduce_bytes,
+                all_reduce_bytes_per_iteration(k, store.chunks_per_kind(), store.chunk_elems()))
+          << extra << " step " << s;
+      if (me() == 0 && s == 0) {
+        std::printf(
+            "%s, %d ranks in shard groups of %d: per iteration gather %lld bytes, "
+            "reduce %lld, all-reduce %lld (formulas: 2 x %lld groups x %d x %lld; "
+            "%lld x %d x %lld x 4; 12 + replicas' sums)\n",
+            extra, ranks(), k, static_cast<long long>(r.gather_bytes),
+            static_cast<long long>(r.reduce_bytes), static_cast<long long>(r.all_reduce_bytes),
+            static_cast<long long>(groups), k, static_cast<long long>(param_chunk),
+            static_cast<long long>(groups), k, static_cast<long long>(store.chunk_elems()));
+      }
       EXPECT_GE(r.collective_seconds, 0.0);
     }
   }

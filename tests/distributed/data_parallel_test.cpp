@@ -33,29 +33,6 @@ namespace data_parallel_test {
 
 using namespace test;  // NOLINT: the shared helpers of the engine tests
 
-// The largest relative difference ||a - b|| / ||b|| over the parameters. The key third of each
-// attention's qkv.bias is left out: a bias on the keys adds the same q.b to every score of a row,
-// which softmax ignores, so its gradient is zero up to rounding, and Adam turns that rounding noise
-// into full +-lr steps whose signs depend on the summation order (one process against plain
-// LibTorch differs there as much). PS_DEBUG_WEIGHTS=1 prints every parameter.
-double weight_difference(const EngineRun& a, const EngineRun& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.weights.size(); ++i) {
-    const std::string& name = a.weights[i].first;
-    at::Tensor x = a.weights[i].second.clone();
-    at::Tensor y = b.weights[i].second.clone();
-    if (name.size() > 8 && name.compare(name.size() - 8, 8, "qkv.bias") == 0) {
-      const int64_t hidden = x.numel() / 3;
-      x.narrow(0, hidden, hidden).zero_();
-      y.narrow(0, hidden, hidden).zero_();
-    }
-    const double d = ((x - y).norm() / y.norm().clamp_min(1e-12)).item<double>();
-    if (std::getenv("PS_DEBUG_WEIGHTS") != nullptr) std::printf("%s %.3g\n", name.c_str(), d);
-    worst = std::max(worst, d);
-  }
-  return worst;
-}
-
 constexpr int kSteps = 20;
 
 // fp32 weights after training, data parallel against one process: the ranks sum the gradient in
@@ -88,10 +65,11 @@ TEST(DataParallel, Fp32GptMatchesPlainLibTorchOnTheGlobalBatch) {
       // The formula (docs/design.md section 9), whatever gathers the GPT's tied and shared uses
       // cost: every comm group reduced once per backward.
       EXPECT_GT(r.group_gathers, 0) << "iteration " << r.iteration;
-      EXPECT_EQ(r.group_reduces, run.chunks_per_kind / ranks()) << "iteration " << r.iteration;
-      EXPECT_EQ(r.gather_bytes, r.group_gathers * ranks() * run.param_chunk_bytes);
-      EXPECT_EQ(r.reduce_bytes, r.group_reduces * ranks() * run.chunk_elems * 4);
-      EXPECT_EQ(r.all_reduce_bytes, 4 + 8);
+      EXPECT_EQ(r.group_reduces, run.chunks_per_kind / run.shard) << "iteration " << r.iteration;
+      EXPECT_EQ(r.gather_bytes, r.group_gathers * run.shard * run.param_chunk_bytes);
+      EXPECT_EQ(r.reduce_bytes, r.group_reduces * run.shard * run.chunk_elems * 4);
+      EXPECT_EQ(r.all_reduce_bytes,
+                all_reduce_bytes_per_iteration(run.shard, run.chunks_per_kind, run.chunk_elems));
     }
   }
 }
@@ -114,7 +92,7 @@ TEST(DataParallel, GatheredGroupsSitOnTheDeviceInsideTheSchedulersBudget) {
     const ChunkStore& store = inspect(engine).chunks();
     for (const auto& entry : inspect(engine).scheduler().chunks()) {
       const int64_t index = store.index_of(entry.first);
-      if (store.kind_of(entry.first) == ChunkKind::kParam && index % ranks() != me() &&
+      if (store.kind_of(entry.first) == ChunkKind::kParam && !inspect(engine).owns(index) &&
           !inspect(engine).host_only(index)) {
         ++other_ranks_param_chunks_scheduled;
       }
@@ -145,7 +123,8 @@ TEST(DataParallel, GatheredGroupsSitOnTheDeviceInsideTheSchedulersBudget) {
       EXPECT_EQ(r.gathered_peak_bytes, 0);
       continue;
     }
-    EXPECT_GE(r.gathered_peak_bytes, ranks() * run.param_chunk_bytes) << "iteration " << r.iteration;
+    EXPECT_GE(r.gathered_peak_bytes, run.shard * run.param_chunk_bytes)
+        << "iteration " << r.iteration;
     EXPECT_LE(r.gathered_peak_bytes, r.non_model_peak_bytes) << "iteration " << r.iteration;
     EXPECT_LE(r.device_chunk_peak_bytes, config.device.capacity_bytes);
   }
@@ -235,9 +214,10 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
     Engine sharded(many.ptr(), config, comm());
     const int64_t chunks_one = inspect(single).chunks().chunks_per_kind();
     const int64_t chunks_many = inspect(sharded).chunks().chunks_per_kind();
-    EXPECT_EQ(chunks_many % ranks(), 0);
+    const int k = sharded.shard_group_size();  // N unless hybrid sharding
+    EXPECT_EQ(chunks_many % k, 0);
     EXPECT_GE(chunks_many, chunks_one);
-    EXPECT_LT(chunks_many, chunks_one + 2 * ranks());  // at most N - 1 per tensor group (1 here)
+    EXPECT_LT(chunks_many, chunks_one + 2 * k);  // at most k - 1 per tensor group (1 here)
     int64_t per_index = 0;  // every kind's chunk of a full index
     int64_t cut = 0;        // what one process saves on its last index
     const ChunkStore& store = inspect(single).chunks();
@@ -251,18 +231,21 @@ TEST(DataParallel, ModelDataPerRankIsTheShareOfTheOneRankFigurePlusPadding) {
     EXPECT_EQ(single.registration().model_data_bytes, chunks_one * per_index - cut) << extra;
     const int64_t padding = (chunks_many - chunks_one) * per_index;
     const int64_t sharded_cut = ranks() > 1 ? 0 : cut;  // one rank is one process: it cuts too
-    EXPECT_EQ(sharded.registration().model_data_bytes * ranks(),
+    EXPECT_EQ(sharded.registration().model_data_bytes * k,
               single.registration().model_data_bytes + cut - sharded_cut + padding)
         << extra;
-    EXPECT_EQ(sharded.registration().model_data_bytes,
-              chunks_many / ranks() * per_index - sharded_cut)
+    EXPECT_EQ(sharded.registration().model_data_bytes, chunks_many / k * per_index - sharded_cut)
         << extra;
     if (me() == 0) {
-      std::printf("%s: model data %lld bytes in one process, %lld per rank with %d ranks "
-                  "(padding %lld bytes)\n", extra,
-                  static_cast<long long>(single.registration().model_data_bytes),
-                  static_cast<long long>(sharded.registration().model_data_bytes), ranks(),
-                  static_cast<long long>(padding));
+      std::printf(
+          "%s: model data %lld bytes in one process, %lld per rank with %d ranks in "
+          "shard groups of %d; formula (one-process bytes + cut + padding) / %d = %lld "
+          "(padding %lld bytes)\n",
+          extra, static_cast<long long>(single.registration().model_data_bytes),
+          static_cast<long long>(sharded.registration().model_data_bytes), ranks(), k, k,
+          static_cast<long long>(
+              (single.registration().model_data_bytes + cut - sharded_cut + padding) / k),
+          static_cast<long long>(padding));
     }
   }
 }

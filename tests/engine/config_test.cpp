@@ -76,6 +76,33 @@ TEST(Config, FrozenParametersAreLeanOrKeepFullState) {
   }
 }
 
+// Hybrid sharding's group size: 0 (the host's ranks), "world" or k >= 2, and DeepSpeed's spelling,
+// whose 1 (hpZ off) leaves the default; 1 and negatives refused naming the key.
+TEST(Config, ShardGroupSizeIsTheHostsRanksTheWorldOrANumberFromTwo) {
+  EXPECT_EQ(Config::from_string("{}").shard_group_size, 0);
+  const Config four = Config::from_string(R"({"zero_optimization": {"shard_group_size": 4}})");
+  EXPECT_EQ(four.shard_group_size, 4);
+  EXPECT_EQ(Config::from_json(four.to_json()).shard_group_size, 4);
+  const Config world =
+      Config::from_string(R"({"zero_optimization": {"shard_group_size": "World"}})");
+  EXPECT_EQ(world.shard_group_size, kShardWholeWorld);
+  EXPECT_EQ(Config::from_json(world.to_json()).shard_group_size, kShardWholeWorld);
+  EXPECT_EQ(Config::from_string(R"({"zero_optimization": {"zero_hpz_partition_size": 8}})")
+                .shard_group_size,
+            8);
+  EXPECT_EQ(Config::from_string(R"({"zero_optimization": {"zero_hpz_partition_size": 1}})")
+                .shard_group_size,
+            0);
+  for (const char* bad : {"1", "-2", "2.5", R"("host")"}) {
+    const std::string error =
+        error_of(std::string(R"({"zero_optimization": {"shard_group_size": )") + bad + "}}");
+    EXPECT_NE(error.find("$.zero_optimization.shard_group_size"), std::string::npos) << error;
+  }
+  EXPECT_NE(error_of(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})")
+                .find("$.zero_optimization.zero_hpz_partition_size"),
+            std::string::npos);
+}
+
 TEST(Config, PatrickStarStyleDocumentIsReadInFull) {
   const Config c = Config::from_string(R"({
     "train_batch_size": 8,

@@ -32,9 +32,9 @@ inline models::Gpt make_model(uint64_t seed = 1, bool checkpointed = false) {
   return models::Gpt(tiny(checkpointed));
 }
 
-// Three batches in rotation, so the loss can fall within a few steps.
-inline models::TokenBatch batch_of_step(int step) {
-  return models::random_tokens(tiny(), kBatch, kSeq, 100 + step % 3);
+// Three batches in rotation, so the loss can fall within a few steps (`rows` of them).
+inline models::TokenBatch batch_of_step(int step, int64_t rows = kBatch) {
+  return models::random_tokens(tiny(), rows, kSeq, 100 + step % 3);
 }
 
 // A batch where the trainer puts it for the engine (the GPU under PATRICKSTAR_TEST_DEVICE=cuda).

@@ -178,14 +178,14 @@ MPI_Datatype reduce_type(at::ScalarType t) {
 
 class MpiCommunicator final : public Communicator {
  public:
+  // MPI_COMM_WORLD's ranks.
   MpiCommunicator() {
     init_mpi_once();
     check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
-    check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-    check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-    watchdog_ = std::make_unique<Watchdog>(rank_, size_, timeout_from_env());
+    start();
   }
+  // A communicator MPI made (split): this one frees it.
+  explicit MpiCommunicator(MPI_Comm made) : comm_(made) { start(); }
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -197,6 +197,24 @@ class MpiCommunicator final : public Communicator {
   void barrier() override {
     Watchdog::Scope deadline(*watchdog_, "MPI_Barrier");
     check_mpi(MPI_Barrier(comm_), "MPI_Barrier");
+  }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    TORCH_CHECK(color >= 0, "patrickstar::Communicator::split: color ", color, " is negative");
+    MPI_Comm made = MPI_COMM_NULL;
+    {
+      Watchdog::Scope deadline(*watchdog_, "MPI_Comm_split");
+      check_mpi(MPI_Comm_split(comm_, color, key, &made), "MPI_Comm_split");
+    }
+    return std::make_unique<MpiCommunicator>(made);
+  }
+  std::unique_ptr<Communicator> split_by_host() override {
+    MPI_Comm made = MPI_COMM_NULL;
+    {
+      Watchdog::Scope deadline(*watchdog_, "MPI_Comm_split_type");
+      check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &made),
+                "MPI_Comm_split_type");
+    }
+    return std::make_unique<MpiCommunicator>(made);
   }
 
  protected:
@@ -245,6 +263,13 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  void start() {
+    check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    watchdog_ = std::make_unique<Watchdog>(rank_, size_, timeout_from_env());
+  }
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;

@@ -4,15 +4,20 @@
 // (PATRICKSTAR_COMM_TIMEOUT_S, default 600 s) aborts the communicator and ends the process.
 // Tensors are CUDA tensors on this process's device (LOCAL_RANK); every call waits for its work.
 // NCCL needs one GPU per rank: two ranks on one GPU are refused by NCCL itself.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -75,15 +80,49 @@ class NcclCommunicator final : public Communicator {
     store_options.waitWorkers = true;
     store_options.timeout = timeout;
     store_ = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), store_options);
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout;
-    group_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank_, size_, options);
+    start(store_, rank_, size_);
+  }
+  // A sub-group (split): its ranks' process group over a store of its own prefix.
+  NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size, c10::Device device)
+      : rank_(rank), size_(size), device_(device) {
+    start(std::move(store), rank, size);
   }
 
   int rank() const override { return rank_; }
   int world_size() const override { return size_; }
   std::string_view backend() const override { return "nccl"; }
   void barrier() override { group_->barrier()->wait(); }
+  // Every rank posts its (color, key) in the store and reads everyone's; the ranks of one color
+  // make a process group over the store under a prefix of their own.
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    TORCH_CHECK(color >= 0, "patrickstar::Communicator::split: color ", color, " is negative");
+    const std::string round = "patrickstar/split" + std::to_string(splits_++) + "/";
+    store_->set(round + std::to_string(rank_), std::to_string(color) + " " + std::to_string(key));
+    std::vector<std::tuple<int, int>> members;  // (key, rank) of this color
+    for (int r = 0; r < size_; ++r) {
+      const std::vector<uint8_t> bytes = store_->get(round + std::to_string(r));
+      int their_color = 0;
+      int their_key = 0;
+      TORCH_CHECK(std::sscanf(std::string(bytes.begin(), bytes.end()).c_str(), "%d %d",
+                              &their_color, &their_key) == 2,
+                  "patrickstar: the NCCL split's store holds no (color, key) for rank ", r);
+      if (their_color == color) members.emplace_back(their_key, r);
+    }
+    std::sort(members.begin(), members.end());
+    const auto me = std::find(members.begin(), members.end(), std::make_tuple(key, rank_));
+    auto prefixed =
+        c10::make_intrusive<c10d::PrefixStore>(round + "color" + std::to_string(color), store_);
+    return std::make_unique<NcclCommunicator>(prefixed, static_cast<int>(me - members.begin()),
+                                              static_cast<int>(members.size()), device_);
+  }
+  // torchrun numbers the ranks of a node consecutively: LOCAL_WORLD_SIZE of them per node.
+  std::unique_ptr<Communicator> split_by_host() override {
+    const int local_size = env_int("LOCAL_WORLD_SIZE", 1, size_);
+    TORCH_CHECK(size_ % local_size == 0, "patrickstar: LOCAL_WORLD_SIZE ", local_size,
+                " does not divide WORLD_SIZE ", size_,
+                ": the nodes run different numbers of ranks");
+    return split(rank_ / local_size, rank_);
+  }
 
  protected:
   c10::DeviceType device_type() const override { return c10::kCUDA; }
@@ -120,8 +159,16 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  void start(c10::intrusive_ptr<c10d::Store> store, int rank, int size) {
+    store_ = std::move(store);
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout_from_env();
+    group_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
+  }
+
   int rank_ = 0;
   int size_ = 1;
+  int splits_ = 0;
   c10::Device device_{c10::kCUDA, 0};
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> group_;

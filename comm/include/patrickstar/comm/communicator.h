@@ -40,6 +40,21 @@ struct CollectiveCounters {
   int64_t broadcast_bytes = 0;
   int64_t reduce_calls = 0;
   int64_t reduce_bytes = 0;
+
+  // Two communicators' counts together (an engine's world, shard group and replica group).
+  CollectiveCounters& operator+=(const CollectiveCounters& o) {
+    all_gather_calls += o.all_gather_calls;
+    all_gather_bytes += o.all_gather_bytes;
+    reduce_scatter_calls += o.reduce_scatter_calls;
+    reduce_scatter_bytes += o.reduce_scatter_bytes;
+    all_reduce_calls += o.all_reduce_calls;
+    all_reduce_bytes += o.all_reduce_bytes;
+    broadcast_calls += o.broadcast_calls;
+    broadcast_bytes += o.broadcast_bytes;
+    reduce_calls += o.reduce_calls;
+    reduce_bytes += o.reduce_bytes;
+    return *this;
+  }
 };
 
 class Communicator {
@@ -64,6 +79,15 @@ class Communicator {
   // other ranks' buffers are inputs, left unchanged (one chunk's gradients into its owner).
   void reduce_sum(const at::Tensor& buffer, int root);
   virtual void barrier() = 0;
+
+  // Sub-groups (hybrid sharding, docs/design.md section 9). Each is a collective every rank of this
+  // communicator calls, in the same order; the result is a communicator of its own (same backend,
+  // counters from zero, its own deadline) that outlives nothing of this one's but the process.
+  // The ranks passing the same `color` (>= 0), ranked by `key`, then by rank here.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+  // The ranks that share this rank's host: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) under MPI;
+  // under torchrun (NCCL) the LOCAL_WORLD_SIZE consecutive ranks of this one's node.
+  virtual std::unique_ptr<Communicator> split_by_host() = 0;
 
   const CollectiveCounters& counters() const { return counters_; }
 

@@ -163,8 +163,18 @@ struct DelayedUpdateConfig {
 // optimizer state, for gradual unfreezing (docs/design.md, "Frozen parameters").
 enum class FrozenParameters : uint8_t { kLean, kFullState };
 
+// "zero_optimization": {"shard_group_size": k}: hybrid sharding with data parallel. Chunks are
+// sharded within groups of k ranks and replicated across the world_size / k groups: a gather stays
+// in its group, gradients are reduced in the group and all-reduced across the groups for the
+// owner's shard only, and each rank holds 1/k of the model data (docs/design.md section 9).
+// 0 (the default): the ranks of one host, when every host runs the same number (else the whole
+// world); "world" (kShardWholeWorld): the whole world, plain ZeRO-3. Else k must be at least 2 and
+// divide the number of ranks. DeepSpeed's spelling "zero_hpz_partition_size" is read too, its 1
+// (DeepSpeed's default, hpZ off) as the default here.
+inline constexpr int kShardWholeWorld = -1;
 struct Config {
   OptimizerConfig optimizer;
+  int shard_group_size = 0;  // 0: the ranks of one host; kShardWholeWorld; else k
   FrozenParameters frozen_parameters = FrozenParameters::kLean;
   OffloadConfig offload_optimizer;
   OverlapStepConfig overlap_step;

@@ -175,6 +175,9 @@ class Engine final {
   // Data parallel: this process's rank and the number of processes (0 and 1 with one process).
   int rank() const;
   int world_size() const;
+  // The ranks each chunk is sharded over: world_size(), or with hybrid sharding the size of this
+  // rank's shard group (zero_optimization.shard_group_size; the groups replicate one another).
+  int shard_group_size() const;
 
  private:
   friend class EngineInspector;

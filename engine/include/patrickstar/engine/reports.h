@@ -87,11 +87,13 @@ struct IterationReport {
   bool update_delayed = false;
   double delayed_update_wait_seconds = 0;
   int64_t delayed_update_buffer_bytes = 0;
-  // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them:
-  // a group gather is one all-gather of the group's world_size param chunks into one buffer
-  // (world_size x a param chunk's bytes); a group reduce sends each of its fp32 gradient chunks to
-  // its owner (world_size x chunk_elems x 4); all-reduces agree on the loss's finiteness and the
-  // gradient norm.
+  // Data parallel (world size > 1; all zero with one process). Bytes as Communicator counts them,
+  // over the world, the shard group and the replica group together, with k the shard group's size
+  // (Engine::shard_group_size(), world_size unless hybrid sharding): a group gather is one
+  // all-gather of the group's k param chunks into one buffer (k x a param chunk's bytes); a group
+  // reduce sends each of its fp32 gradient chunks to its owner (k x chunk_elems x 4); all-reduces
+  // agree on the loss's finiteness and the gradient norm and, with hybrid sharding, add each
+  // owner's reduced chunk over the replicas once per iteration (chunk_elems x 4 each).
   int64_t group_gathers = 0;      // comm groups gathered (forward and backward)
   int64_t group_reduces = 0;      // comm groups whose gradients were reduced into their owners
   // The most device bytes that gathered group buffers held at once (the doors place them, not the
