@@ -200,5 +200,41 @@ TEST(Communicator, BadArgumentsAreRefusedBeforeAnythingIsSent) {
   EXPECT_EQ(one.item<float>(), n_ranks);
 }
 
+// Sub-groups: the ranks of one color, ranked by key (here the reverse of their rank), with counters
+// of their own; the host's ranks as the launcher placed them. Collectives in a sub-group reach its
+// ranks only.
+TEST(Communicator, SplitGroupsTheRanksOfAColorRankedByKey) {
+  const int n_ranks = comm().world_size();
+  const int me = comm().rank();
+  const std::unique_ptr<Communicator> parity = comm().split(me % 2, n_ranks - me);
+  const int same_parity = (n_ranks - me % 2 + 1) / 2;  // ranks r < n_ranks with r % 2 == me % 2
+  EXPECT_EQ(parity->world_size(), same_parity);
+  // Keys descending with the rank: the highest rank of the color is rank 0 of the group.
+  EXPECT_EQ(parity->rank(), same_parity - 1 - me / 2);
+  EXPECT_EQ(parity->backend(), comm().backend());
+  EXPECT_EQ(parity->counters().all_reduce_calls, 0);
+  at::Tensor sum = torch::full({1}, static_cast<double>(me), at::kDouble);
+  parity->all_reduce(sum, ReduceOp::kSum);
+  double expected = 0;
+  for (int r = me % 2; r < n_ranks; r += 2) expected += r;
+  EXPECT_EQ(sum.item<double>(), expected);
+  EXPECT_EQ(parity->counters().all_reduce_calls, 1);
+  // A gather in the group: its ranks' chunks in the group's rank order.
+  at::Tensor out = torch::zeros({parity->world_size() * 3});
+  parity->all_gather(torch::full({3}, static_cast<float>(me)), out);
+  for (int g = 0; g < parity->world_size(); ++g) {
+    const int world_rank = me % 2 + 2 * (same_parity - 1 - g);
+    EXPECT_EQ(out[g * 3].item<float>(), world_rank) << "group rank " << g;
+  }
+  const std::unique_ptr<Communicator> host = comm().split_by_host();
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  EXPECT_EQ(host->world_size(), local != nullptr ? std::atoi(local) : 1);
+  EXPECT_NE(error_of([] { comm().split(-1, 0); }).find("color -1 is negative"), std::string::npos);
+  // The world is still in step.
+  at::Tensor one = torch::ones({1});
+  comm().all_reduce(one, ReduceOp::kSum);
+  EXPECT_EQ(one.item<float>(), n_ranks);
+}
+
 }  // namespace communicator_test
 }  // namespace patrickstar
