@@ -73,6 +73,9 @@ inline Config& use_test_device(Config& config) {
   }
   if (on_cuda()) {
     config.device.type = DeviceType::kCuda;
+    // Every rank of a data parallel test on GPU 0: two ranks share it (through the store backend;
+    // NCCL takes one GPU per rank).
+    config.device.index = 0;
     const int64_t capacity = config.device.capacity_bytes;
     if (capacity != DeviceConfig::kAutoCapacity) {
       const double room =

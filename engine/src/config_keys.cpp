@@ -409,6 +409,18 @@ constexpr ConfigKey kKeys[] = {
                 {{"emulated", DeviceType::kEmulated}, {"cuda", DeviceType::kCuda}});
      },
      [](const Config& c) { return json(std::string(to_string(c.device.type))); }},
+    {"client.device.index", "a GPU index from 0, or \"auto\"", "\"auto\"",
+     "the GPU on \"cuda\"; \"auto\": the process's local rank (one GPU per rank)", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       if (v.is_string() && absl::AsciiStrToLower(v.get<std::string>()) == "auto") {
+         c.device.index = DeviceConfig::kLocalRankIndex;
+       } else {
+         r.integer(v, c.device.index, 0, 1023);
+       }
+     },
+     [](const Config& c) {
+       return c.device.index == DeviceConfig::kLocalRankIndex ? json("auto") : json(c.device.index);
+     }},
     {"client.device.capacity_bytes", "a positive byte count, or \"auto\"", "\"auto\"",
      "the device's capacity; \"auto\": 4 GiB emulated, what GPU 0 has on \"cuda\"", kUsed,
      [](const json& v, const ValueReader& r, Config& c) {

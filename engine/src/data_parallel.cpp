@@ -385,11 +385,13 @@ at::Tensor DataParallel::master_chunk_everywhere(const StateAccess& /*access*/, 
                                                  ChunkKind master_kind) const {
   // A lean index's weights are its param chunk (widened from the half weights in mixed precision).
   const ChunkKind master = lean(index) ? ChunkKind::kParam : master_kind;
+  // On the host wherever the chunk is (a GPU's chunk is copied down), so every rank returns
+  // host tensors.
   at::Tensor buffer =
       owns_index(index)
           ? store()
                 .chunk_view(store().chunk_id(master, index))
-                .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                .to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true)
           : at::empty({store().chunk(store().chunk_id(master, index)).capacity_elems}, at::kFloat);
   shard_->broadcast(buffer, static_cast<int>(index % shard_size_));
   return buffer;

@@ -40,14 +40,13 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   // The same for bf16 optimizer states and betas they cannot hold.
   const std::string bf16_states = bf16_state_problem(config_.optimizer);
   TORCH_CHECK(bf16_states.empty(), "patrickstar::Engine: ", bf16_states);
+  // The GPU: from here on config().device.index is the one in use.
+  config_.device.index = resolved_device_index(config_);
   const std::string unavailable = device_unavailable_reason(config_);
   TORCH_CHECK(unavailable.empty(), "patrickstar::Engine: device type \"cuda\": ", unavailable,
               "; the emulated device trains on any machine (\"client\": {\"device\": {\"type\": "
               "\"emulated\"}})");
-  TORCH_CHECK(config_.device.type == DeviceType::kEmulated || dp_.world() == 1,
-              "patrickstar::Engine: device type \"cuda\" with ", dp_.world(),
-              " ranks: data parallel on GPUs is not wired yet (one process per engine on CUDA; "
-              "data parallel runs on the emulated device)");
+  make_current_device(config_);
   // Hybrid sharding's groups (a collective; a bad size is refused alike on every rank).
   dp_.form_shard_groups(config_.shard_group_size);
   // From here on config().device.capacity_bytes is the capacity in use, never "auto".
@@ -58,7 +57,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   pipeline_ = std::make_unique<StepPipeline>(pipeline_wiring());
   // Non-model memory: what LibTorch's CPU allocator serves (the counter sees it from now on), or
   // on a GPU the caching allocator's (chunk payloads do not come from it).
-  probe_ = std::make_unique<NonModelProbe>(config_.device.type,
+  probe_ = std::make_unique<NonModelProbe>(config_.device.type, config_.device.index,
                                            /*gathers_groups=*/!dp_.one_process());
   dp_.connect(ShardWiring{storage_, params_, gradients_, tracker_, metrics_, *probe_,
                           [this](int64_t index) { pipeline_->on_index_used(index); },

@@ -101,6 +101,9 @@ std::unique_ptr<MemoryTier> make_device_tier(const Config& config);
 std::unique_ptr<CopyEngine> make_copy_engine(const Config& config);
 // Empty when `config`'s device can be used here; else why not (no CUDA in this build, no GPU).
 std::string device_unavailable_reason(const Config& config);
+// On "cuda": GPU config.device.index becomes LibTorch's current CUDA device (a DDP trainer's
+// set_device), so that the trainer's tensors sent to torch::kCUDA meet the engine's.
+void make_current_device(const Config& config);
 
 // The device bytes the engine plans with: capacity x overall_gpu_mem_ratio (rounded down) less
 // the scheduler's reserve, as the scheduler's budgets count them.

@@ -45,13 +45,13 @@ class GatheredBytesProbe final : public MemoryProbe {
 
 class NonModelProbe {
  public:
-  // The probe of `device` (installs the counting CPU allocator: the counter must see LibTorch's
-  // CPU allocations from now on), with the gathered groups' bytes when `gathers_groups` (data
-  // parallel).
-  NonModelProbe(DeviceType device, bool gathers_groups) {
+  // The probe of `device` (GPU `device_index` on CUDA; installs the counting CPU allocator: the
+  // counter must see LibTorch's CPU allocations from now on), with the gathered groups' bytes when
+  // `gathers_groups` (data parallel).
+  NonModelProbe(DeviceType device, int device_index, bool gathers_groups) {
     CountingCpuAllocator& counter = CountingCpuAllocator::install();
     if (device == DeviceType::kCuda) {
-      probe_ = make_cuda_memory_probe(0);
+      probe_ = make_cuda_memory_probe(static_cast<c10::DeviceIndex>(device_index));
       probe_->reset_peak();
     } else {
       auto probe = std::make_unique<CpuMemoryProbe>(counter);

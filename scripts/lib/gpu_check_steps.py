@@ -16,7 +16,8 @@ import xml.etree.ElementTree as ET
 TARGET_PATHS = {"ps_copy_bench": "benchmarks/ps_copy_bench", "engine_tests": "tests/engine_tests",
                 "memtracer_tests": "tests/memtracer_tests", "chunk_tests": "tests/chunk_tests",
                 "optimizer_tests": "tests/optimizer_tests", "ps_bench": "benchmarks/ps_bench",
-                "ps_micro": "benchmarks/ps_micro"}
+                "ps_micro": "benchmarks/ps_micro", "distributed_tests": "tests/distributed_tests",
+                "comm_tests": "tests/comm_tests"}
 TARGETS = list(TARGET_PATHS)
 RESERVE_S = 6  # kept back from every step for the report and the archive
 SANITIZED_TEST = "EngineTraining.HybridAdamRunsOnTheDeviceWhenTheModelFits"  # Adam on the device
@@ -385,6 +386,44 @@ def gpu_present_units(ctx):
          plain)], must_run=True)
 
 
+def torchrun_gtest(ctx, label, target, ranks, args, env):
+    """ranks processes of a gtest binary under torchrun (the torch wheel's; --no-python), each
+    writing its own XML report; (exit status, rank 0's counts, the failures of every rank)."""
+    xml = ctx.log_path(label + ".xml")
+    argv = [ctx.torch_python(), "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc_per_node", str(ranks), "--no-python", "sh", "-c",
+            'exec "$0" --gtest_output=xml:"$PS_XML.$RANK" "$@"', ctx.bins[target]] + args
+    rc = ctx.command(label, argv, env=dict(env, PS_XML=xml))
+    counts = [parse_gtest("%s.%d" % (xml, r)) for r in range(ranks)]
+    for r in range(ranks):
+        ctx.rep.add_log(ctx.current, "%s-%s.xml.%d" % (ctx.current, label, r))
+    failures = [f for c in counts for f in c["failures"]]
+    return rc, counts[0], failures
+
+
+def data_parallel_gpu(ctx):
+    """Two ranks sharing the GPU through the store backend (Open MPI is absent there; NCCL takes one
+    GPU per rank) train as one process does (tests/cuda_suites.txt's distributed_tests line), with
+    the collective bytes and time they print; then NCCL itself, a world of one, every collective
+    and a split on the GPU (comm_tests' NcclCommunicator)."""
+    env = dict(device_env(ctx), PATRICKSTAR_COMM_BACKEND="store", OMP_NUM_THREADS="1",
+               PATRICKSTAR_COMM_TIMEOUT_S="120")
+    rc, counts, failures = torchrun_gtest(ctx, "two_ranks", "distributed_tests", 2,
+                                          ["--gtest_filter=" + cuda_filter(ctx, "distributed_tests")],
+                                          env)
+    status, detail = outcome(rc, "2 ranks on one GPU")
+    summary = "2 ranks: %d passed, %d failed, %d skipped" % (counts["passed"], len(failures),
+                                                           counts["skipped"])
+    if status == "passed" and (failures or counts["passed"] == 0):
+        status, detail = "failed", "; ".join(failures[:3]) or "no test ran"
+    nccl_env = {"PATRICKSTAR_TEST_NCCL": "0" if ctx.dry_run else "1"}
+    nccl = gtest_runs(ctx, [("nccl_world_of_one", "comm_tests", ["--gtest_filter=NcclCommunicator.*"],
+                             nccl_env)], must_run=not ctx.dry_run)
+    if status == "passed" and nccl[0] != "passed":
+        status, detail = nccl[0], nccl[1]
+    return status, summary + "; NCCL: " + nccl[1] + ("; " + detail if detail else ""), {}, counts
+
+
 # GPT2small (757M parameters, 128 positions) on an 80 GB GPU: bf16 under a 4 GiB cap, where its model
 # data (10.6 GB) cannot stay on the device and chunks move every iteration, with the H100 prediction
 # for the trace it records beside the measurement; fp32 under a 32 GiB cap, where it fits, against
@@ -497,6 +536,7 @@ STEPS = [
     Step("cuda_engine_tests", cuda_engine_tests, 200, 30),
     Step("memtracer_cuda", memtracer_cuda, 60, 15),
     Step("gpu_present_units", gpu_present_units, 120, 20),
+    Step("data_parallel_gpu", data_parallel_gpu, 180, 40),
     Step("ps_bench_capped", ps_bench, 120, 40),
     Step("ps_bench_fits", ps_bench, 150, 60),
     Step("ps_bench_auto", ps_bench, 60, 20),

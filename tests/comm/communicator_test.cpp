@@ -34,11 +34,27 @@ at::Tensor values_of(int r, int64_t n, at::ScalarType dtype) {
   return (torch::randn({n}) * 4).to(dtype);
 }
 
+// Ranks under torchrun (WORLD_SIZE > 1 with MASTER_ADDR): the named backend, else NCCL or store.
+bool under_torchrun() {
+  const char* world = std::getenv("WORLD_SIZE");
+  return std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && world != nullptr &&
+         std::string(world) != "1" && std::getenv("MASTER_ADDR") != nullptr;
+}
+
 TEST(Communicator, EnvironmentPicksTheBackend) {
   // One process under a launcher needs no MPI (mpirun -np 1): the local backend.
   const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
   const bool launched = size != nullptr && std::string(size) != "1";
-  EXPECT_EQ(comm().backend(), launched ? "mpi" : "local");
+  if (under_torchrun()) {
+    const char* named = std::getenv("PATRICKSTAR_COMM_BACKEND");
+    EXPECT_EQ(comm().backend(), named != nullptr
+                                    ? std::string(named)
+                                    : std::string(nccl_available() ? "nccl" : "store"));
+    EXPECT_EQ(comm().world_size(), std::stoi(std::getenv("WORLD_SIZE")));
+    EXPECT_EQ(comm().rank(), std::stoi(std::getenv("RANK")));
+  } else {
+    EXPECT_EQ(comm().backend(), launched ? "mpi" : "local");
+  }
   if (launched) {
     EXPECT_EQ(comm().world_size(), std::stoi(std::getenv("OMPI_COMM_WORLD_SIZE")));
   }
@@ -187,8 +203,9 @@ TEST(Communicator, BadArgumentsAreRefusedBeforeAnythingIsSent) {
   EXPECT_NE(error_of([&] { comm().reduce_scatter_sum(torch::zeros({n_ranks * 10}, at::kInt), in); })
                 .find("takes fp32, bf16 or fp16"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { comm().all_gather(torch::zeros({4, 4}).t(), torch::zeros({n_ranks * 16})); })
-                .find("contiguous CPU tensor"),
+  EXPECT_NE(error_of([&] {
+              comm().all_gather(torch::zeros({4, 4}).t(), torch::zeros({n_ranks * 16}));
+            }).find("contiguous CPU or CUDA tensor"),
             std::string::npos);
   EXPECT_NE(error_of([&] { comm().broadcast(in, n_ranks); }).find("is not a rank"), std::string::npos);
   EXPECT_NE(error_of([&] { comm().all_reduce(torch::zeros({2}, at::kBFloat16), ReduceOp::kSum); })
@@ -227,7 +244,8 @@ TEST(Communicator, SplitGroupsTheRanksOfAColorRankedByKey) {
     EXPECT_EQ(out[g * 3].item<float>(), world_rank) << "group rank " << g;
   }
   const std::unique_ptr<Communicator> host = comm().split_by_host();
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const char* local =
+      std::getenv(under_torchrun() ? "LOCAL_WORLD_SIZE" : "OMPI_COMM_WORLD_LOCAL_SIZE");
   EXPECT_EQ(host->world_size(), local != nullptr ? std::atoi(local) : 1);
   EXPECT_NE(error_of([] { comm().split(-1, 0); }).find("color -1 is negative"), std::string::npos);
   // The world is still in step.

@@ -65,7 +65,7 @@ inline std::vector<double> train_steps(Engine& engine, models::Gpt& model, int f
                                        std::vector<IterationReport>* reports = nullptr) {
   std::vector<double> losses;
   for (int s = from; s < to; ++s) {
-    auto batch = batch_of_step(s);
+    auto batch = on_test_device(batch_of_step(s));
     at::Tensor loss;
     const IterationReport report =
         train_step(engine, model, batch.tokens, batch.targets, sharded, loss);
@@ -105,7 +105,7 @@ inline EngineRun train_gpt(const Config& config, int steps, bool sharded = true,
   run.shard = engine->shard_group_size();
   const int micro = config.gradient_accumulation_steps;
   for (int s = 0; s < steps; ++s) {
-    auto batch = batch_of_step(s, rows);
+    auto batch = on_test_device(batch_of_step(s, rows));
     const at::Tensor tokens = rows_of(batch.tokens);
     const at::Tensor targets = rows_of(batch.targets);
     const int64_t rows = tokens.size(0) / micro;

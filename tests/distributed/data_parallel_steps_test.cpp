@@ -38,7 +38,10 @@ IterationReport mlp_step(Engine& engine, Net& model, int s) {
   at::Tensor loss;
   {
     auto active = engine.activate();
-    loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
+    // Where the engine put the parameters (the GPU under PATRICKSTAR_TEST_DEVICE=cuda).
+    const c10::Device device = model->fc1->weight.device();
+    loss = torch::mse_loss(model->forward(my_rows(input_of(s)).to(device)).to(at::kFloat),
+                           my_rows(target_of(s)).to(device));
   }
   engine.backward(loss);
   return engine.step();
@@ -271,7 +274,10 @@ TEST(DataParallel, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
     at::Tensor loss;
     {
       auto active = engine->activate();
-      loss = torch::mse_loss(model->forward(my_rows(input_of(s))).to(at::kFloat), my_rows(target_of(s)));
+      // Where the engine put the parameters (the GPU under PATRICKSTAR_TEST_DEVICE=cuda).
+      const c10::Device device = model->fc1->weight.device();
+      loss = torch::mse_loss(model->forward(my_rows(input_of(s)).to(device)).to(at::kFloat),
+                             my_rows(target_of(s)).to(device));
     }
     const bool overflow_here = s == 1 && me() == ranks() - 1;
     engine->backward(overflow_here ? loss * 1e30 : loss);

@@ -47,10 +47,12 @@ Config with_shard_group(const std::string& value, const std::string& extra = "{}
   return config;
 }
 
-// The ranks Open MPI started on this rank's host, as its launcher says (the engine asks MPI).
+// The ranks the launcher started on this rank's host, as it says (Open MPI's mpirun, torchrun).
 int ranks_on_this_host() {
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  return local != nullptr ? std::atoi(local) : ranks();
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"}) {
+    if (const char* local = std::getenv(name); local != nullptr) return std::atoi(local);
+  }
+  return ranks();
 }
 
 TEST(HybridShard, GroupsFormAsConfiguredAndBadSizesAreRefusedOnEveryRank) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <span>
@@ -100,6 +101,32 @@ TEST(Config, ShardGroupSizeIsTheHostsRanksTheWorldOrANumberFromTwo) {
   }
   EXPECT_NE(error_of(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})")
                 .find("$.zero_optimization.zero_hpz_partition_size"),
+            std::string::npos);
+}
+
+// The GPU index: "auto" (the default) is the process's local rank: the launcher's LOCAL_RANK (or
+// Open MPI's), else 0; a number is that GPU; the emulated device is always 0.
+TEST(Config, DeviceIndexIsTheLocalRankUnlessNamed) {
+  EXPECT_EQ(Config::from_string("{}").device.index, DeviceConfig::kLocalRankIndex);
+  Config cuda = Config::from_string(R"({"client": {"device": {"type": "cuda", "index": 3}}})");
+  EXPECT_EQ(cuda.device.index, 3);
+  EXPECT_EQ(Config::from_json(cuda.to_json()).device.index, 3);
+  EXPECT_EQ(resolved_device_index(cuda), 3);
+  Config local = Config::from_string(R"({"client": {"device": {"type": "cuda", "index": "auto"}}})");
+  const char* saved = std::getenv("LOCAL_RANK");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("LOCAL_RANK", "5", 1);
+  EXPECT_EQ(resolved_device_index(local), 5);
+  setenv("LOCAL_RANK", "five", 1);
+  EXPECT_THROW(resolved_device_index(local), c10::Error);
+  if (saved != nullptr) {
+    setenv("LOCAL_RANK", before.c_str(), 1);
+  } else {
+    unsetenv("LOCAL_RANK");
+  }
+  local.device.type = DeviceType::kEmulated;
+  EXPECT_EQ(resolved_device_index(local), 0);
+  EXPECT_NE(error_of(R"({"client": {"device": {"index": -1}}})").find("$.client.device.index"),
             std::string::npos);
 }
 

@@ -19,41 +19,13 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "patrickstar/comm/communicator.h"
 
+#include "../torchrun_env.h"
+
 namespace patrickstar {
 namespace {
-
-std::string env(const char* name) {
-  const char* value = std::getenv(name);
-  TORCH_CHECK(value != nullptr && *value != '\0', "patrickstar: the NCCL backend needs ", name,
-              " (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)");
-  return value;
-}
-
-int env_int(const char* name, int64_t low, int64_t high) {
-  const std::string text = env(name);
-  char* end = nullptr;
-  const long long value = std::strtoll(text.c_str(), &end, 10);
-  TORCH_CHECK(end != text.c_str() && *end == '\0' && value >= low && value <= high, "patrickstar: ",
-              name, "=\"", text, "\" is not an integer in [", low, ", ", high, "]");
-  return static_cast<int>(value);
-}
-
-std::chrono::milliseconds timeout_from_env() {
-  const char* text = std::getenv("PATRICKSTAR_COMM_TIMEOUT_S");
-  double seconds = 600.0;
-  if (text != nullptr && *text != '\0') {
-    char* end = nullptr;
-    seconds = std::strtod(text, &end);
-    TORCH_CHECK(end != text && *end == '\0' && seconds > 0 && seconds < 1e9,
-                "patrickstar: PATRICKSTAR_COMM_TIMEOUT_S=\"", text,
-                "\" is not a positive number of seconds (NCCL needs a limit)");
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
-}
 
 c10d::ReduceOp reduce_op(ReduceOp op) {
   return op == ReduceOp::kSum ? c10d::ReduceOp(c10d::ReduceOp::SUM)
@@ -63,23 +35,19 @@ c10d::ReduceOp reduce_op(ReduceOp op) {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator() {
-    rank_ = env_int("RANK", 0, 1 << 20);
-    size_ = env_int("WORLD_SIZE", 1, 1 << 20);
-    TORCH_CHECK(rank_ < size_, "patrickstar: RANK ", rank_, " is not below WORLD_SIZE ", size_);
-    const int local = env_int("LOCAL_RANK", 0, 1 << 20);
+    const comm_detail::TorchrunRank me = comm_detail::torchrun_rank("NCCL");
+    rank_ = me.rank;
+    size_ = me.size;
+    const int local = comm_detail::torchrun_int("LOCAL_RANK", "NCCL", 0, 1 << 20);
     TORCH_CHECK(local < c10::cuda::device_count(), "patrickstar: LOCAL_RANK ", local,
                 " but this machine has ", static_cast<int>(c10::cuda::device_count()),
                 " CUDA device(s): NCCL needs one GPU per rank");
     device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local));
     c10::cuda::set_device(device_.index());
-    const std::chrono::milliseconds timeout = timeout_from_env();
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<std::uint16_t>(env_int("MASTER_PORT", 1, 65535));
-    store_options.isServer = rank_ == 0;
-    store_options.numWorkers = static_cast<std::size_t>(size_);
-    store_options.waitWorkers = true;
-    store_options.timeout = timeout;
-    store_ = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), store_options);
+    // Its own prefix in the process's store: a second world communicator keys apart.
+    store_ = c10::make_intrusive<c10d::PrefixStore>(
+        comm_detail::torchrun_prefix("nccl"),
+        comm_detail::torchrun_store(me, "NCCL", comm_detail::collective_timeout()));
     start(store_, rank_, size_);
   }
   // A sub-group (split): its ranks' process group over a store of its own prefix.
@@ -117,7 +85,7 @@ class NcclCommunicator final : public Communicator {
   }
   // torchrun numbers the ranks of a node consecutively: LOCAL_WORLD_SIZE of them per node.
   std::unique_ptr<Communicator> split_by_host() override {
-    const int local_size = env_int("LOCAL_WORLD_SIZE", 1, size_);
+    const int local_size = comm_detail::torchrun_int("LOCAL_WORLD_SIZE", "NCCL", 1, size_);
     TORCH_CHECK(size_ % local_size == 0, "patrickstar: LOCAL_WORLD_SIZE ", local_size,
                 " does not divide WORLD_SIZE ", size_,
                 ": the nodes run different numbers of ranks");
@@ -125,7 +93,7 @@ class NcclCommunicator final : public Communicator {
   }
 
  protected:
-  c10::DeviceType device_type() const override { return c10::kCUDA; }
+  c10::Device native_device() const override { return device_; }
   void do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
     at::Tensor input = in;
     at::Tensor output = out;
@@ -162,7 +130,7 @@ class NcclCommunicator final : public Communicator {
   void start(c10::intrusive_ptr<c10d::Store> store, int rank, int size) {
     store_ = std::move(store);
     auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout_from_env();
+    options->timeout = comm_detail::collective_timeout();
     group_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
   }
 

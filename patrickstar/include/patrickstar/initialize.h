@@ -213,7 +213,11 @@ auto initialize_engine(Factory&& factory, int local_rank, const Config& config) 
     return built;
   }();
   using ModuleType = typename decltype(module)::element_type;
-  auto engine = std::make_shared<Engine>(module, config, std::move(comm));
+  // On a GPU each rank takes its own: local_rank, unless the config names one.
+  Config with_device = config;
+  if (with_device.device.index == DeviceConfig::kLocalRankIndex)
+    with_device.device.index = local_rank;
+  auto engine = std::make_shared<Engine>(module, std::move(with_device), std::move(comm));
   engine->note_model_construction_peak(construction_peak);
   return std::make_pair(EngineModel<ModuleType>(engine, module), EngineOptimizer(engine));
 }

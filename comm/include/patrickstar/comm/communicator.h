@@ -5,14 +5,18 @@
 // built in CUDA builds, for the CUDA engine: make_nccl_communicator).
 //
 //   auto comm = patrickstar::communicator_from_env();   // MPI under mpirun, else local
-//   comm->all_gather(my_chunk, group_buffer);            // group_buffer: world_size chunks, rank order
+//   comm->all_gather(my_chunk, group_buffer);            // group_buffer: world_size chunks, rank
+//   order
 //
 // Every rank calls the same collectives in the same order with the same sizes; a call returns when
 // it is complete on this rank. Arguments are checked before anything is sent, so a bad call throws
 // c10::Error on every rank that makes it (a rank that alone makes a bad call leaves the others
 // waiting until the launcher's timeout). Counts are ints in MPI: a call over more than 2^31 - 1
-// elements (a whole group buffer included) is refused. Tensors are contiguous, on the CPU (local,
-// MPI) or on this process's GPU (NCCL). Not thread-safe: one thread drives a communicator.
+// elements (a whole group buffer included) is refused. Tensors are contiguous, on the CPU or a
+// GPU: each backend works on its own device's (MPI the CPU's, NCCL this process's GPU, local any)
+// and takes the others through a staging copy on its device (MPI: a CUDA tensor through pinned
+// host memory, synchronizing with the tensor's stream; NCCL: a CPU tensor through device memory).
+// Not thread-safe: one thread drives a communicator.
 #pragma once
 
 #include <cstdint>
@@ -94,8 +98,10 @@ class Communicator {
  protected:
   // True when `in` is this rank's slice of `out` (gathered in place: MPI_IN_PLACE).
   bool gathers_in_place(const at::Tensor& in, const at::Tensor& out) const;
-  // Where the backend's tensors live (checked before every call).
-  virtual c10::DeviceType device_type() const { return c10::kCPU; }
+  // The device whose tensors the backend's do_* calls take; a tensor elsewhere is staged there.
+  virtual c10::Device native_device() const { return c10::Device(c10::kCPU); }
+  // Whether `t` goes to do_* as it is (the local backend takes every device).
+  virtual bool takes(const at::Tensor& t) const { return t.device() == native_device(); }
   // Called after the arguments were checked; `in_fp32` is in_flat converted to fp32.
   virtual void do_all_gather(const at::Tensor& in, const at::Tensor& out) = 0;
   virtual void do_reduce_scatter_sum(const at::Tensor& in_fp32, const at::Tensor& out) = 0;
@@ -104,6 +110,12 @@ class Communicator {
   virtual void do_reduce_sum(const at::Tensor& buffer, int root) = 0;
 
  private:
+  // A tensor the backend does not take, copied to (stage_in) or made on (stage_out) its device,
+  // and copied back (unstage); a tensor it takes is itself.
+  at::Tensor stage_in(const at::Tensor& t) const;
+  at::Tensor stage_out(const at::Tensor& t) const;
+  static void unstage(const at::Tensor& staged, const at::Tensor& t);
+
   CollectiveCounters counters_;
 };
 
@@ -119,8 +131,14 @@ bool mpi_available();
 // c10::Error when this build has no NCCL backend or the environment is incomplete.
 std::unique_ptr<Communicator> make_nccl_communicator();
 bool nccl_available();
+// Collectives through c10d's TCPStore on rank 0 (same rendezvous as NCCL; no MPI, no GPU per rank):
+// slow and exact, every reduction in rank order. For tests where Open MPI is absent (two ranks
+// sharing one GPU), and CPU ranks under torchrun. Every build has it.
+std::unique_ptr<Communicator> make_store_communicator();
 // MPI when the process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE, Hydra
-// PMI_SIZE), else local. Under a launcher without MPI in this build: c10::Error.
+// PMI_SIZE); when torchrun's variables say several ranks (WORLD_SIZE > 1 and MASTER_ADDR), the
+// backend PATRICKSTAR_COMM_BACKEND names ("nccl" or "store"; by default NCCL where this build has
+// it, else the store); else local. A launcher whose backend this build lacks: c10::Error.
 std::unique_ptr<Communicator> communicator_from_env();
 
 }  // namespace patrickstar

@@ -89,7 +89,15 @@ struct DeviceConfig {
   static constexpr int64_t kAutoCapacity = 0;
   static constexpr int64_t kEmulatedAutoCapacity = int64_t{4} << 30;  // 4 GiB
 
+  // index = kLocalRankIndex (-1, or "auto" in JSON; the default): on "cuda" the process's local
+  // rank: initialize_engine's local_rank, else the launcher's (LOCAL_RANK under torchrun,
+  // OMPI_COMM_WORLD_LOCAL_RANK under mpirun), else 0: one GPU per rank. The engine makes it
+  // LibTorch's current CUDA device, as a DDP trainer's set_device does. Unused on the emulated
+  // device (always 0 there).
+  static constexpr int kLocalRankIndex = -1;
+
   DeviceType type = DeviceType::kEmulated;
+  int index = kLocalRankIndex;             // the GPU ("cuda")
   int64_t capacity_bytes = kAutoCapacity;  // the device's hard capacity (a cap below a GPU's memory)
   int64_t host_capacity_bytes = 0;         // 0: unlimited
 };
@@ -214,6 +222,9 @@ struct Config {
 // DeviceConfig::kEmulatedAutoCapacity on the emulated device and what GPU 0 has for this process
 // now on CUDA. Throws c10::Error, with the reason, when the device cannot be used here.
 int64_t resolved_device_capacity(const Config& config);
+// The GPU an engine built now with `config` uses (DeviceConfig::index resolved); 0 on the emulated
+// device.
+int resolved_device_index(const Config& config);
 
 // Parses a byte size: a non-negative integer, or a string "<number>[unit]" with unit B, KB, MB, GB,
 // TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024). Throws c10::Error naming `what`.
