@@ -227,6 +227,21 @@ void apply_static_partition(const json& document, Config& c, std::vector<std::st
   c.scheduler.policy = EvictionPolicy::kStatic;
 }
 
+// zero_hpz_partition_size (DeepSpeed's spelling) beside shard_group_size: it may only agree (its 1,
+// hpZ off, says nothing); a second value read and dropped would go unnoticed.
+void check_shard_group_spellings(const json& document, std::vector<std::string>& errors) {
+  if (!document.contains("zero_optimization") || !document["zero_optimization"].is_object()) return;
+  const json& zero = document["zero_optimization"];
+  if (!zero.contains("shard_group_size") || !zero.contains("zero_hpz_partition_size")) return;
+  const json& hpz = zero["zero_hpz_partition_size"];
+  if (hpz.is_number_integer() && hpz.get<int64_t>() == 1) return;
+  if (hpz == zero["shard_group_size"]) return;
+  errors.push_back(absl::StrCat("$.zero_optimization.zero_hpz_partition_size: ", hpz.dump(),
+                                " contradicts $.zero_optimization.shard_group_size ",
+                                zero["shard_group_size"].dump(),
+                                " (the same setting in DeepSpeed's spelling); set one of them"));
+}
+
 void check_delayed_update(const Config& c, std::vector<std::string>& errors) {
   if (!c.delayed_update.enabled) return;
   const std::string key = "$.zero_optimization.delayed_param_update: true";
@@ -279,6 +294,7 @@ Config Config::from_json(const json& document) {
   read_keys(document, c, errors, unknown);
   check_one_precision(c, errors);
   apply_static_partition(document, c, errors);
+  check_shard_group_spellings(document, errors);
   check_delayed_update(c, errors);
   check_bf16_states(c, errors);
   check_overlap_step(c, errors);

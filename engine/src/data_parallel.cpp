@@ -319,7 +319,7 @@ void DataParallel::reduce_group(int64_t group) {
         const ChunkId c = store().chunk_id(ChunkKind::kGrad, index);
         if (store().tier(c) == Tier::kNone) store().allocate(c, Tier::kHost);  // nothing here
         shard_->reduce_sum(store().chunk_view(c), owner);
-        if (owner == shard_rank_) sum_over_replicas(index, store().chunk_view(c));
+        if (owner == shard_rank_) sum_over_replicas(store().chunk_view(c));
         continue;
       }
       // Mixed precision without a gradient space: the half slots hold the gradients. They are
@@ -335,7 +335,7 @@ void DataParallel::reduce_group(int64_t group) {
       sum.mul_(1.0 / world_);
       shard_->reduce_sum(sum, owner);
       if (!owns_index(index)) continue;
-      sum_over_replicas(index, sum);
+      sum_over_replicas(sum);
       at::Tensor& kept = wiring_->gradients.reduced(index);
       kept = kept.defined() ? kept.add_(sum) : sum;
       for (TensorId t : store().layout().tensors_in_chunk(index)) {
@@ -349,7 +349,7 @@ void DataParallel::reduce_group(int64_t group) {
   release_group(group);
 }
 
-void DataParallel::sum_over_replicas(int64_t /*index*/, const at::Tensor& reduced) {
+void DataParallel::sum_over_replicas(const at::Tensor& reduced) {
   if (replicas_ == nullptr) return;
   // Earlier micro-batches of the iteration leave the shard group's sums at the owner; the backward
   // completing the accumulation adds them over the replicas, once (check_backward refuses a second

@@ -191,9 +191,9 @@ class DataParallel {
   void release_group(int64_t group);
   void release_lean_groups_except(const std::vector<TensorId>& ids);
   void reduce_group(int64_t group);
-  // The sum over the replica groups of this rank's reduced gradients of index `index` (in place),
+  // The sum over the replica groups of this rank's reduced gradients of a chunk index (in place),
   // in the backward that completes the iteration's accumulation.
-  void sum_over_replicas(int64_t index, const at::Tensor& reduced);
+  void sum_over_replicas(const at::Tensor& reduced);
 
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0;

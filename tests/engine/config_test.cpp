@@ -102,6 +102,19 @@ TEST(Config, ShardGroupSizeIsTheHostsRanksTheWorldOrANumberFromTwo) {
   EXPECT_NE(error_of(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})")
                 .find("$.zero_optimization.zero_hpz_partition_size"),
             std::string::npos);
+  // Both spellings: they must agree (DeepSpeed's 1 says nothing), else neither is dropped quietly.
+  EXPECT_EQ(Config::from_string(
+                R"({"zero_optimization": {"shard_group_size": 4, "zero_hpz_partition_size": 4}})")
+                .shard_group_size,
+            4);
+  EXPECT_EQ(Config::from_string(
+                R"({"zero_optimization": {"shard_group_size": 4, "zero_hpz_partition_size": 1}})")
+                .shard_group_size,
+            4);
+  EXPECT_NE(
+      error_of(R"({"zero_optimization": {"shard_group_size": 4, "zero_hpz_partition_size": 8}})")
+          .find("contradicts $.zero_optimization.shard_group_size 4"),
+      std::string::npos);
 }
 
 // The GPU index: "auto" (the default) is the process's local rank: the launcher's LOCAL_RANK (or
