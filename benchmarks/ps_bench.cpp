@@ -48,6 +48,11 @@ ABSL_FLAG(std::string, model, "gpt_mini",
 ABSL_FLAG(std::string, init_from, "",
           "start from a Hugging Face Llama checkpoint in this folder (config.json and safetensors; "
           "deferred: each tensor read into its chunk at registration); --model is ignored");
+ABSL_FLAG(std::string, resume_from, "",
+          "load this checkpoint (save_checkpoint's, written by any number of ranks, chunk size or "
+          "state dtype) before the first step");
+ABSL_FLAG(std::string, save_checkpoint, "",
+          "save a checkpoint here after the last step (ps_ckpt shows, verifies and exports it)");
 ABSL_FLAG(bool, list_models, false, "print the model zoo with parameter counts and exit");
 ABSL_FLAG(int64_t, batch, 4, "sequences per step");
 ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the model's own length, at most 1024)");
@@ -311,7 +316,15 @@ int train(const ps::Config& config, Spec spec) {
       print_bytes_by_training(inspect(engine).chunks(), model.module());
     }
   }
+  if (const std::string from = absl::GetFlag(FLAGS_resume_from); !from.empty()) {
+    engine.load_checkpoint(from);
+    if (shape.lead) std::printf("resumed from checkpoint %s\n", from.c_str());
+  }
   const RunTotals totals = run_steps(model, optimizer, spec, config, shape, *comm);
+  if (const std::string to = absl::GetFlag(FLAGS_save_checkpoint); !to.empty()) {
+    engine.save_checkpoint(to);
+    if (shape.lead) std::printf("saved checkpoint %s\n", to.c_str());
+  }
 
   std::optional<BaselineResult> baseline;
   if (absl::GetFlag(FLAGS_baseline)) {

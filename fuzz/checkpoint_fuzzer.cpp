@@ -1,6 +1,8 @@
-// libFuzzer target: the checkpoint loader (read_checkpoint_file), file bytes in. The first byte
-// picks how the rest is used:
-//   even: the rest is the file, as it is. Damaged, truncated or foreign bytes must be refused
+// libFuzzer target: the checkpoint loaders, bytes in: format 3's read_checkpoint_file and format
+// 4's index parser (parse_checkpoint_index). The first byte picks how the rest is used:
+//   2 mod 4: the rest is the text of a format-4 index. Every field is checked by the parser; an
+//         index that parses must come back the same from its own text.
+//   0 mod 4: the rest is the file, as it is. Damaged, truncated or foreign bytes must be refused
 //         before LibTorch's archive reader sees them (only a sealed file passes the trailer).
 //   odd:  the rest describes records (key, type, shape, bytes). The target writes them into a
 //         LibTorch archive and seals it, so it passes the checksum, and every record check of the
@@ -27,6 +29,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "checkpoint_file.h"
+#include "checkpoint_index.h"
 
 namespace {
 
@@ -154,9 +157,60 @@ void write_seeds(const std::string& folder) {
 
 }  // namespace
 
+// A format-4 index parsed from `text`, written again and parsed back: the same text both times.
+int fuzz_index(const std::string& text) {
+  using patrickstar::engine_detail::checkpoint_index_text;
+  using patrickstar::engine_detail::parse_checkpoint_index;
+  std::string once;
+  try {
+    once = checkpoint_index_text(parse_checkpoint_index(text, "fuzz"));
+  } catch (const c10::Error&) {
+    return 0;  // refused, with its reason
+  }
+  if (checkpoint_index_text(parse_checkpoint_index(once, "fuzz")) != once) {
+    std::fprintf(stderr, "checkpoint_fuzzer: an index changed in a write and read back\n");
+    std::abort();
+  }
+  return 0;
+}
+
+void write_index_seed(const std::string& folder) {
+  patrickstar::engine_detail::CheckpointIndex index;
+  index.config_json = R"({"train_batch_size": 4})";
+  index.precision = "bf16";
+  index.world_size = 2;
+  index.shard_group_size = 2;
+  index.chunk_elems = 64;
+  index.iteration = 3;
+  index.adam_step = 3;
+  index.scaler.scale = 1.0;
+  index.files = {{"ckpt.00000000000000aa.rank0-of-2", 96, 0x1234},
+                 {"ckpt.00000000000000aa.rank1-of-2", 8, 0x9abc}};
+  patrickstar::engine_detail::IndexTensor w;
+  w.name = "w";
+  w.shape = {2, 4};
+  w.numel = 8;
+  w.adam_steps = 3;
+  w.master = {0, 1};
+  w.exp_avg = {32, 2};
+  w.exp_avg_sq = {64, 3};
+  patrickstar::engine_detail::IndexTensor b = w;
+  b.name = "b";
+  b.shape = {2};
+  b.numel = 2;
+  b.trainable = false;
+  b.file = 1;
+  b.master = {0, 4};
+  b.exp_avg = b.exp_avg_sq = {};
+  index.tensors = {w, b};
+  std::ofstream(folder + "/index_valid", std::ios::binary)
+      << '\x02' << patrickstar::engine_detail::checkpoint_index_text(index);
+}
+
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (const char* folder = std::getenv("PATRICKSTAR_FUZZ_WRITE_SEEDS")) {
     write_seeds(folder);
+    write_index_seed(folder);
     std::exit(0);
   }
   return 0;
@@ -166,6 +220,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = scratch_path();
   Input in{data, size};
   const uint8_t mode = in.byte();
+  if (mode % 4 == 2) {
+    return fuzz_index(std::string(reinterpret_cast<const char*>(in.data), in.size));
+  }
   if (mode % 2 == 0) {
     std::ofstream(path, std::ios::binary | std::ios::trunc)
         .write(reinterpret_cast<const char*>(in.data), static_cast<std::streamsize>(in.size));

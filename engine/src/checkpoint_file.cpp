@@ -49,7 +49,6 @@ struct OpenFile {
   }
 };
 
-// Reads up to `bytes` at `offset` (fewer only at the end of the file); -1 on an error.
 int64_t read_at(int fd, void* data, size_t bytes, uint64_t offset) {
   size_t done = 0;
   while (done < bytes) {
@@ -186,6 +185,102 @@ void load_sealed_archive(torch::serialize::InputArchive& archive, const std::str
   } catch (const std::exception& e) {
     refuse(std::string("passed its checksum but LibTorch cannot read it (") + e.what() + ")");
   }
+}
+
+int64_t read_file_at(int fd, void* data, size_t bytes, uint64_t offset) {
+  return read_at(fd, data, bytes, offset);
+}
+
+namespace {
+void put_trailer(unsigned char* trailer, uint64_t bytes, uint64_t checksum) {
+  put_le64(trailer, bytes);
+  put_le64(trailer + 8, checksum);
+  std::memcpy(trailer + 16, kMagic, kMagicBytes);
+}
+}  // namespace
+
+void save_sealed_text(const std::string& text, const std::string& path) {
+  AtomicFileWriter file(path);
+  Checksum sum;
+  sum.update(text.data(), text.size());
+  file.write(text.data(), text.size());
+  unsigned char trailer[kTrailerBytes];
+  put_trailer(trailer, text.size(), sum.value());
+  file.write(trailer, sizeof(trailer));
+  file.commit();
+}
+
+Seal read_seal(int fd, const std::string& path) {
+  struct stat st {};
+  TORCH_CHECK(::fstat(fd, &st) == 0 && S_ISREG(st.st_mode),
+              "patrickstar: cannot read checkpoint "
+              "file \"",
+              path, "\": not a regular file; nothing was loaded");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  unsigned char trailer[kTrailerBytes];
+  TORCH_CHECK(size >= kTrailerBytes &&
+                  read_at(fd, trailer, kTrailerBytes, size - kTrailerBytes) ==
+                      static_cast<int64_t>(kTrailerBytes) &&
+                  std::memcmp(trailer + 16, kMagic, kMagicBytes) == 0,
+              "patrickstar: checkpoint file \"", path, "\" (", size,
+              " bytes) does not end with the "
+              "trailer patrickstar's save_checkpoint writes: it was cut short, or another program "
+              "wrote it; nothing was loaded");
+  TORCH_CHECK(get_le64(trailer) == size - kTrailerBytes, "patrickstar: checkpoint file \"", path,
+              "\" is damaged: its trailer counts ", get_le64(trailer),
+              " bytes of data before it, "
+              "the file holds ",
+              size - kTrailerBytes, "; nothing was loaded");
+  return Seal{static_cast<int64_t>(size - kTrailerBytes), get_le64(trailer + 8)};
+}
+
+std::string load_sealed_text(const std::string& path) {
+  OpenFile file;
+  file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(file.fd >= 0, "patrickstar: cannot read checkpoint \"", path,
+              "\": ", std::strerror(errno), "; nothing was loaded");
+  const Seal seal = read_seal(file.fd, path);
+  TORCH_CHECK(seal.bytes <= (int64_t{1} << 32), "patrickstar: checkpoint \"", path,
+              "\" has an index of ", seal.bytes,
+              " bytes, more than an index can be; nothing was loaded");
+  std::string text(static_cast<size_t>(seal.bytes), '\0');
+  TORCH_CHECK(read_at(file.fd, text.data(), text.size(), 0) == seal.bytes,
+              "patrickstar: cannot read checkpoint \"", path, "\": ", std::strerror(errno),
+              "; nothing was loaded");
+  Checksum sum;
+  sum.update(text.data(), text.size());
+  TORCH_CHECK(sum.value() == seal.checksum, "patrickstar: checkpoint \"", path,
+              "\" is damaged: its ", seal.bytes,
+              " bytes of data do not match their checksum (a changed byte, or a "
+              "partial write); nothing was loaded");
+  return text;
+}
+
+struct SealedFileWriter::Impl {
+  explicit Impl(const std::string& path) : file(path) {}
+  AtomicFileWriter file;
+  Checksum sum;
+};
+
+SealedFileWriter::SealedFileWriter(const std::string& path) : impl_(new Impl(path)) {}
+
+SealedFileWriter::~SealedFileWriter() {
+  delete impl_;
+}
+
+void SealedFileWriter::write(const void* data, size_t bytes) {
+  impl_->file.write(data, bytes);
+  impl_->sum.update(data, bytes);
+  bytes_ += static_cast<int64_t>(bytes);
+}
+
+uint64_t SealedFileWriter::commit() {
+  const uint64_t checksum = impl_->sum.value();
+  unsigned char trailer[kTrailerBytes];
+  put_trailer(trailer, static_cast<uint64_t>(bytes_), checksum);
+  impl_->file.write(trailer, sizeof(trailer));
+  impl_->file.commit();
+  return checksum;
 }
 
 at::Tensor text_tensor(const std::string& text) {

@@ -65,6 +65,43 @@ void save_sealed_archive(torch::serialize::OutputArchive& archive, const std::st
 // Verifies the file at `path` against its trailer, then loads its archive into `archive`.
 void load_sealed_archive(torch::serialize::InputArchive& archive, const std::string& path);
 
+// Sealed bytes other than an archive (the format-4 index and data files, checkpoint_index.h).
+// save_sealed_text writes `text` and the trailer atomically; load_sealed_text verifies the whole
+// file and returns its data. Both throw c10::Error naming `path`.
+void save_sealed_text(const std::string& text, const std::string& path);
+std::string load_sealed_text(const std::string& path);
+
+// A data file written as it streams: the bytes, then the trailer, committed atomically by
+// commit() (an uncommitted writer leaves no file). offset() is where the next write lands.
+class SealedFileWriter {
+ public:
+  explicit SealedFileWriter(const std::string& path);
+  ~SealedFileWriter();
+  SealedFileWriter(const SealedFileWriter&) = delete;
+  SealedFileWriter& operator=(const SealedFileWriter&) = delete;
+  void write(const void* data, size_t bytes);
+  int64_t offset() const { return bytes_; }
+  // Seals and renames into place; returns the checksum of the data (the trailer's).
+  uint64_t commit();
+
+ private:
+  struct Impl;
+  Impl* impl_;
+  int64_t bytes_ = 0;
+};
+
+// A sealed file's trailer, read without the data: the data's length (checked against the file's
+// size) and checksum. Throws c10::Error naming `path` when the file is missing, short, or its
+// trailer is not one.
+struct Seal {
+  int64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+Seal read_seal(int fd, const std::string& path);
+
+// pread to the end of `bytes` (fewer only at the end of the file); -1 on an error.
+int64_t read_file_at(int fd, void* data, size_t bytes, uint64_t offset);
+
 // A 64-bit checksum of a byte stream, fed in pieces of any size: each 8-byte word passes through a
 // bijective mix of the running state, so a change confined to one word always changes the result;
 // the byte count is part of it. Not cryptographic: it detects damage, not tampering.

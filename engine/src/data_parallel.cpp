@@ -25,10 +25,13 @@
 #include "data_parallel.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -402,6 +405,26 @@ at::Tensor DataParallel::value_in(const Layout& layout, const at::Tensor& chunk,
   return chunk.narrow(0, where.offset_elems, where.numel).view(layout.sizes(id)).clone();
 }
 
+std::string DataParallel::first_error(const std::string& local) const {
+  if (!distributed()) return local;
+  const ScopeTimer timer(seconds_);
+  // Tensors over this frame's memory: the agreement allocates nothing a failing allocator could
+  // refuse on one rank only.
+  int64_t who = local.empty() ? 0 : world_ - rank_;
+  comm_->all_reduce(at::from_blob(&who, {1}, at::kLong), ReduceOp::kMax);
+  if (who == 0) return {};
+  const int root = world_ - static_cast<int>(who);
+  std::string text = rank_ == root ? local.substr(0, 8192) : std::string();
+  int64_t length = static_cast<int64_t>(text.size());
+  comm_->broadcast(at::from_blob(&length, {1}, at::kLong), root);
+  text.resize(static_cast<size_t>(length) + 1);  // + 1: a tensor of one byte when it is empty
+  comm_->broadcast(at::from_blob(text.data(), {length + 1}, at::kByte), root);
+  text.resize(static_cast<size_t>(length));
+  const std::string prefix = "patrickstar: ";
+  if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
+  return "rank " + std::to_string(root) + " of " + std::to_string(world_) + ": " + text;
+}
+
 StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp), adam_(adam) {
   if (!dp_.distributed()) return;
   // With hybrid sharding every shard is held by each replica group: the first replica's count.
@@ -409,8 +432,14 @@ StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp)
   adam_.set_stats_reducer([this, counts](GradStats& stats) {
     const double global = dp_.sum(counts || stats.sum_squares < 0 ? stats.sum_squares : 0.0);
     agreed_ = true;
-    TORCH_CHECK(!(global < 0), "patrickstar: another rank could not take this step (its error "
-                "is reported there); every rank discards the iteration");
+    if (global < 0) {
+      // A rank gave up: its message (give_up), the same on every rank.
+      const std::string agreed = dp_.first_error("");
+      TORCH_CHECK(false, "patrickstar: ",
+                  agreed.empty() ? std::string("another rank could not take this step")
+                                 : "could not take this step on " + agreed,
+                  "; every rank discards the iteration");
+    }
     stats.sum_squares = global;
   });
   installed_ = true;
@@ -422,11 +451,12 @@ void StepAgreement::release() {
   installed_ = false;
 }
 
-bool StepAgreement::give_up() {
+bool StepAgreement::give_up(const std::string& why) {
   release();
   if (!dp_.distributed()) return false;
   if (!agreed_) {
     dp_.sum(-1e300);
+    dp_.first_error(why.empty() ? std::string("(no message)") : why);
     agreed_ = true;
   }
   return true;

@@ -120,6 +120,10 @@ class DataParallel {
     const bool every_rank_fine = all_agree(!failed_here);
     return !failed_here && !every_rank_fine;
   }
+  // Every rank's error agreed on (a collective every rank calls, `local` "" where none): "" when
+  // no rank failed, else the lowest failing rank's message as "rank r of N: <message>", the same
+  // on every rank. One process: `local` as it is.
+  std::string first_error(const std::string& local) const;
   // The sum of `local` over the ranks (one all-reduce of a double).
   double sum(double local) const {
     if (!distributed()) return local;
@@ -221,9 +225,9 @@ class StepAgreement {
   StepAgreement& operator=(const StepAgreement&) = delete;
   // Adam's statistics are in: the reducer goes (the delayed update's thread may read Adam after).
   void release();
-  // This rank cannot take the step: the others hear it, unless the sum was already agreed.
-  // Returns whether every rank drops the iteration with it (data parallel).
-  bool give_up();
+  // This rank cannot take the step (`why`): the others hear it and its message, unless the sum
+  // was already agreed. Returns whether every rank drops the iteration with it (data parallel).
+  bool give_up(const std::string& why);
 
  private:
   const DataParallel& dp_;

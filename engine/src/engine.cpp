@@ -72,14 +72,28 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
                 item.key().empty() ? "<root>" : item.key(),
                 " already belongs to another engine; a module can be trained by one engine only");
   }
+  std::string error;
   try {
     register_parameters();
     gradients_.create_marker();
-  } catch (...) {
+  } catch (const std::exception& e) {
     // A failing allocation after the parameters moved (register_parameters restores them itself
     // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
     give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
-    throw;
+    if (!dp_.distributed()) throw;
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    error = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+  }
+  // Data parallel: a rank whose registration failed (a deferred initializer that threw, memory it
+  // could not have) fails every rank's, with its error; none waits for it at a gather.
+  const std::string agreed = dp_.first_error(error);
+  if (!agreed.empty()) {
+    if (error.empty()) {
+      give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
+    }
+    TORCH_CHECK(false, "patrickstar::Engine: registration failed on ", agreed,
+                "; no rank registered the model (another rank's parameters are left without values "
+                "on each rank, as when registration fails with data parallel)");
   }
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : params_.module_names()) register_module_handler(*module, this);

@@ -53,6 +53,10 @@
 #include "step_pipeline.h"
 
 namespace patrickstar {
+namespace engine_detail {
+struct CheckpointIndex;
+struct IndexTensor;
+}  // namespace engine_detail
 class GatheredParameters;
 
 class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGathering {
@@ -281,6 +285,19 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // Data parallel: the gathers, drops and reductions of chunk groups are dp_'s, and so are the
   // questions of what several ranks change (data_parallel.h).
   // Every parameter's fp32 value, by name (fp32_state_dict, save_weights).
+  // Checkpoints (checkpoint_io.cpp; format 3: engine_state_io.cpp).
+  void write_data_file(const engine_detail::StateAccess& access, const std::string& file,
+                       at::Tensor& table, at::Tensor& files) const;
+  engine_detail::CheckpointIndex describe_save(const std::string& path, uint64_t save_id,
+                                               const at::Tensor& table,
+                                               const at::Tensor& files) const;
+  void match_checkpoint(const std::string& path, const engine_detail::CheckpointIndex& index,
+                        std::vector<const engine_detail::IndexTensor*>& entries) const;
+  void apply_checkpoint(const engine_detail::StateAccess& access, const std::string& path,
+                        const engine_detail::CheckpointIndex& index,
+                        const std::vector<const engine_detail::IndexTensor*>& entries,
+                        const at::Tensor& buffer);
+  void load_checkpoint_format3(const engine_detail::StateAccess& access, const std::string& path);
   std::vector<std::pair<std::string, at::Tensor>> fp32_values(
       const engine_detail::StateAccess& access) const;
   void decide_adam_placement();
@@ -313,11 +330,11 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // as gradient_accumulation_steps asks.
   void check_step_allowed();
   // A gradient assigned to grad() where the engine shows none is refused, after `discard`.
-  void refuse_undelivered_gradients(const std::function<void()>& discard);
+  void refuse_undelivered_gradients(const std::function<void(const std::string&)>& discard);
   // The update (run_adam, with the Adam placement decided first), timed, with its disk figures;
   // `step_failed` runs before a failure is rethrown.
   IterationReport update_timed(engine_detail::StepAgreement& agreement,
-                               const std::function<void()>& step_failed);
+                               const std::function<void(const std::string&)>& step_failed);
   // After the update: tensor states, Adam step counts, gradients consumed.
   void settle_parameters(const IterationReport& report);
   // The warm-up's trace set (or recorded again), the scheduler's figures and the report's.

@@ -91,7 +91,8 @@ void EngineCore::save_weights(const std::string& path) const {
   if (dp_.rank() == 0) save_archive_atomically(archive, path);
 }
 
-// Checkpoints: CheckpointContents in a sealed file (checkpoint_file.h), one per rank.
+// Format-3 checkpoints (before checkpoint_io.cpp's format 4): CheckpointContents in a sealed file
+// (checkpoint_file.h), one per rank; they load with the ranks that wrote them.
 namespace {
 // Data parallel: each rank's shard has a file of its own next to `path`.
 std::string shard_path(const std::string& path, int rank, int world) {
@@ -99,64 +100,8 @@ std::string shard_path(const std::string& path, int rank, int world) {
 }
 }  // namespace
 
-void EngineCore::save_checkpoint(const std::string& path) const {
-  // The states as they were before the backward, with the delayed update in flight written in.
-  const StateAccess access = pipeline_->access();
-  TORCH_CHECK(tracker_.between_iterations(), "patrickstar: save_checkpoint() in the middle of an "
-              "iteration; call it after step()");
-  CheckpointContents c;
-  c.config_json = config_.to_json().dump();
-  c.precision = std::string(to_string(config_.precision()));
-  for (const Param& p : params_) c.names.push_back(p.name);
-  c.world_size = dp_.world();
-  c.rank = dp_.rank();
-  c.chunk_elems = store().chunk_elems();
-  c.adam_step = pipeline_->adam().step_count();
-  for (const Param& p : params_) c.param_steps.push_back(p.adam_steps);
-  c.iteration = tracker_.iteration();
-  c.scaler = pipeline_->adam().loss_scaler().state();
-  for (TensorId id : tensors_in_chunk_order(store().layout())) {
-    const Param& p = params_[id];
-    if (!owns(store().layout().placement(p.id).chunk_index)) continue;  // another rank's shard
-    if (lean_param(p.id)) {  // its weights alone (widened from the half weight in mixed precision)
-      c.params[p.id] = {fp32_copy(access.weight(p.id)), at::Tensor(), at::Tensor()};
-      continue;
-    }
-    // bf16 states are written widened to fp32 (exact): a checkpoint loads with either state_dtype
-    // (fp32 states into a bf16 engine are rounded to nearest even as they load).
-    c.params[p.id] = {fp32_copy(access.state(p.id, master_kind())),
-                      fp32_copy(access.state(p.id, ChunkKind::kMomentum)),
-                      fp32_copy(access.state(p.id, ChunkKind::kVariance))};
-  }
-  access.finish_views();
-  std::string error;
-  try {
-    write_checkpoint_file(c, shard_path(path, dp_.rank(), dp_.world()));
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  // Data parallel: a rank that could not write makes every rank throw (none trains on believing
-  // the checkpoint complete).
-  if (dp_.only_others_failed(!error.empty())) {
-    error = "another rank could not write its shard";
-  }
-  TORCH_CHECK(error.empty(), "patrickstar: save_checkpoint(\"", path, "\") failed: ", error);
-}
-
-void EngineCore::load_checkpoint(const std::string& path_given) {
-  // The states as they were before the backward, with the delayed update in flight written in.
-  const StateAccess access = pipeline_->access();
+void EngineCore::load_checkpoint_format3(const StateAccess& access, const std::string& path_given) {
   const std::string path = shard_path(path_given, dp_.rank(), dp_.world());
-  zero_grad_if_marker_reset();
-  TORCH_CHECK(tracker_.between_iterations(), "patrickstar: load_checkpoint() in the middle of an "
-              "iteration; call it before a forward or after step()");
-  const int64_t held = params_.gathered();
-  TORCH_CHECK(held == 0,
-              "patrickstar: load_checkpoint() while a GatheredParameters scope "
-              "holds ",
-              held, " parameter", held == 1 ? "" : "s", "; end the scope first");
   // Read and check everything first: a damaged checkpoint, or one of another model, changes
   // nothing.
   CheckpointContents c;
@@ -212,11 +157,11 @@ void EngineCore::load_checkpoint(const std::string& path_given) {
   }
   // Data parallel: every rank loads or none does (a rank that trained on from other weights would
   // leave the ranks apart for good).
-  if (dp_.only_others_failed(!error.empty())) {
-    error = "patrickstar: another rank could not load its shard of checkpoint \"" + path_given +
-            "\"; nothing was loaded";
-  }
-  TORCH_CHECK(error.empty(), error);
+  const std::string agreed = dp_.first_error(error);
+  TORCH_CHECK(agreed.empty(), dp_.distributed() ? "patrickstar: load_checkpoint(\"" + path_given +
+                                                      "\") failed on " + agreed +
+                                                      "; nothing was loaded on any rank"
+                                                : agreed);
   dp_.release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
   torch::NoGradGuard no_grad;
   const ChunkKind master = master_kind();

@@ -206,18 +206,18 @@ IterationReport EngineCore::step() {
   // cannot take the step takes every rank's iteration with it (StepAgreement; one process: the
   // iteration goes only when the update itself failed).
   StepAgreement agreement(dp_, pipeline_->adam());
-  auto give_up = [&](bool dropping_always) {
-    if (agreement.give_up() || dropping_always) drop_iteration();
+  auto give_up = [&](bool dropping_always, const std::string& why) {
+    if (agreement.give_up(why) || dropping_always) drop_iteration();
   };
-  refuse_undelivered_gradients([&] { give_up(/*dropping_always=*/false); });
+  refuse_undelivered_gradients([&](const std::string& why) { give_up(false, why); });
   // Before the step decides anything (the Adam placement, the next pause): what this iteration's
   // backward could do.
   const bool overlap_applied = pipeline_->overlap_applies(tracker_.retraced());
   const bool early_allowed = pipeline_->early_updates_may_start(tracker_.retraced());
-  IterationReport report = update_timed(agreement, [&] {
+  IterationReport report = update_timed(agreement, [&](const std::string& why) {
     pipeline_->step_failed();  // "auto"'s trial: the next iteration is not timed
     retry_.drop_chosen();
-    give_up(/*dropping_always=*/true);
+    give_up(/*dropping_always=*/true, why);
   });
   settle_parameters(report);
   const bool warmup = tracker_.iteration() == 0 || !scheduler_->has_trace();
@@ -258,7 +258,8 @@ void EngineCore::check_step_allowed() {
               config_.gradient_accumulation_steps);
 }
 
-void EngineCore::refuse_undelivered_gradients(const std::function<void()>& discard) {
+void EngineCore::refuse_undelivered_gradients(
+    const std::function<void(const std::string&)>& discard) {
   // A gradient assigned by hand where the engine shows none (a frozen parameter, one no loss
   // reached since the last zero_grad, one unfrozen within the iteration): torch::optim would step
   // the parameter with it, the engine has no gradient slot to take it from. Refused before
@@ -270,24 +271,26 @@ void EngineCore::refuse_undelivered_gradients(const std::function<void()>& disca
                       : p.trainable             ? "no loss reached it since the last zero_grad()"
                                     : "it was unfrozen after this iteration began; a change of "
                                       "requires_grad takes effect at the next iteration";
-    discard();
-    TORCH_CHECK(false, "patrickstar: parameter ", p.name,
-                " has a gradient the engine did not give it (assigned to its grad() where the "
-                "engine shows none: ",
-                why,
-                "); torch::optim would step it with that gradient, the engine would ignore it. "
-                "Give it a gradient through a loss",
-                p.tensor.requires_grad() ? ""
-                                         : " (unfrozen, which a parameter frozen at registration "
-                                           "may only be with \"frozen_parameters\": "
-                                           "\"full_state\")",
-                ", or reset it (p.mutable_grad().reset())",
-                dp_.with_ranks("; every rank discards the iteration"));
+    const std::string error =
+        c10::str("patrickstar: parameter ", p.name,
+                 " has a gradient the engine did not give it (assigned to its grad() where the "
+                 "engine shows none: ",
+                 why,
+                 "); torch::optim would step it with that gradient, the engine would ignore it. "
+                 "Give it a gradient through a loss",
+                 p.tensor.requires_grad() ? ""
+                                          : " (unfrozen, which a parameter frozen at registration "
+                                            "may only be with \"frozen_parameters\": "
+                                            "\"full_state\")",
+                 ", or reset it (p.mutable_grad().reset())",
+                 dp_.with_ranks("; every rank discards the iteration"));
+    discard(error);
+    TORCH_CHECK(false, error);
   }
 }
 
-IterationReport EngineCore::update_timed(StepAgreement& agreement,
-                                         const std::function<void()>& step_failed) {
+IterationReport EngineCore::update_timed(
+    StepAgreement& agreement, const std::function<void(const std::string&)>& step_failed) {
   IterationReport report;
   const int64_t disk_read_before =
       storage_.disk() != nullptr ? storage_.disk()->files().bytes_read() : 0;
@@ -310,12 +313,15 @@ IterationReport EngineCore::update_timed(StepAgreement& agreement,
     pipeline_->after_step(report);
   } catch (c10::Error& e) {
     // Nothing was updated (a trace that does not fit is rejected before Adam runs).
-    step_failed();
+    step_failed(e.what_without_backtrace());
     e.add_context("patrickstar: the step was not taken; the iteration's gradients were discarded "
                   "(weights and optimizer state unchanged) and the next forward starts a new one");
     throw;
+  } catch (const std::exception& e) {
+    step_failed(e.what());
+    throw;
   } catch (...) {
-    step_failed();
+    step_failed("an exception that is not a std::exception");
     throw;
   }
   return report;

@@ -225,7 +225,8 @@ TEST_F(AllocationFailure, RegistrationThatRunsOutOfMemoryLeavesTheModelAsItWas) 
 }
 
 // And for load_checkpoint: every allocation of a load fails once; the engine's state is untouched
-// by a load that throws, and the next load gives the checkpoint's state.
+// by a load that throws, and the next load gives the checkpoint's state. (The copying pass after
+// the checks allocates nothing: a failure there would leave the state partly loaded.)
 TEST_F(AllocationFailure, LoadThatRunsOutOfMemoryChangesNothing) {
   const std::string path = ::testing::TempDir() + "/ps_alloc_load_" + std::to_string(::getpid());
   for (const std::string precision : {"{}", R"({"bf16": {"enabled": true}})"}) {
@@ -275,7 +276,9 @@ TEST_F(AllocationFailure, LoadThatRunsOutOfMemoryChangesNothing) {
     }
     std::cout << "gpt_tiny " << (precision == "{}" ? "fp32" : "bf16") << " load_checkpoint: "
               << points << " allocations, each failed once: the engine's state was untouched\n";
-    EXPECT_GT(points, 5);
+    // A load allocates its one buffer (the largest tensor it reads) before it checks anything, and
+    // nothing after: the pass that copies into the chunks cannot run out.
+    EXPECT_GE(points, 1);
   }
   std::remove(path.c_str());
 }

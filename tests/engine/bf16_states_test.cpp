@@ -14,7 +14,7 @@
 
 #include <unistd.h>
 
-#include "checkpoint_file.h"
+#include "checkpoint_tensors.h"
 #include "gpt_training.h"
 #include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
@@ -286,19 +286,17 @@ TEST_F(Bf16States, CheckpointsLoadBothWaysAndResumeBitExactly) {
   Engine b(b_model.ptr(), fp32_config);
   b.load_checkpoint(a_path);
   b.save_checkpoint(b_path);
-  const auto saved_a = engine_detail::read_checkpoint_file(a_path);
-  const auto saved_b = engine_detail::read_checkpoint_file(b_path);
-  ASSERT_EQ(saved_a.params.size(), saved_b.params.size());
+  const test::SavedTensors saved_a(a_path), saved_b(b_path);
+  ASSERT_EQ(saved_a.names(), saved_b.names());
   int64_t nonzero = 0;
-  for (const auto& [id, p] : saved_a.params) {
-    const engine_detail::CheckpointParam& q = saved_b.params.at(id);
-    EXPECT_EQ(p.exp_avg.scalar_type(), at::kFloat);
-    EXPECT_TRUE(torch::equal(p.exp_avg, p.exp_avg.to(at::kBFloat16).to(at::kFloat))) << id;
-    EXPECT_TRUE(torch::equal(p.exp_avg_sq, p.exp_avg_sq.to(at::kBFloat16).to(at::kFloat))) << id;
-    EXPECT_TRUE(torch::equal(q.exp_avg, p.exp_avg)) << id;
-    EXPECT_TRUE(torch::equal(q.exp_avg_sq, p.exp_avg_sq)) << id;
-    EXPECT_TRUE(torch::equal(q.master, p.master)) << id;
-    nonzero += p.exp_avg.count_nonzero().item<int64_t>();
+  for (const std::string& id : saved_a.names()) {
+    const at::Tensor m = saved_a.tensor(id, "exp_avg"), v = saved_a.tensor(id, "exp_avg_sq");
+    EXPECT_TRUE(torch::equal(m, m.to(at::kBFloat16).to(at::kFloat))) << id;
+    EXPECT_TRUE(torch::equal(v, v.to(at::kBFloat16).to(at::kFloat))) << id;
+    EXPECT_TRUE(torch::equal(saved_b.tensor(id, "exp_avg"), m)) << id;
+    EXPECT_TRUE(torch::equal(saved_b.tensor(id, "exp_avg_sq"), v)) << id;
+    EXPECT_TRUE(torch::equal(saved_b.tensor(id, "master"), saved_a.tensor(id, "master"))) << id;
+    nonzero += m.count_nonzero().item<int64_t>();
   }
   EXPECT_GT(nonzero, 0) << "five steps leave momentum";
 
@@ -311,15 +309,16 @@ TEST_F(Bf16States, CheckpointsLoadBothWaysAndResumeBitExactly) {
   Engine d(d_model.ptr(), bf16_config);
   d.load_checkpoint(c_path);
   d.save_checkpoint(d_path);
-  const auto saved_c = engine_detail::read_checkpoint_file(c_path);
-  const auto saved_d = engine_detail::read_checkpoint_file(d_path);
+  const test::SavedTensors saved_c(c_path), saved_d(d_path);
   int64_t rounded = 0;
-  for (const auto& [id, p] : saved_c.params) {
-    const engine_detail::CheckpointParam& q = saved_d.params.at(id);
-    EXPECT_TRUE(torch::equal(q.exp_avg, p.exp_avg.to(at::kBFloat16).to(at::kFloat))) << id;
-    EXPECT_TRUE(torch::equal(q.exp_avg_sq, p.exp_avg_sq.to(at::kBFloat16).to(at::kFloat))) << id;
-    EXPECT_TRUE(torch::equal(q.master, p.master)) << id;
-    rounded += (q.exp_avg != p.exp_avg).sum().item<int64_t>();
+  for (const std::string& id : saved_c.names()) {
+    const at::Tensor m = saved_c.tensor(id, "exp_avg"), v = saved_c.tensor(id, "exp_avg_sq");
+    const at::Tensor q = saved_d.tensor(id, "exp_avg");
+    EXPECT_TRUE(torch::equal(q, m.to(at::kBFloat16).to(at::kFloat))) << id;
+    EXPECT_TRUE(torch::equal(saved_d.tensor(id, "exp_avg_sq"), v.to(at::kBFloat16).to(at::kFloat)))
+        << id;
+    EXPECT_TRUE(torch::equal(saved_d.tensor(id, "master"), saved_c.tensor(id, "master"))) << id;
+    rounded += (q != m).sum().item<int64_t>();
   }
   EXPECT_GT(rounded, 0) << "fp32 moments must have needed rounding";
 

@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "checkpoint_tensors.h"
 #include "error_message.h"
 #include "gpt_training.h"
 #include "patrickstar/engine/atomic_file.h"
@@ -145,8 +146,21 @@ TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
   Engine engine(model.ptr(), tight_config());
   train_step(engine, model, 0);
   engine.save_checkpoint(path);
-  const std::string before = read_bytes(path);
-  ASSERT_GT(before.size(), 100000u);
+  // The checkpoint: its index and its data file (folder_entries: the files the folder holds).
+  auto entries = [&] {
+    std::vector<std::string> names = folder_entries(folder);
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> files_before = entries();
+  const std::string index_before = read_bytes(path);
+  ASSERT_EQ(files_before.size(), 2u);
+  std::vector<std::string> bytes_before;
+  for (const std::string& name : files_before)
+    bytes_before.push_back(read_bytes(folder + "/" + name));
+  int64_t checkpoint_bytes = 0;
+  for (const std::string& b : bytes_before) checkpoint_bytes += static_cast<int64_t>(b.size());
+  ASSERT_GT(checkpoint_bytes, 100000);
   train_step(engine, model, 1);
 
   rlimit saved{};
@@ -160,31 +174,39 @@ TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
   std::signal(SIGXFSZ, previous_handler);
 
-  EXPECT_THAT(error, HasSubstr("cannot write \"" + path + "\": writing failed after"));
+  // The data file is the one that does not fit.
+  EXPECT_THAT(error, HasSubstr("cannot write \"" + path + "."));
+  EXPECT_THAT(error, HasSubstr("writing failed after"));
   EXPECT_THAT(error, HasSubstr("File too large; the file is unchanged"));
+  EXPECT_THAT(error, HasSubstr("the checkpoint there before, if any, is unchanged"));
   EXPECT_THAT(weights_error, HasSubstr("File too large"));
-  EXPECT_EQ(read_bytes(path), before);
-  EXPECT_FALSE(exists(folder + "/w.pt"));
+  EXPECT_EQ(entries(), files_before);
+  for (size_t i = 0; i < files_before.size(); ++i) {
+    EXPECT_EQ(read_bytes(folder + "/" + files_before[i]), bytes_before[i]) << files_before[i];
+  }
   EXPECT_TRUE(leftovers(folder).empty()) << leftovers(folder).front();
+  {
+    models::Gpt other = make_model(7);
+    Engine reader(other.ptr(), tight_config());
+    EXPECT_NO_THROW(reader.load_checkpoint(path));  // the previous checkpoint, whole
+  }
 
-  // The engine is untouched by the failed saves: it trains on, saves, and the old file still loads.
+  // The engine is untouched by the failed saves: it trains on and saves.
   double loss = 0;
   train_step(engine, model, 2, &loss);
   EXPECT_TRUE(std::isfinite(loss));
   engine.save_checkpoint(path);
-  EXPECT_NE(read_bytes(path), before);
-  models::Gpt other = make_model(7);
-  Engine reader(other.ptr(), tight_config());
-  std::ofstream(folder + "/old.pt", std::ios::binary) << before;
-  EXPECT_NO_THROW(reader.load_checkpoint(folder + "/old.pt"));
+  EXPECT_NE(read_bytes(path), index_before);
+  EXPECT_EQ(entries().size(), 2u) << "the previous save's data file is removed";
   remove_folder(folder);
 }
 
 // A process killed (SIGKILL) during save_checkpoint. Each kill point runs in a child process (a
 // "threadsafe" death test: the child runs this test again from the start, so it holds the same
-// engine) whose watcher thread kills it once the temporary file has grown to k bytes; the last
-// point lets the save finish and kills the child after it. After every kill the checkpoint file
-// is the previous checkpoint or the new one, byte for byte, and it loads.
+// engine) whose watcher thread kills it once a temporary file of the save has grown to k bytes:
+// the data file's (written first) or the index's (written once the data file is in place); the
+// last point lets the save finish and kills the child after it. After every kill the checkpoint is
+// the previous one or the new one, whole, and it loads.
 TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
   ::testing::FLAGS_gtest_death_test_style = "threadsafe";
   const std::string folder = test_folder("atomic_kill");
@@ -193,21 +215,31 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
   Engine engine(model.ptr(), tight_config());
   train_step(engine, model, 0);
   engine.save_checkpoint(path);
-  const std::string old_bytes = read_bytes(path);
+  auto iteration_of = [&](const std::string& index) {
+    return test::SavedTensors(index).index()["iteration"].get<int64_t>();
+  };
+  const int64_t old_iteration = iteration_of(path);
+  // The sizes of the files a save writes: its index, and its data file (the folder's other file).
+  const int64_t index_size = static_cast<int64_t>(read_bytes(path).size());
+  int64_t data_size = 0;
+  for (const std::string& name : folder_entries(folder)) {
+    if (name != "ckpt.pt") data_size = static_cast<int64_t>(read_bytes(folder + "/" + name).size());
+  }
+  ASSERT_GT(data_size, index_size);
   train_step(engine, model, 1);
-  engine.save_checkpoint(folder + "/new.pt");
-  const std::string new_bytes = read_bytes(folder + "/new.pt");
-  ASSERT_NE(old_bytes, new_bytes);
-  const int64_t size = static_cast<int64_t>(new_bytes.size());
 
   // The temporary file's name holds the saving process's pid: watch the folder for it.
-  auto save_and_die_at = [&](int64_t kill_at) {
+  auto save_and_die_at = [&](bool in_index, int64_t kill_at) {
     std::atomic<bool> done{false};
     std::thread watcher([&] {
-      const std::string prefix = "ckpt.pt.tmp-" + std::to_string(::getpid());  // this process's
+      const std::string suffix = ".tmp-" + std::to_string(::getpid());  // this process's
       while (!done.load()) {
         for (const std::string& name : folder_entries(folder)) {
-          if (name != prefix) continue;
+          if (name.size() <= suffix.size() ||
+              name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0 ||
+              (name == "ckpt.pt" + suffix) != in_index) {
+            continue;
+          }
           struct stat st {};
           if (::stat((folder + "/" + name).c_str(), &st) == 0 && st.st_size >= kill_at) {
             ::raise(SIGKILL);
@@ -221,38 +253,42 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
     ::raise(SIGKILL);  // the save finished: killed right after it
   };
 
-  const std::vector<int64_t> kill_points = {0,        size / 8,     size / 4, size / 2,
-                                            3 * size / 4, size - 1, size,     size + 1};
+  const std::vector<std::pair<bool, int64_t>> kill_points = {{false, 0},
+                                                             {false, data_size / 4},
+                                                             {false, data_size / 2},
+                                                             {false, data_size - 1},
+                                                             {false, data_size},
+                                                             {true, 0},
+                                                             {true, index_size / 2},
+                                                             {true, index_size - 1},
+                                                             {true, index_size + 1}};
   int old_kept = 0;
   int new_written = 0;
-  int temporaries_left = 0;  // kill points after which a temporary file was left
-  for (size_t i = 0; i < kill_points.size(); ++i) {
-    std::ofstream(path, std::ios::binary | std::ios::trunc) << old_bytes;
-    EXPECT_EXIT(save_and_die_at(kill_points[i]), ::testing::KilledBySignal(SIGKILL), "");
-    const std::string now = read_bytes(path);
-    const bool is_old = now == old_bytes;
-    const bool is_new = now == new_bytes;
-    EXPECT_TRUE(is_old || is_new) << "kill point " << kill_points[i] << " of " << size
-                                  << " bytes left " << now.size() << " bytes of neither";
-    old_kept += is_old ? 1 : 0;
-    new_written += is_new ? 1 : 0;
+  for (const auto& [in_index, at] : kill_points) {
+    const std::string point =
+        std::string(in_index ? "index" : "data file") + " at " + std::to_string(at) + " bytes";
+    EXPECT_EXIT(save_and_die_at(in_index, at), ::testing::KilledBySignal(SIGKILL), "");
+    const int64_t now = iteration_of(path);
+    EXPECT_TRUE(now == old_iteration || now == old_iteration + 1) << point;
+    old_kept += now == old_iteration ? 1 : 0;
+    new_written += now == old_iteration + 1 ? 1 : 0;
     models::Gpt other = make_model(7);
     Engine reader(other.ptr(), tight_config());
-    EXPECT_NO_THROW(reader.load_checkpoint(path)) << "kill point " << kill_points[i];
-    EXPECT_LE(leftovers(folder).size(), 1u) << "kill point " << kill_points[i];
-    temporaries_left += leftovers(folder).empty() ? 0 : 1;
+    EXPECT_NO_THROW(reader.load_checkpoint(path)) << point;
   }
-  // Each save removed the temporary file of the child killed before it, so one is left at most:
-  // the last killed child's, which the next save removes.
-  EXPECT_GE(temporaries_left, 1);
+  // The next save removes what killed saves left: temporaries of dead processes, data files no
+  // index lists.
   engine.save_checkpoint(path);
-  EXPECT_TRUE(leftovers(folder).empty());
-  std::printf("killed during a save of %lld bytes at %zu points: old checkpoint kept %d times, new "
-              "one complete %d times, neither 0 times\n",
-              static_cast<long long>(size), kill_points.size(), old_kept, new_written);
-  // Killed once the temporary file exists (k = 0): the rename is far off, the old file stays.
-  // Killed after the save: the new file is there.
-  EXPECT_GE(old_kept, 1);
+  EXPECT_TRUE(leftovers(folder).empty()) << leftovers(folder).front();
+  EXPECT_EQ(folder_entries(folder).size(), 2u);
+  std::printf(
+      "killed during a save (data file %lld bytes, index %lld) at %zu points: old "
+      "checkpoint kept %d times, new one complete %d times, neither 0 times\n",
+      static_cast<long long>(data_size), static_cast<long long>(index_size), kill_points.size(),
+      old_kept, new_written);
+  // Killed while the data file is written: the old checkpoint stays. Killed after the save: the
+  // new one is there.
+  EXPECT_GE(old_kept, 5);
   EXPECT_GE(new_written, 1);
   remove_folder(folder);
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "patrickstar/engine/checkpoint.h"
+#include "patrickstar/engine/checkpoint_files.h"
 #include "patrickstar/engine/config.h"
 #include "patrickstar/engine/deferred_init.h"
 #include "patrickstar/engine/engine.h"
