@@ -202,10 +202,15 @@ void parse_scaler(const Fields& top, CheckpointIndex& index, const std::string& 
 void parse_files(const Fields& top, CheckpointIndex& index, const std::string& path) {
   const json& files = top.at("files");
   if (!files.is_array() || files.empty()) top.refuse("has no list of data files");
+  if (static_cast<int64_t>(files.size()) > index.world_size) {
+    top.refuse("lists more data files than the ranks that wrote them");
+  }
   std::set<std::string> names;
   for (size_t i = 0; i < files.size(); ++i) {
     const Fields f(files[i], "data file " + std::to_string(i), path);
-    IndexFile file{f.text("name"), f.integer("bytes", 0), f.checksum(f.at("checksum"))};
+    // (Bounds that keep every sum over the files and tensors within 63 bits.)
+    IndexFile file{f.text("name"), f.integer("bytes", 0, int64_t{1} << 44),
+                   f.checksum(f.at("checksum"))};
     if (file.name.empty() || file.name.find('/') != std::string::npos || file.name[0] == '.') {
       f.refuse("has a name that is not a file beside the index");
     }
@@ -272,7 +277,7 @@ CheckpointIndex parse_checkpoint_index(const std::string& text, const std::strin
   if (!config.is_object()) top.refuse("has a config that is not a JSON object");
   index.config_json = config.dump();
   index.precision = top.text("precision");
-  index.world_size = top.integer("world_size", 1, int64_t{1} << 24);
+  index.world_size = top.integer("world_size", 1, int64_t{1} << 16);
   index.shard_group_size = top.integer("shard_group_size", 1, index.world_size);
   index.chunk_elems = top.integer("chunk_elems", 1);
   index.iteration = top.integer("iteration", 0);
@@ -281,7 +286,9 @@ CheckpointIndex parse_checkpoint_index(const std::string& text, const std::strin
   parse_scaler(top, index, path);
   parse_files(top, index, path);
   const json& tensors = top.at("tensors");
-  if (!tensors.is_array()) top.refuse("has no list of tensors");
+  if (!tensors.is_array() || tensors.size() > (size_t{1} << 20)) {
+    top.refuse("has no list of tensors (of at most 2^20)");
+  }
   std::set<std::string> names;
   for (size_t i = 0; i < tensors.size(); ++i) {
     index.tensors.push_back(parse_tensor(tensors[i], i, index, path));
@@ -345,14 +352,22 @@ int DataFileReader::open(int64_t file) {
   TORCH_CHECK(opened >= 0, "patrickstar: cannot read checkpoint file \"", where, "\" (",
               std::strerror(errno), "), a data file of checkpoint \"", path_,
               "\"; nothing was loaded");
-  fd = opened;
-  const Seal seal = read_seal(fd, where);
+  // Kept only once it passes the checks below.
+  struct Closer {
+    int fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } closer{opened};
+  const Seal seal = read_seal(opened, where);
   const IndexFile& expected = index_.files[static_cast<size_t>(file)];
   TORCH_CHECK(seal.bytes == expected.bytes && seal.checksum == expected.checksum,
               "patrickstar: checkpoint file \"", where, "\" is not the one its index \"", path_,
               "\" lists (", seal.bytes, " bytes, checksum ", hex64(seal.checksum),
               "; the index: ", expected.bytes, " bytes, ", hex64(expected.checksum),
               "); nothing was loaded");
+  fd = opened;
+  closer.fd = -1;
   return fd;
 }
 

@@ -90,6 +90,7 @@ bool is_data_file_of(const std::string& file, const std::string& path);
 class DataFileReader {
  public:
   DataFileReader(std::string index_path, const CheckpointIndex& index);
+  DataFileReader(std::string index_path, CheckpointIndex&& index) = delete;  // it keeps a reference
   ~DataFileReader();
   DataFileReader(const DataFileReader&) = delete;
   DataFileReader& operator=(const DataFileReader&) = delete;

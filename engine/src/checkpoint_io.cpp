@@ -50,6 +50,8 @@ enum Column : int64_t {
   kVarianceSum,
   kColumns
 };
+// The columns of the table of data files: one row per rank.
+enum FileColumn : int64_t { kWrote, kFileBytes, kFileSum, kSaveId, kFileColumns };
 
 // Removes the data files beside `path` of any earlier save (the index no longer lists them) and of
 // saves killed before their index was written.
@@ -80,27 +82,27 @@ void remove_unlisted_data_files(const std::string& path, const CheckpointIndex& 
 using namespace checkpoint_io;  // NOLINT: this file's helpers
 
 void EngineCore::save_checkpoint(const std::string& path) const {
-  // The states as they were before the backward, with the delayed update in flight written in.
-  const StateAccess access = pipeline_->access();
   TORCH_CHECK(tracker_.between_iterations(),
               "patrickstar: save_checkpoint() in the middle of an "
               "iteration; call it after step()");
-  // One save id for every rank's data file (rank 0's clock): a save never overwrites a file the
-  // index in place lists. Broadcast over this frame's memory (nothing to allocate before it).
-  int64_t id = static_cast<int64_t>(std::chrono::system_clock::now().time_since_epoch().count() ^
-                                    (static_cast<int64_t>(::getpid()) << 40)) &
-               INT64_MAX;
-  if (dp_.distributed()) dp_.comm().broadcast(at::from_blob(&id, {1}, at::kLong), 0);
-  const auto save_id = static_cast<uint64_t>(id);
+  // Each rank's data file has a save id of its own (its clock, pid and rank), reported to rank 0
+  // with the file's size and checksum: a save never overwrites a file the index in place lists,
+  // and no collective comes before the first agreement.
+  const auto save_id = static_cast<uint64_t>(
+      (std::chrono::system_clock::now().time_since_epoch().count() ^
+       (static_cast<int64_t>(::getpid()) << 40) ^ (static_cast<int64_t>(dp_.rank()) << 20)) &
+      INT64_MAX);
   const std::string mine =
       index_folder(path) + data_file_name(path, save_id, dp_.rank(), dp_.world());
   const bool writes = dp_.first_replica();  // hybrid sharding: one replica writes each shard
   at::Tensor table, files;
   std::string error;
   try {
+    // The states as they were before the backward, with the delayed update in flight written in.
+    const StateAccess access = pipeline_->access();
     table = at::zeros({static_cast<int64_t>(params_.size()), kColumns}, at::kLong);
-    files = at::zeros({dp_.world(), 3}, at::kLong);  // wrote, bytes, checksum
-    if (writes) write_data_file(access, mine, table, files);
+    files = at::zeros({dp_.world(), kFileColumns}, at::kLong);
+    if (writes) write_data_file(access, mine, save_id, table, files);
   } catch (const std::exception& e) {
     error = error_text(e);
   }
@@ -119,20 +121,27 @@ void EngineCore::save_checkpoint(const std::string& path) const {
   }
   // Rank 0 writes the index: the checkpoint changes from the old one to the new one at its rename.
   std::string index_error;
+  CheckpointIndex index;
   if (dp_.rank() == 0) {
     try {
-      const CheckpointIndex index = describe_save(path, save_id, table, files);
+      index = describe_save(path, table, files);
       save_sealed_text(checkpoint_index_text(index), path);
-      remove_unlisted_data_files(path, index);
     } catch (const std::exception& e) {
       index_error = error_text(e);
     }
   }
   fail_if(dp_.first_error(index_error));
+  if (dp_.rank() != 0) return;
+  try {  // the new checkpoint is in place: what is left is tidying up
+    remove_unlisted_data_files(path, index);
+  } catch (const std::exception& e) {
+    TORCH_WARN("patrickstar: save_checkpoint(\"", path, "\") saved the checkpoint but could not ",
+               "remove earlier data files beside it (", error_text(e), ")");
+  }
 }
 
 void EngineCore::write_data_file(const StateAccess& access, const std::string& file,
-                                 at::Tensor& table, at::Tensor& files) const {
+                                 uint64_t save_id, at::Tensor& table, at::Tensor& files) const {
   SealedFileWriter out(file);
   int64_t* rows = table.data_ptr<int64_t>();
   for (TensorId tid : tensors_in_chunk_order(store().layout())) {
@@ -159,14 +168,15 @@ void EngineCore::write_data_file(const StateAccess& access, const std::string& f
   access.finish_views();
   const int64_t bytes = out.offset();
   const uint64_t sum = out.commit();
-  int64_t* mine = files.data_ptr<int64_t>() + 3 * dp_.rank();
-  mine[0] = 1;
-  mine[1] = bytes;
-  mine[2] = static_cast<int64_t>(sum);
+  int64_t* mine = files.data_ptr<int64_t>() + kFileColumns * dp_.rank();
+  mine[kWrote] = 1;
+  mine[kFileBytes] = bytes;
+  mine[kFileSum] = static_cast<int64_t>(sum);
+  mine[kSaveId] = static_cast<int64_t>(save_id);
 }
 
-CheckpointIndex EngineCore::describe_save(const std::string& path, uint64_t save_id,
-                                          const at::Tensor& table, const at::Tensor& files) const {
+CheckpointIndex EngineCore::describe_save(const std::string& path, const at::Tensor& table,
+                                          const at::Tensor& files) const {
   CheckpointIndex index;
   index.config_json = config_.to_json().dump();
   index.precision = std::string(to_string(config_.precision()));
@@ -178,18 +188,23 @@ CheckpointIndex EngineCore::describe_save(const std::string& path, uint64_t save
   index.adam_step = pipeline_->adam().step_count();
   index.scaler = pipeline_->adam().loss_scaler().state();
   std::vector<int64_t> file_of(static_cast<size_t>(dp_.world()), -1);
+  const int64_t* columns = files.data_ptr<int64_t>();
   for (int r = 0; r < dp_.world(); ++r) {
-    if (files[r][0].item<int64_t>() == 0) continue;
+    const int64_t* f = columns + kFileColumns * r;
+    if (f[kWrote] == 0) continue;
     file_of[static_cast<size_t>(r)] = static_cast<int64_t>(index.files.size());
-    index.files.push_back(IndexFile{data_file_name(path, save_id, r, dp_.world()),
-                                    files[r][1].item<int64_t>(),
-                                    static_cast<uint64_t>(files[r][2].item<int64_t>())});
+    index.files.push_back(
+        IndexFile{data_file_name(path, static_cast<uint64_t>(f[kSaveId]), r, dp_.world()),
+                  f[kFileBytes], static_cast<uint64_t>(f[kFileSum])});
   }
   const int64_t* rows = table.data_ptr<int64_t>();
   for (const Param& p : params_) {
     const int64_t* row = rows + p.id * kColumns;
-    TORCH_CHECK(row[kWriter] > 0 && file_of[static_cast<size_t>(row[kWriter] - 1)] >= 0,
-                "patrickstar: no rank wrote parameter ", p.name);
+    // Exactly one rank wrote each tensor (the sum over ranks of writer + 1 is then in range).
+    TORCH_CHECK(row[kWriter] > 0 && row[kWriter] <= dp_.world() &&
+                    file_of[static_cast<size_t>(row[kWriter] - 1)] >= 0,
+                "patrickstar: internal: parameter ", p.name,
+                " was not written by exactly one rank");
     IndexTensor t;
     t.name = p.name;
     t.shape = store().layout().sizes(p.id).vec();
@@ -230,6 +245,9 @@ void EngineCore::load_checkpoint(const std::string& path) {
   CheckpointIndex index;
   std::vector<const IndexTensor*> entries(params_.size(), nullptr);
   at::Tensor buffer;  // the largest tensor this rank loads: the copying pass allocates nothing
+  // Opened by the checking pass, kept for the copying one: a data file removed in between (another
+  // save to this path) stays readable.
+  std::unique_ptr<DataFileReader> reader;
   std::string error;
   try {
     index = read_checkpoint_index(path);
@@ -241,14 +259,14 @@ void EngineCore::load_checkpoint(const std::string& path) {
       }
     }
     buffer = at::empty({largest}, at::kFloat);
-    DataFileReader reader(path, index);
+    reader = std::make_unique<DataFileReader>(path, index);
     for (const Param& p : params_) {
       if (!owns(store().layout().placement(p.id).chunk_index)) continue;
       const IndexTensor& t = *entries[static_cast<size_t>(p.id)];
-      reader.read(t, t.master, buffer);
+      reader->read(t, t.master, buffer);
       if (lean_param(p.id) || !t.exp_avg.present()) continue;
-      reader.read(t, t.exp_avg, buffer);
-      reader.read(t, t.exp_avg_sq, buffer);
+      reader->read(t, t.exp_avg, buffer);
+      reader->read(t, t.exp_avg_sq, buffer);
     }
   } catch (const std::exception& e) {
     error = error_text(e);
@@ -259,7 +277,13 @@ void EngineCore::load_checkpoint(const std::string& path) {
                                         agreed + "; nothing was loaded on any rank"
                                   : agreed);
   dp_.release_remote(/*discard=*/true);  // data parallel: gathered copies of the old weights go
-  apply_checkpoint(access, path, index, entries, buffer);
+  apply_checkpoint(access, path, *reader, entries, buffer);
+  pipeline_->adam().set_step_count(index.adam_step);
+  for (const Param& p : params_) {
+    params_.set_adam_steps(p.id, entries[static_cast<size_t>(p.id)]->adam_steps);
+  }
+  pipeline_->adam().loss_scaler().load_state(index.scaler);
+  if (gradients_.space()) zero_grad();
 }
 
 void EngineCore::match_checkpoint(const std::string& path, const CheckpointIndex& index,
@@ -300,12 +324,12 @@ void EngineCore::match_checkpoint(const std::string& path, const CheckpointIndex
 }
 
 void EngineCore::apply_checkpoint(const StateAccess& access, const std::string& path,
-                                  const CheckpointIndex& index,
+                                  DataFileReader& reader,
                                   const std::vector<const IndexTensor*>& entries,
                                   const at::Tensor& buffer) {
   torch::NoGradGuard no_grad;
-  DataFileReader reader(path, index);
   const ChunkKind master = master_kind();
+  std::string error;
   try {
     for (TensorId id : tensors_in_chunk_order(store().layout())) {
       if (!owns(store().layout().placement(id).chunk_index)) continue;
@@ -329,21 +353,21 @@ void EngineCore::apply_checkpoint(const StateAccess& access, const std::string& 
         }
       }
     }
-  } catch (const c10::Error& e) {
-    // Every range was read and checked a moment ago: the files changed since.
     access.finish_views();
-    TORCH_CHECK(false, "patrickstar: checkpoint \"", path, "\" changed while it was loaded (",
-                e.what_without_backtrace(),
-                "); this engine's state is partly loaded: load a "
-                "checkpoint again before training on");
+  } catch (const std::exception& e) {
+    // Every range was read and checked a moment ago: the files changed since (or the disk tier
+    // failed).
+    error = error_text(e);
+    try {
+      access.finish_views();
+    } catch (const std::exception&) {  // the first error is the one to report
+    }
   }
-  access.finish_views();
-  pipeline_->adam().set_step_count(index.adam_step);
-  for (const Param& p : params_) {
-    params_.set_adam_steps(p.id, entries[static_cast<size_t>(p.id)]->adam_steps);
-  }
-  pipeline_->adam().loss_scaler().load_state(index.scaler);
-  if (gradients_.space()) zero_grad();
+  const std::string agreed = dp_.first_error(error);
+  TORCH_CHECK(agreed.empty(), "patrickstar: load_checkpoint(\"", path, "\") failed while copying",
+              dp_.with_ranks(" on "), dp_.distributed() ? agreed : ": " + agreed,
+              "; the engine's state is partly loaded", dp_.with_ranks(" on every rank"),
+              ": load a checkpoint again before training on");
 }
 
 }  // namespace patrickstar

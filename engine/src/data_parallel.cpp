@@ -30,6 +30,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -432,10 +433,12 @@ StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp)
   adam_.set_stats_reducer([this, counts](GradStats& stats) {
     const double global = dp_.sum(counts || stats.sum_squares < 0 ? stats.sum_squares : 0.0);
     agreed_ = true;
-    if (global < 0) {
-      // A rank gave up: its message (give_up), the same on every rank.
+    // A rank that gave up sent -1e300: the sum is negative, or not finite beside another rank's
+    // overflow. Every rank sees the same sum, so all ask for the message here alike (give_up's
+    // rank sends it); an overflow alone gets none and is skipped as before.
+    if (!(std::isfinite(global) && global >= 0)) {
       const std::string agreed = dp_.first_error("");
-      TORCH_CHECK(false, "patrickstar: ",
+      TORCH_CHECK(agreed.empty() && !(global < 0), "patrickstar: ",
                   agreed.empty() ? std::string("another rank could not take this step")
                                  : "could not take this step on " + agreed,
                   "; every rank discards the iteration");

@@ -80,9 +80,14 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
     // A failing allocation after the parameters moved (register_parameters restores them itself
     // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
     give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
-    if (!dp_.distributed()) throw;
     const auto* c10 = dynamic_cast<const c10::Error*>(&e);
     error = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+    // One process, or a failure the ranks already agreed on (the same on every rank).
+    if (!dp_.distributed() || error.rfind(kRegistrationFailed, 0) == 0) throw;
+  } catch (...) {
+    give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
+    if (!dp_.distributed()) throw;
+    error = "an exception that is not a std::exception";
   }
   // Data parallel: a rank whose registration failed (a deferred initializer that threw, memory it
   // could not have) fails every rank's, with its error; none waits for it at a gather.
@@ -91,9 +96,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
     if (error.empty()) {
       give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
     }
-    TORCH_CHECK(false, "patrickstar::Engine: registration failed on ", agreed,
-                "; no rank registered the model (another rank's parameters are left without values "
-                "on each rank, as when registration fails with data parallel)");
+    TORCH_CHECK(false, kRegistrationFailed, agreed, kNoRankRegistered);
   }
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : params_.module_names()) register_module_handler(*module, this);

@@ -56,6 +56,7 @@ namespace patrickstar {
 namespace engine_detail {
 struct CheckpointIndex;
 struct IndexTensor;
+class DataFileReader;
 }  // namespace engine_detail
 class GatheredParameters;
 
@@ -287,14 +288,13 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // Every parameter's fp32 value, by name (fp32_state_dict, save_weights).
   // Checkpoints (checkpoint_io.cpp; format 3: engine_state_io.cpp).
   void write_data_file(const engine_detail::StateAccess& access, const std::string& file,
-                       at::Tensor& table, at::Tensor& files) const;
-  engine_detail::CheckpointIndex describe_save(const std::string& path, uint64_t save_id,
-                                               const at::Tensor& table,
+                       uint64_t save_id, at::Tensor& table, at::Tensor& files) const;
+  engine_detail::CheckpointIndex describe_save(const std::string& path, const at::Tensor& table,
                                                const at::Tensor& files) const;
   void match_checkpoint(const std::string& path, const engine_detail::CheckpointIndex& index,
                         std::vector<const engine_detail::IndexTensor*>& entries) const;
   void apply_checkpoint(const engine_detail::StateAccess& access, const std::string& path,
-                        const engine_detail::CheckpointIndex& index,
+                        engine_detail::DataFileReader& reader,
                         const std::vector<const engine_detail::IndexTensor*>& entries,
                         const at::Tensor& buffer);
   void load_checkpoint_format3(const engine_detail::StateAccess& access, const std::string& path);

@@ -30,6 +30,13 @@ namespace engine_detail {
 // Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
 // states in this order stages each chunk of a disk tier once (first-fit placement puts later small
 // tensors into earlier chunks, so registration order jumps between chunks).
+// Data parallel: a registration that failed on some rank fails on every rank with this text and the
+// failing rank's message (DataParallel::first_error) between the two.
+inline constexpr const char* kRegistrationFailed = "patrickstar::Engine: registration failed on ";
+inline constexpr const char* kNoRankRegistered =
+    "; no rank registered the model (each rank's model is left without the values of the other "
+    "ranks' parameters, as when registration fails with data parallel)";
+
 inline std::vector<TensorId> tensors_in_chunk_order(const Layout& layout) {
   std::vector<TensorId> ids;
   for (int64_t i = 0; i < layout.chunk_count(); ++i) {

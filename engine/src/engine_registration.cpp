@@ -93,25 +93,39 @@ void EngineCore::register_parameters() {
 void EngineCore::collect_parameters(Registration& reg) {
   // Collect and check, touching nothing. A deferred parameter (deferred_init.h) has no data yet:
   // its initializer gives its value when its chunk index is filled (fill_chunks).
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
-    const at::Tensor& t = item.value();
-    if (params_.id_of(t) >= 0) continue;  // tied: registered once
-    if (!t.device().is_cpu() || t.scalar_type() != at::kFloat) {
-      params_.clear();
-      TORCH_CHECK(false, "patrickstar::Engine: parameter ", item.key(), " is ", t.scalar_type(),
-                  " on ", t.device(),
-                  "; build the model in fp32 on the CPU (the engine places it)");
-    }
-    if (is_deferred(t)) {
-      try {
-        reg.initializers.check(item.key());
-      } catch (...) {
+  // Data parallel: the ranks agree on these checks before the broadcast below (a rank refused here
+  // alone would leave the others waiting in it).
+  std::string error;
+  try {
+    for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& t = item.value();
+      if (params_.id_of(t) >= 0) continue;  // tied: registered once
+      if (!t.device().is_cpu() || t.scalar_type() != at::kFloat) {
         params_.clear();
-        throw;
+        TORCH_CHECK(false, "patrickstar::Engine: parameter ", item.key(), " is ", t.scalar_type(),
+                    " on ", t.device(),
+                    "; build the model in fp32 on the CPU (the engine places it)");
       }
+      if (is_deferred(t)) {
+        try {
+          reg.initializers.check(item.key());
+        } catch (...) {
+          params_.clear();
+          throw;
+        }
+      }
+      params_.add(t);
+      reg.unique.emplace_back(item.key(), t);
     }
-    params_.add(t);
-    reg.unique.emplace_back(item.key(), t);
+  } catch (const std::exception& e) {
+    if (!dp_.distributed()) throw;
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    error = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+  }
+  const std::string agreed = dp_.first_error(error);
+  if (!agreed.empty()) {
+    params_.clear();
+    TORCH_CHECK(false, kRegistrationFailed, agreed, kNoRankRegistered);
   }
   TORCH_CHECK(!reg.unique.empty(), "patrickstar::Engine: the model has no parameters to train");
   // Data parallel: every rank starts from rank 0's weights and buffers (as DDP does).

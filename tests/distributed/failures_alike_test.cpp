@@ -152,5 +152,40 @@ TEST(FailuresAlike, ASaveOneRankCannotWriteLeavesThePreviousCheckpointOnEveryRan
   }
 }
 
+// A rank that gives up its step while another's fp16 gradients overflow: the summed norm is then
+// not finite rather than negative, and every rank still hears the giving-up rank's error (none
+// takes the overflow's skip while that rank waits for its message).
+TEST(FailuresAlike, AStepGivenUpBesideAnotherRanksOverflowFailsEveryRank) {
+  if (ranks() == 1) GTEST_SKIP() << "one process";
+  models::GptSpec spec = tiny();
+  spec.lora_rank = 4;
+  spec.lora_alpha = 8.0;
+  torch::manual_seed(1);
+  models::Gpt model(spec);
+  Engine engine(model.ptr(), tight_config(R"({"fp16": {"enabled": true, "initial_scale_power": 8},
+                                 "default_chunk_size": 32768,
+                                 "client": {"device": {"capacity_bytes": 8388608}}})"),
+                comm());
+  train_steps(engine, model, 0, 1, /*sharded=*/true);
+  const auto batch = batch_of_step(1);
+  engine.zero_grad();
+  at::Tensor loss;
+  {
+    auto active = engine.activate();
+    loss = model->loss(my_rows(batch.tokens), my_rows(batch.targets));
+  }
+  engine.backward(me() == 0 ? loss * 1e30 : loss);  // rank 0's gradients overflow
+  at::Tensor frozen = model->named_parameters()["blocks.0.fc.weight"];
+  if (last()) frozen.mutable_grad() = torch::ones(frozen.sizes());  // the last rank gives up
+  const std::string error = error_of([&] { engine.step(); });
+  EXPECT_NE(error.find("blocks.0.fc.weight"), std::string::npos) << error;
+  if (!last()) {
+    EXPECT_NE(error.find("could not take this step on " + failing_rank()), std::string::npos)
+        << error;
+  }
+  if (last()) frozen.mutable_grad().reset();
+  for (double l : train_steps(engine, model, 2, 4, /*sharded=*/true)) EXPECT_TRUE(std::isfinite(l));
+}
+
 }  // namespace failures_alike_test
 }  // namespace patrickstar
