@@ -20,6 +20,10 @@ inline std::string file_bytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+inline void write_file_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
 class SavedTensors {
  public:
   explicit SavedTensors(const std::string& index_path) {

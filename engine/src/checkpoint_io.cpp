@@ -34,11 +34,6 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 namespace checkpoint_io {
 
-std::string error_text(const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
-
 // The columns of a save's table of tensors: one row per parameter, filled by the rank that wrote
 // it, summed over the ranks.
 enum Column : int64_t {

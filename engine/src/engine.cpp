@@ -80,8 +80,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
     // A failing allocation after the parameters moved (register_parameters restores them itself
     // when it fails mid-way): the model gets its weights back, as from a destroyed engine.
     give_back_model(pipeline_->access(/*even_mid_iteration=*/true), /*may_gather=*/false);
-    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
-    error = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+    error = error_text(e);
     // One process, or a failure the ranks already agreed on (the same on every rank).
     if (!dp_.distributed() || error.rfind(kRegistrationFailed, 0) == 0) throw;
   } catch (...) {

@@ -16,6 +16,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
 
 #include "patrickstar/chunk/chunk_store.h"
 #include "patrickstar/engine/config.h"
@@ -30,6 +31,13 @@ namespace engine_detail {
 // Every tensor id, chunk by chunk (ids within a chunk in placement order): a pass over optimizer
 // states in this order stages each chunk of a disk tier once (first-fit placement puts later small
 // tensors into earlier chunks, so registration order jumps between chunks).
+// An exception's message: a c10::Error's without its backtrace (what errors shown to other ranks
+// and users carry).
+inline std::string error_text(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
 // Data parallel: a registration that failed on some rank fails on every rank with this text and the
 // failing rank's message (DataParallel::first_error) between the two.
 inline constexpr const char* kRegistrationFailed = "patrickstar::Engine: registration failed on ";

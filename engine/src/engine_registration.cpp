@@ -119,8 +119,7 @@ void EngineCore::collect_parameters(Registration& reg) {
     }
   } catch (const std::exception& e) {
     if (!dp_.distributed()) throw;
-    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
-    error = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+    error = error_text(e);
   }
   const std::string agreed = dp_.first_error(error);
   if (!agreed.empty()) {

@@ -32,13 +32,6 @@ std::shared_ptr<Communicator> first_ranks(int n) {
   return std::shared_ptr<Communicator>(std::move(group));
 }
 
-// The same path on every rank of the job (rank 0's pid).
-std::string shared_path(const std::string& stem) {
-  at::Tensor tag = at::full({1}, me() == 0 ? static_cast<double>(::getpid()) : 0.0, at::kDouble);
-  comm()->broadcast(tag, 0);
-  return ::testing::TempDir() + "/" + stem + std::to_string(tag.item<int64_t>()) + ".ckpt";
-}
-
 double mean_over(Communicator& group, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);
   group.all_reduce(t, ReduceOp::kSum);

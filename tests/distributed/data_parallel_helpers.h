@@ -13,6 +13,8 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "distributed/ranks.h"
 #include "engine/gpt_training.h"
@@ -23,6 +25,14 @@ namespace patrickstar::test {
 
 inline int ranks() { return comm()->world_size(); }
 inline int me() { return comm()->rank(); }
+
+// A path under the test folder, the same on every rank (rank 0's pid): a checkpoint every rank
+// writes its part of and reads.
+inline std::string shared_path(const std::string& stem) {
+  at::Tensor tag = at::full({1}, me() == 0 ? static_cast<double>(::getpid()) : 0.0, at::kDouble);
+  comm()->broadcast(tag, 0);
+  return ::testing::TempDir() + "/" + stem + std::to_string(tag.item<int64_t>()) + ".ckpt";
+}
 
 // The mean over ranks of a per-rank value (each rank's loss is the mean over its rows).
 inline double mean_over_ranks(double value) {

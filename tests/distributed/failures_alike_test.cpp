@@ -38,12 +38,6 @@ void expect_same_everywhere(const std::string& error) {
   EXPECT_EQ(error, zero) << "rank " << me() << "'s error differs from rank 0's";
 }
 
-std::string shared_path(const std::string& stem) {
-  at::Tensor tag = at::full({1}, me() == 0 ? static_cast<double>(::getpid()) : 0.0, at::kDouble);
-  comm()->broadcast(tag, 0);
-  return ::testing::TempDir() + "/" + stem + std::to_string(tag.item<int64_t>()) + ".ckpt";
-}
-
 std::string failing_rank() {
   return "rank " + std::to_string(ranks() - 1) + " of " + std::to_string(ranks());
 }

@@ -15,6 +15,7 @@
 
 #include <unistd.h>
 
+#include "checkpoint_tensors.h"
 #include "error_message.h"
 #include "gpt_training.h"
 #include "patrickstar/engine/engine_inspect.h"
@@ -26,15 +27,6 @@ namespace checkpoint_corruption_test {
 using ::testing::HasSubstr;
 using test::error_of;
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
 
 // Weights and optimizer state (every chunk but the gradient space), the loss scale and the step.
 std::vector<at::Tensor> state_of(const Engine& engine) {
@@ -71,7 +63,7 @@ Outcome try_damage(Engine& engine, const std::string& good, const std::string& d
   for (int i = 0; i < points; ++i) {
     const size_t at = good.size() * static_cast<size_t>(i) / static_cast<size_t>(points);
     SCOPED_TRACE("damage at byte " + std::to_string(at) + " of " + std::to_string(good.size()));
-    write_bytes(damaged, damage(good, at));
+    write_file_bytes(damaged, damage(good, at));
     const std::string error = error_of([&] { engine.load_checkpoint(damaged); });
     ++outcome.tried;
     if (error != "<no error>") {
@@ -97,7 +89,7 @@ TEST(CheckpointCorruption, FlippedBytesAndTruncationsAreRejected) {
     train_step(engine, model, 0);
     engine.save_checkpoint(path);
   }
-  const std::string good = read_bytes(path);
+  const std::string good = file_bytes(path);
   std::vector<at::Tensor> intact;
   {
     models::Gpt model = make_model(3);

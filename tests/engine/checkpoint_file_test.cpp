@@ -41,12 +41,6 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 // A folder of this test's own, the same in a death test's child (which inherits the variable).
 std::string test_folder(const char* name) {
   const std::string variable = std::string("PS_TEST_FOLDER_") + name;
@@ -74,16 +68,16 @@ TEST(AtomicFile, UncommittedWriterLeavesTheOldFile) {
   {
     AtomicFileWriter writer(path);
     ASSERT_TRUE(writer.write("new content", 11));
-    EXPECT_EQ(read_bytes(path), "old");
+    EXPECT_EQ(file_bytes(path), "old");
   }  // no commit: a save that threw before the end
-  EXPECT_EQ(read_bytes(path), "old");
+  EXPECT_EQ(file_bytes(path), "old");
   EXPECT_TRUE(leftovers(folder).empty());
   {
     AtomicFileWriter writer(path);
     ASSERT_TRUE(writer.write("new", 3));
     writer.commit();
   }
-  EXPECT_EQ(read_bytes(path), "new");
+  EXPECT_EQ(file_bytes(path), "new");
   EXPECT_TRUE(leftovers(folder).empty());
   remove_folder(folder);
 }
@@ -116,7 +110,7 @@ TEST(AtomicFile, TheNextSaveDeletesTheTemporaryFilesOfDeadProcesses) {
                                        "file.tmp-" + dead + "x", "other.tmp-" + dead};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(left, expected);
-  EXPECT_EQ(read_bytes(folder + "/file"), "new");
+  EXPECT_EQ(file_bytes(folder + "/file"), "new");
   remove_folder(folder);
 }
 
@@ -153,11 +147,11 @@ TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
     return names;
   };
   const std::vector<std::string> files_before = entries();
-  const std::string index_before = read_bytes(path);
+  const std::string index_before = file_bytes(path);
   ASSERT_EQ(files_before.size(), 2u);
   std::vector<std::string> bytes_before;
   for (const std::string& name : files_before)
-    bytes_before.push_back(read_bytes(folder + "/" + name));
+    bytes_before.push_back(file_bytes(folder + "/" + name));
   int64_t checkpoint_bytes = 0;
   for (const std::string& b : bytes_before) checkpoint_bytes += static_cast<int64_t>(b.size());
   ASSERT_GT(checkpoint_bytes, 100000);
@@ -182,7 +176,7 @@ TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
   EXPECT_THAT(weights_error, HasSubstr("File too large"));
   EXPECT_EQ(entries(), files_before);
   for (size_t i = 0; i < files_before.size(); ++i) {
-    EXPECT_EQ(read_bytes(folder + "/" + files_before[i]), bytes_before[i]) << files_before[i];
+    EXPECT_EQ(file_bytes(folder + "/" + files_before[i]), bytes_before[i]) << files_before[i];
   }
   EXPECT_TRUE(leftovers(folder).empty()) << leftovers(folder).front();
   {
@@ -196,7 +190,7 @@ TEST(AtomicFile, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
   train_step(engine, model, 2, &loss);
   EXPECT_TRUE(std::isfinite(loss));
   engine.save_checkpoint(path);
-  EXPECT_NE(read_bytes(path), index_before);
+  EXPECT_NE(file_bytes(path), index_before);
   EXPECT_EQ(entries().size(), 2u) << "the previous save's data file is removed";
   remove_folder(folder);
 }
@@ -220,10 +214,10 @@ TEST(AtomicFile, KilledSaveLeavesTheOldCheckpointOrTheNewOne) {
   };
   const int64_t old_iteration = iteration_of(path);
   // The sizes of the files a save writes: its index, and its data file (the folder's other file).
-  const int64_t index_size = static_cast<int64_t>(read_bytes(path).size());
+  const int64_t index_size = static_cast<int64_t>(file_bytes(path).size());
   int64_t data_size = 0;
   for (const std::string& name : folder_entries(folder)) {
-    if (name != "ckpt.pt") data_size = static_cast<int64_t>(read_bytes(folder + "/" + name).size());
+    if (name != "ckpt.pt") data_size = static_cast<int64_t>(file_bytes(folder + "/" + name).size());
   }
   ASSERT_GT(data_size, index_size);
   train_step(engine, model, 1);
@@ -315,7 +309,7 @@ TEST(AtomicFile, AReadOnlyFolderIsRefusedAndKeepsThePreviousCheckpoint) {
   Engine engine(model.ptr(), tight_config());
   train_step(engine, model, 0);
   if (!exists(path)) engine.save_checkpoint(path);  // the death test's child finds it there
-  const std::string before = read_bytes(path);
+  const std::string before = file_bytes(path);
   train_step(engine, model, 1);
   ASSERT_EQ(::chmod(folder.c_str(), 0555), 0);
 
@@ -334,14 +328,14 @@ TEST(AtomicFile, AReadOnlyFolderIsRefusedAndKeepsThePreviousCheckpoint) {
               "save_checkpoint: .*Permission denied");
   ASSERT_EQ(::chmod(folder.c_str(), 0755), 0);
 
-  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_EQ(file_bytes(path), before);
   EXPECT_FALSE(exists(folder + "/w.pt"));
   EXPECT_TRUE(leftovers(folder).empty());
   double loss = 0;
   train_step(engine, model, 2, &loss);
   EXPECT_TRUE(std::isfinite(loss));
   engine.save_checkpoint(path);
-  EXPECT_NE(read_bytes(path), before);
+  EXPECT_NE(file_bytes(path), before);
   remove_folder(folder);
 }
 

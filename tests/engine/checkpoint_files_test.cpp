@@ -26,10 +26,6 @@ namespace checkpoint_files_test {
 using ::testing::HasSubstr;
 using namespace test;  // NOLINT: the shared helpers of gpt_training.h
 
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
-
 std::string data_file_of(const std::string& index) {
   return index.substr(0, index.rfind('/') + 1) +
          SavedTensors(index).index()["files"][0]["name"].get<std::string>();
@@ -96,7 +92,7 @@ TEST(CheckpointFiles, ShowsVerifiesAndExportsWhatWasSaved) {
   }
 
   // A format-3 file or any other is refused, saying what it is not.
-  write_file(folder.path() + "/other", "PK not an index");
+  write_file_bytes(folder.path() + "/other", "PK not an index");
   EXPECT_THAT(error_of([&] { read_checkpoint_info(folder.path() + "/other"); }),
               HasSubstr("is not a checkpoint index (format 4)"));
 }
@@ -120,7 +116,7 @@ TEST(CheckpointFiles, EveryFlippedByteOfADataFileIsCaught) {
   const auto before = engine.fp32_state_dict();
   int tried = 0, refused = 0, reported = 0;
   auto damaged_is_caught = [&](const std::string& bytes, const std::string& what) {
-    write_file(data, bytes);
+    write_file_bytes(data, bytes);
     const std::string error = error_of([&] { engine.load_checkpoint(path); });
     ++tried;
     if (error.find(data) != std::string::npos &&
@@ -154,7 +150,7 @@ TEST(CheckpointFiles, EveryFlippedByteOfADataFileIsCaught) {
       good.size(), tried, refused, reported);
   EXPECT_EQ(refused, tried);
   EXPECT_EQ(reported, tried);
-  write_file(data, good);
+  write_file_bytes(data, good);
   engine.load_checkpoint(path);  // intact again: it loads
 }
 
