@@ -91,6 +91,17 @@ ABSL_FLAG(std::string, plot, "", "write the memory timeline (SVG) here");
 ABSL_FLAG(uint64_t, seed, 1234, "seed of the weights and the data");
 ABSL_FLAG(bool, checkpoint_activations, false,
           "recompute each GPT block in backward (activation checkpointing)");
+ABSL_FLAG(std::string, activations, "",
+          "every block through patrickstar::checkpoint under this activation policy: none (kept), "
+          "recompute, offload (inputs in the host tier meanwhile) or auto (planned per block after "
+          "the warm-up; the plan is printed)");
+ABSL_FLAG(bool, compare_activations, false,
+          "train the model under the activation policies none, recompute, offload and auto in one "
+          "run, one step of each per round, the order rotating; print each one's median step as a "
+          "ratio to the fastest fixed policy, its activation peak and auto's plan");
+ABSL_FLAG(bool, longest_seq, false,
+          "find the longest --seq that trains --steps steps at the --device capacity under "
+          "\"none\" and under \"auto\" (doubling, then bisecting), and print the ratio");
 ABSL_FLAG(double, dropout, 0.0,
           "dropout probability while training (GPT: after the embeddings, on the attention "
           "probabilities and on each residual branch, as GPT-2; Llama: on the attention "
@@ -191,7 +202,8 @@ RunShape run_shape(const Spec& spec) {
 // The model flags applied to `spec`.
 template <class Spec>
 void apply_model_flags(Spec& spec) {
-  spec.checkpoint_activations = absl::GetFlag(FLAGS_checkpoint_activations);
+  spec.checkpoint_activations =
+      absl::GetFlag(FLAGS_checkpoint_activations) || !absl::GetFlag(FLAGS_activations).empty();
   const double dropout = absl::GetFlag(FLAGS_dropout);
   TORCH_CHECK(dropout >= 0.0 && dropout < 1.0, "--dropout must be a probability in [0, 1), got ",
               dropout);
@@ -226,6 +238,14 @@ std::optional<int> other_job(const ps::Config& config, const Spec& spec, const R
   if (absl::GetFlag(FLAGS_find_max_model)) {
     for (const std::string& w : config.warnings) std::fprintf(stderr, "config warning: %s\n", w.c_str());
   }
+  const bool activations = absl::GetFlag(FLAGS_compare_activations);
+  const bool longest = absl::GetFlag(FLAGS_longest_seq);
+  TORCH_CHECK(shape.world == 1 || !(activations || longest),
+              "--compare-activations and --longest-seq run in one process (not under mpirun)");
+  if (activations) {
+    return compare_activations(config, spec, shape.batch, shape.seq, shape.steps, shape.seed);
+  }
+  if (longest) return longest_seq(config, spec, shape.batch, shape.steps, shape.seed);
   if constexpr (std::is_same_v<Spec, ps::models::GptSpec>) {
     const auto [batch, seq, steps, seed] = std::tuple(shape.batch, shape.seq, shape.steps, shape.seed);
     if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);

@@ -184,6 +184,13 @@ ps::Config build_config() {
     j["client"]["scheduler"]["policy"] = absl::GetFlag(FLAGS_policy);
     j["client"]["mem_tracer"]["with_static_partition"] = absl::GetFlag(FLAGS_policy) == "static";
   }
+  if (const std::string activations = absl::GetFlag(FLAGS_activations); !activations.empty()) {
+    TORCH_CHECK(activations == "none" || activations == "recompute" || activations == "offload" ||
+                    activations == "auto",
+                "--activations: expected none, recompute, offload or auto, got \"", activations,
+                "\"");
+    j["activation_checkpointing"]["policy"] = activations;
+  }
   const std::string chunk = absl::GetFlag(FLAGS_chunk_size);
   if (!chunk.empty()) {
     if (chunk == "auto") {

@@ -146,6 +146,12 @@ int compare_moves(const ps::Config& base, const ps::models::GptSpec& spec, int64
 // --compare-step (ps_bench_overlap.cpp).
 int compare_step(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
                  int64_t seq, int64_t steps, uint64_t seed);
+// --compare-activations and --longest-seq (ps_bench_activations.cpp; GptSpec and LlamaSpec).
+template <class Spec>
+int compare_activations(const ps::Config& base, Spec spec, int64_t batch, int64_t seq,
+                        int64_t steps, uint64_t seed);
+template <class Spec>
+int longest_seq(const ps::Config& base, Spec spec, int64_t batch, int64_t steps, uint64_t seed);
 // --compare-delayed (ps_bench_delayed.cpp).
 int compare_delayed(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
                     int64_t seq, int64_t steps, uint64_t seed);

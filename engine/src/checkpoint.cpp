@@ -1,6 +1,7 @@
 #include "patrickstar/engine/checkpoint.h"
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include <memory>
@@ -19,6 +20,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "patrickstar/engine/module_hooks.h"
 
@@ -100,25 +102,56 @@ class ReplayedRandomStates {
   std::optional<RandomStates> now_;
 };
 
+// Without an engine: a CUDA input's copy in pinned host memory, made and brought back on the
+// current stream (which orders both copies after the forward and before the recompute).
+class PinnedHostCopy final : public OffloadedActivation {
+ public:
+  explicit PinnedHostCopy(const at::Tensor& input) : device_(input.device()) {
+    host_ = at::empty(input.sizes(), input.options().device(at::kCPU).pinned_memory(true));
+    host_.copy_(input, /*non_blocking=*/true);
+  }
+  at::Tensor take() override { return host_.to(device_, /*non_blocking=*/true); }
+
+ private:
+  c10::Device device_;
+  at::Tensor host_;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// What the handler that planned a call (ModuleHookHandler::plan_checkpoint) hears of it.
+struct PlannedCall {
+  ModuleHookHandler* planner = nullptr;
+  int64_t call = -1;
+};
+
 // The backward of one checkpointed call. A Node of our own rather than a torch::autograd::Function:
 // the node must own `fn`, which an AutogradContext (IValues only) cannot hold.
 class CheckpointBackward final : public torch::autograd::Node {
  public:
   CheckpointBackward(CheckpointFunction fn, ModuleHookHandler* handler,
                      std::vector<ModuleHookHandler*> handlers, const at::Tensor& input,
-                     std::optional<RandomStates> random_states)
+                     std::unique_ptr<OffloadedActivation> offloaded,
+                     std::optional<RandomStates> random_states, PlannedCall planned)
       : fn_(std::move(fn)),
         handler_(handler),
         handlers_(std::move(handlers)),
-        input_(input, /*is_output=*/false),
-        random_states_(std::move(random_states)) {}
+        offloaded_(std::move(offloaded)),
+        random_states_(std::move(random_states)),
+        planned_(planned),
+        input_version_(torch::autograd::impl::version_counter(input)),
+        saved_version_(input_version_.current_version()) {
+    // An offloaded input is not kept here (its copy is): its device memory may go.
+    if (offloaded_ == nullptr) input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
+  }
 
   std::string name() const override { return "patrickstar::CheckpointBackward"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (!grads[0].defined()) return {at::Tensor()};  // the output did not reach the loss
-    // unpack() fails with autograd's own message after a second backward or an in-place change.
-    at::Tensor input = input_.unpack().detach().requires_grad_(true);
+    at::Tensor input = saved_input().detach().requires_grad_(true);
     // This runs in the outer backward pass: the engines whose modules fn uses begin their backward
     // here (their end-of-backward work belongs to this pass, not to the recompute's nested one).
     for (ModuleHookHandler* h : handlers_) h->backward_started();
@@ -134,7 +167,12 @@ class CheckpointBackward final : public torch::autograd::Node {
       at::AutoGradMode grad_mode(true);
       ActiveHandlerGuard active(handler_);
       ReplayedRandomStates replayed(random_states_, input);
+      if (planned_.planner != nullptr) planned_.planner->checkpoint_recompute_begins(planned_.call);
+      const auto start = std::chrono::steady_clock::now();
       output = fn_(input);
+      if (planned_.planner != nullptr) {
+        planned_.planner->checkpoint_recompute_done(planned_.call, seconds_since(start));
+      }
     }
     TORCH_CHECK(output.defined() && output.sizes() == grads[0].sizes(),
                 "patrickstar::checkpoint: the recomputed output has shape ",
@@ -147,17 +185,114 @@ class CheckpointBackward final : public torch::autograd::Node {
 
   void release_variables() override {
     input_.reset_data();
+    offloaded_.reset();
+    taken_.reset();
     fn_ = nullptr;  // what fn captured may go now
     random_states_.reset();
   }
 
  private:
+  at::Tensor saved_input() {
+    if (offloaded_ == nullptr && !taken_.defined()) {
+      // unpack() fails with autograd's own message after a second backward or an in-place change.
+      return input_.unpack();
+    }
+    if (!taken_.defined()) {
+      // The check SavedVariable makes: the copy was taken at the forward.
+      TORCH_CHECK(
+          input_version_.current_version() == saved_version_,
+          "patrickstar::checkpoint: the input of an offloaded checkpoint was modified by an "
+          "inplace operation after its forward (version ",
+          saved_version_, ", now ", input_version_.current_version(),
+          "); its recompute needs the value it had");
+      taken_ = offloaded_->take();
+      offloaded_.reset();
+    }
+    return taken_;
+  }
+
   CheckpointFunction fn_;
   ModuleHookHandler* handler_;
   std::vector<ModuleHookHandler*> handlers_;
   torch::autograd::SavedVariable input_;
-  std::optional<RandomStates> random_states_;  // at the forward (CheckpointOptions)
+  std::unique_ptr<OffloadedActivation> offloaded_;  // the input while it is away from the device
+  at::Tensor taken_;                                // and once it is back (until released)
+  std::optional<RandomStates> random_states_;       // at the forward (CheckpointOptions)
+  PlannedCall planned_;
+  c10::VariableVersion input_version_;  // the input's version counter (not its memory)
+  uint32_t saved_version_;
 };
+
+// The forward without gradients; collects the handlers whose doors opened in it.
+at::Tensor checkpointed_forward(const CheckpointFunction& fn, const at::Tensor& input,
+                                std::vector<ModuleHookHandler*>& handlers) {
+  at::NoGradGuard no_grad;
+  CheckpointedForwardGuard checkpointed;
+  std::vector<ModuleHookHandler*>* outer = g_checkpointed_handlers;
+  if (outer == nullptr) g_checkpointed_handlers = &handlers;  // the outermost call collects
+  try {
+    at::Tensor output = fn(input);
+    g_checkpointed_handlers = outer;
+    return output;
+  } catch (...) {
+    g_checkpointed_handlers = outer;
+    throw;
+  }
+}
+
+at::Tensor run_checkpoint(torch::nn::Module* block, CheckpointFunction fn, const at::Tensor& input,
+                          CheckpointOptions options) {
+  TORCH_CHECK(fn, "patrickstar::checkpoint: the function is empty");
+  if (!at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return fn(input);
+  // A named block's engine plans the call before it runs (it may keep the activations).
+  PlannedCall planned{block != nullptr ? handler_for(*block) : nullptr, -1};
+  ModuleHookHandler::CheckpointPlan plan{-1, options.offload.value_or(false)
+                                                 ? ActivationChoice::kOffload
+                                                 : ActivationChoice::kRecompute};
+  if (planned.planner != nullptr) {
+    plan = planned.planner->plan_checkpoint(block, options.offload);
+    if (plan.choice == ActivationChoice::kKeep) {
+      const auto start = std::chrono::steady_clock::now();
+      at::Tensor output = fn(input);
+      planned.planner->checkpoint_forward_done(plan.call, input, seconds_since(start));
+      return output;
+    }
+  }
+  std::vector<ModuleHookHandler*> handlers;
+  std::optional<RandomStates> random_states;
+  if (options.preserve_rng_state) random_states = RandomStates::capture(input);
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor output = checkpointed_forward(fn, input, handlers);
+  const double seconds = seconds_since(start);
+  TORCH_CHECK(output.defined() && torch::autograd::isDifferentiableType(output.scalar_type()),
+              "patrickstar::checkpoint: the function must return a floating-point tensor, got ",
+              output.defined() ? c10::toString(output.scalar_type()) : "an undefined tensor");
+  if (planned.planner == nullptr && !handlers.empty()) {
+    // An unnamed call: the first engine whose doors opened in it plans it, recompute or offload.
+    planned.planner = handlers.front();
+    plan = planned.planner->plan_checkpoint(nullptr, options.offload);
+  }
+  planned.call = plan.call;
+  std::unique_ptr<OffloadedActivation> offloaded;
+  if (planned.planner != nullptr) {
+    planned.planner->checkpoint_forward_done(plan.call, input, seconds);
+    if (plan.choice == ActivationChoice::kOffload && input.is_contiguous()) {
+      offloaded = planned.planner->offload_activation(plan.call, input);
+    }
+  } else if (plan.choice == ActivationChoice::kOffload && input.is_contiguous() &&
+             input.is_cuda()) {
+    offloaded = std::make_unique<PinnedHostCopy>(input);
+  }
+  // A fresh handle (fn may return its input or a view), which the checkpoint's node produces.
+  output = output.detach();
+  std::shared_ptr<CheckpointBackward> node(
+      new CheckpointBackward(std::move(fn), active_module_hook_handler(), std::move(handlers),
+                             input, std::move(offloaded), std::move(random_states), planned),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  torch::autograd::set_history(output, node);
+  return output;
+}
 
 }  // namespace
 
@@ -181,38 +316,25 @@ void note_checkpointed_handler(ModuleHookHandler* handler) {
 }
 }  // namespace detail
 
-at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input, CheckpointOptions options) {
-  TORCH_CHECK(fn, "patrickstar::checkpoint: the function is empty");
-  if (!at::GradMode::is_enabled() || !input.defined() || !input.requires_grad()) return fn(input);
-  at::Tensor output;
-  std::vector<ModuleHookHandler*> handlers;
-  std::optional<RandomStates> random_states;
-  if (options.preserve_rng_state) random_states = RandomStates::capture(input);
-  {
-    at::NoGradGuard no_grad;
-    CheckpointedForwardGuard checkpointed;
-    std::vector<ModuleHookHandler*>* outer = g_checkpointed_handlers;
-    if (outer == nullptr) g_checkpointed_handlers = &handlers;  // the outermost call collects
-    try {
-      output = fn(input);
-    } catch (...) {
-      g_checkpointed_handlers = outer;
-      throw;
-    }
-    g_checkpointed_handlers = outer;
+const char* activation_choice_name(ActivationChoice choice) {
+  switch (choice) {
+    case ActivationChoice::kKeep:
+      return "keep";
+    case ActivationChoice::kRecompute:
+      return "recompute";
+    case ActivationChoice::kOffload:
+      return "offload";
   }
-  TORCH_CHECK(output.defined() && torch::autograd::isDifferentiableType(output.scalar_type()),
-              "patrickstar::checkpoint: the function must return a floating-point tensor, got ",
-              output.defined() ? c10::toString(output.scalar_type()) : "an undefined tensor");
-  // A fresh handle (fn may return its input or a view), which the checkpoint's node produces.
-  output = output.detach();
-  std::shared_ptr<CheckpointBackward> node(
-      new CheckpointBackward(std::move(fn), active_module_hook_handler(), std::move(handlers), input,
-                             std::move(random_states)),
-      torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input));
-  torch::autograd::set_history(output, node);
-  return output;
+  return "?";
+}
+
+at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input, CheckpointOptions options) {
+  return run_checkpoint(nullptr, std::move(fn), input, options);
+}
+
+at::Tensor checkpoint(torch::nn::Module& block, CheckpointFunction fn, const at::Tensor& input,
+                      CheckpointOptions options) {
+  return run_checkpoint(&block, std::move(fn), input, options);
 }
 
 }  // namespace patrickstar

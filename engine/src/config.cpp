@@ -143,6 +143,19 @@ std::string_view to_string(Precision precision) {
 std::string_view to_string(DeviceType type) {
   return type == DeviceType::kEmulated ? "emulated" : "cuda";
 }
+std::string_view to_string(ActivationPolicy policy) {
+  switch (policy) {
+    case ActivationPolicy::kRecompute:
+      return "recompute";
+    case ActivationPolicy::kOffload:
+      return "offload";
+    case ActivationPolicy::kNone:
+      return "none";
+    case ActivationPolicy::kAuto:
+      return "auto";
+  }
+  return "?";
+}
 std::string_view to_string(StateDtype dtype) {
   return dtype == StateDtype::kFp32 ? "fp32" : "bf16";
 }

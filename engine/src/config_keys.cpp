@@ -242,6 +242,29 @@ constexpr ConfigKey kKeys[] = {
        return c.offload_optimizer.nvme_path.empty() ? json() : json(c.offload_optimizer.nvme_path);
      }},
 
+    {"activation_checkpointing.policy", "one of \"recompute\", \"offload\", \"none\", \"auto\"",
+     "\"recompute\"",
+     "what each patrickstar::checkpoint call does with its activations (auto: planned per call)",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.activation_checkpointing.policy,
+                {{"recompute", ActivationPolicy::kRecompute},
+                 {"offload", ActivationPolicy::kOffload},
+                 {"none", ActivationPolicy::kNone},
+                 {"auto", ActivationPolicy::kAuto}});
+     },
+     [](const Config& c) {
+       return json(std::string(to_string(c.activation_checkpointing.policy)));
+     }},
+    {"activation_checkpointing.cpu_checkpointing", "true or false", "false",
+     "DeepSpeed's: true is \"policy\": \"offload\"", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       bool on = false;
+       r.boolean(v, on);
+       if (on) c.activation_checkpointing.policy = ActivationPolicy::kOffload;
+     },
+     nullptr},
+
     {"optimizer.type", "one of \"Adam\", \"AdamW\"", "\"Adam\"",
      "Adam (L2 decay) or AdamW (decoupled), as torch.optim", kUsed,
      [](const json& v, const ValueReader& r, Config& c) {
@@ -489,6 +512,7 @@ void check_disk_tier_folder(const Config& c, std::vector<std::string>& errors) {
 
 constexpr ConfigSection kSections[] = {
     {"zero_optimization", /*open=*/true, /*null_is_value=*/true, nullptr},
+    {"activation_checkpointing", /*open=*/true, /*null_is_value=*/true, nullptr},
     {"zero_optimization.offload_optimizer", /*open=*/true, /*null_is_value=*/false,
      check_disk_tier_folder},
 };

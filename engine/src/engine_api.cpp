@@ -44,6 +44,9 @@ void Engine::note_model_construction_peak(int64_t bytes) {
   core_->note_model_construction_peak(bytes);
 }
 const std::vector<IterationReport>& Engine::history() const { return core_->history(); }
+ActivationPlanReport Engine::activation_plan() const {
+  return core_->activation_plan();
+}
 void Engine::set_record_timeline(bool on) { core_->set_record_timeline(on); }
 const MemoryBreakdown& Engine::device_peak_breakdown() const {
   return core_->device_peak_breakdown();

@@ -40,6 +40,7 @@
 #include "patrickstar/memtracer/trace.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
+#include "activation_plan.h"
 #include "chunk_size_retry.h"
 #include "data_parallel.h"
 #include "entry_gate.h"
@@ -130,6 +131,15 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // and queues finish_backward() for the end of that pass; under the engine's backward(), which
   // began the backward and finishes it itself, it does nothing.
   void backward_started() override;
+  // patrickstar::checkpoint's questions (engine_activations.cpp): the activation plan.
+  CheckpointPlan plan_checkpoint(const torch::nn::Module* block,
+                                 std::optional<bool> offload) override;
+  void checkpoint_forward_done(int64_t call, const at::Tensor& input, double seconds) override;
+  std::unique_ptr<OffloadedActivation> offload_activation(int64_t call,
+                                                          const at::Tensor& input) override;
+  void checkpoint_recompute_begins(int64_t call) override;
+  void checkpoint_recompute_done(int64_t call, double seconds) override;
+  ActivationPlanReport activation_plan() const;
 
  private:
   using Param = engine_detail::Param;
@@ -344,6 +354,10 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // The warm-up's trace must fit the device before any weight changes ("auto": or a smaller
   // chunk size is chosen for after the step).
   void check_warmup_trace();
+  // After an iteration: the offloaded inputs' figures into `report`; "auto" plans after its first
+  // measured iteration when `may_plan` (then true: the caller records the trace again instead of
+  // setting it).
+  bool report_activations(IterationReport& report, bool may_plan);
   // The pipeline's view of the engine's components (the constructor wires it once).
   engine_detail::PipelineWiring pipeline_wiring();
   std::shared_ptr<torch::nn::Module> model_;
@@ -386,6 +400,9 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   engine_detail::GradientState gradients_;  // half slots, grad() handles, marker (gradient_state.h)
   engine_detail::OpenDoors<OpenScope> doors_;    // the doors open now, by token (param_table.h)
   engine_detail::IterationMetrics metrics_;      // reports, history, peaks (iteration_metrics.h)
+  // The activation plan and the offloaded checkpoint inputs (activation_plan.h). Declared after
+  // the storage whose tiers and copy queue its store uses: it goes first.
+  std::unique_ptr<engine_detail::Activations> activations_;
 
   // The optimizer side: Adam, its placement, the overlapped step, the delayed update
   // (step_pipeline.h). Declared after the storage it reads: it goes first.

@@ -1,5 +1,7 @@
 #include "engine_core.h"
 
+#include <chrono>
+
 #include <algorithm>
 
 #include <ATen/core/grad_mode.h>
@@ -112,6 +114,7 @@ void EngineCore::begin_iteration_if_needed() {
   storage_.device()->reset_peak();
   recorder_->begin_iteration();
   scheduler_->begin_iteration();
+  activations_->iteration_start = std::chrono::steady_clock::now();
 }
 
 std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind kind,
@@ -190,6 +193,7 @@ void EngineCore::abandon_forward() {
   }
   tracker_.set_open_moment(-1);
   recorder_->rewind_to(tracker_.forward_start_moment());
+  activations_->planner.forward_abandoned();  // its checkpoint calls are numbered again
   tracker_.on(PhaseEvent::kForwardAbandoned);
   dp_.release_remote(/*discard=*/false);
 }
@@ -256,6 +260,7 @@ int64_t EngineCore::pre_forward(torch::nn::Module& module) {
   }
   forget_dropped_forward();
   begin_iteration_if_needed();
+  if (tracker_.phase() != Phase::kForward) activations_->planner.forward_begins();
   tracker_.on(PhaseEvent::kForwardBegins, recorder_->current_trace().size());
   const int64_t token = doors_.open(OpenScope{&info, {}, kind});
   if (info.params.empty()) return token;

@@ -313,6 +313,7 @@ void EngineCore::discard_gradients() {
 }
 
 void EngineCore::drop_iteration() {
+  activations_->planner.restart();
   pipeline_->on_iteration_dropped();  // weights and optimizer state as before the iteration
   // Every tensor leaves COMPUTE, every gradient goes, and the trace forgets the iteration.
   for (const Param& p : params_) {

@@ -346,7 +346,12 @@ void EngineCore::settle_parameters(const IterationReport& report) {
 
 void EngineCore::report_iteration(IterationReport& report, bool warmup) {
   recorder_->end_iteration();
-  if (warmup && retry_.chosen() == 0) {
+  if (report_activations(report, /*may_plan=*/retry_.chosen() == 0)) {
+    // "auto" planned the activations: the next iteration records the trace under the plan.
+    pipeline_->on_retrace();
+    recorder_->rewarm();
+    if (scheduler_->has_trace()) scheduler_->drop_trace();
+  } else if (warmup && retry_.chosen() == 0) {
     try {
       scheduler_->set_trace(recorder_->warmup_trace(), mover_.get());
     } catch (const c10::Error& e) {

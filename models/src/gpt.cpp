@@ -177,7 +177,8 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   for (auto& block : *blocks) {
     GptBlockImpl* b = block->as<GptBlockImpl>();
     if (spec_.checkpoint_activations) {
-      x = checkpoint([b](const at::Tensor& h) { return b->forward(h); }, x);
+      x = checkpoint(
+          *b, [b](const at::Tensor& h) { return b->forward(h); }, x);
     } else {
       x = b->forward(x);
     }

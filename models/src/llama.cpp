@@ -267,7 +267,8 @@ at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
   for (auto& layer : *layers) {
     LlamaBlockImpl* b = layer->as<LlamaBlockImpl>();
     if (spec_.checkpoint_activations) {
-      x = checkpoint([b, cos, sin](const at::Tensor& h) { return b->forward(h, cos, sin); }, x);
+      x = checkpoint(
+          *b, [b, cos, sin](const at::Tensor& h) { return b->forward(h, cos, sin); }, x);
     } else {
       x = b->forward(x, cos, sin);
     }

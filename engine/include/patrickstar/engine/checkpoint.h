@@ -12,19 +12,42 @@
 // after the recompute the generators continue where they were, so the program's random sequence
 // is the same as without checkpointing. `fn` must otherwise compute the same result when run twice
 // (a generator of its own, or another device's, is not replayed).
+// Offloading: with {.offload = true}, or an engine's "activation_checkpointing": {"policy":
+// "offload"}, the saved input leaves the device after the forward (under an engine, into its host
+// tier through its copy queue; without one, a CUDA input goes to pinned host memory) and comes back
+// before the recompute (under an engine, prefetched while the block after it in backward runs). The
+// values are copied, not changed: gradients are bit for bit those of the plain recompute. Only a
+// contiguous input is offloaded (others stay where they are).
+// Keeping: checkpoint(block, fn, x) names the module `fn` runs; an engine that registered it may
+// then also keep the block's activations (policy "none", or "auto"'s choice: fn runs once, with
+// gradients, as without checkpointing).
 // Thread-safety: checkpoint() may run on several threads at once (its state is per call and per
 // thread); the engine itself is driven by one thread.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 
 #include <ATen/core/Tensor.h>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace patrickstar {
 
 using CheckpointFunction = std::function<at::Tensor(const at::Tensor&)>;
 
+// How a checkpointed call runs: its activations kept (as without checkpointing), recomputed in
+// backward from its saved input, or recomputed with that input offloaded to the host meanwhile.
+enum class ActivationChoice : uint8_t { kKeep, kRecompute, kOffload };
+const char* activation_choice_name(ActivationChoice choice);  // "keep", "recompute", "offload"
+
 struct CheckpointOptions {
+  // true: offload the saved input; false: keep it on the device (plain recompute). Unset: as the
+  // engine's "activation_checkpointing" policy says (recompute without an engine or a policy).
+  std::optional<bool> offload = std::nullopt;
   // Keep the default generators' states at the forward and replay them for the recompute (then put
   // back the states the program had reached). Off: the recompute draws new numbers, which changes
   // the result of any block that draws (dropout); it saves one state copy per call for blocks that
@@ -44,6 +67,21 @@ struct CheckpointOptions {
 //
 //   x = patrickstar::checkpoint(block_fn, x, {.preserve_rng_state = false});  // draws nothing
 at::Tensor checkpoint(CheckpointFunction fn, const at::Tensor& input, CheckpointOptions options = {});
+// The same, naming the module `fn` runs (a transformer block): the engine that registered it plans
+// the call, and may keep its activations (see above). The module must outlive the backward.
+//
+//   x = patrickstar::checkpoint(*block, [&](const at::Tensor& h) { return block->forward(h); }, x);
+at::Tensor checkpoint(torch::nn::Module& block, CheckpointFunction fn, const at::Tensor& input,
+                      CheckpointOptions options = {});
+
+// A checkpoint's saved input while it is away from the device (an engine's host copy).
+// ModuleHookHandler::offload_activation makes one; checkpoint's backward takes it back once.
+class OffloadedActivation {
+ public:
+  virtual ~OffloadedActivation() = default;
+  // The input on its device with its values (waits for the copy back); called once.
+  virtual at::Tensor take() = 0;
+};
 
 // True on this thread while checkpoint() runs the forward whose activations it drops. Grad mode is
 // off then, yet the forward belongs to a training step: a ModuleHookHandler (the engine) treats its

@@ -180,6 +180,23 @@ enum class FrozenParameters : uint8_t { kLean, kFullState };
 // divide the number of ranks. DeepSpeed's spelling "zero_hpz_partition_size" is read too, its 1
 // (DeepSpeed's default, hpZ off) as the default here.
 inline constexpr int kShardWholeWorld = -1;
+
+// "activation_checkpointing": {"policy": ...}: what each patrickstar::checkpoint call does
+// (checkpoint.h; docs/design.md, "Activations"). "recompute" (the default): its activations are
+// dropped and recomputed in backward from its saved input, which stays on the device. "offload":
+// recomputed, with the saved input in the host tier meanwhile (copied out after the forward,
+// prefetched back before the recompute). "none": kept, as without checkpointing (calls that name
+// their block; others recompute). "auto": the first iteration recomputes every call and measures
+// each one's saved input, kept activations and forward time; then the cost model chooses per call
+// keep, recompute or offload for the shortest predicted step that fits the device
+// (Engine::activation_plan()). A call's own {.offload = ...} wins. DeepSpeed's
+// "cpu_checkpointing": true reads as "offload"; its other keys there are accepted and ignored.
+enum class ActivationPolicy : uint8_t { kRecompute, kOffload, kNone, kAuto };
+std::string_view to_string(ActivationPolicy policy);  // "recompute", ...
+struct ActivationConfig {
+  ActivationPolicy policy = ActivationPolicy::kRecompute;
+};
+
 struct Config {
   OptimizerConfig optimizer;
   int shard_group_size = 0;  // 0: the ranks of one host; kShardWholeWorld; else k
@@ -187,6 +204,7 @@ struct Config {
   OffloadConfig offload_optimizer;
   OverlapStepConfig overlap_step;
   DelayedUpdateConfig delayed_update;
+  ActivationConfig activation_checkpointing;
   Fp16Config fp16;
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off

@@ -158,6 +158,11 @@ class Engine final {
   // The last kHistoryKept iterations' reports, oldest first (nothing grows with the run).
   static constexpr size_t kHistoryKept = 64;
   const std::vector<IterationReport>& history() const;
+  // The activation plan: each patrickstar::checkpoint call of an iteration, what the first
+  // iteration measured of it and what it does; with "activation_checkpointing": {"policy":
+  // "auto"}, the candidates the cost model compared after it (IterationReport::
+  // activation_plan_made marks that step). text() prints it.
+  ActivationPlanReport activation_plan() const;
   // Keeps the chunk timeline from now on (scheduler().moves() and moment_records(), the copy
   // thread's spans), or stops. Off by default: it grows with every iteration (ps_bench turns it on
   // for --trace, --plot and --predict).

@@ -16,6 +16,9 @@
 // are fine: a module's parameters already in use by an outer door are left to it.
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -23,6 +26,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+
+#include "patrickstar/engine/checkpoint.h"
 
 namespace patrickstar {
 
@@ -48,6 +53,31 @@ class ModuleHookHandler {
   // A backward pass through this handler's modules begins (patrickstar::checkpoint calls it before a
   // recompute's backward, so that the handler can queue its end-of-backward work on the outer pass).
   virtual void backward_started() {}
+
+  // patrickstar::checkpoint's questions (checkpoint.h). Each checkpointed call of a training
+  // iteration gets a number (0, 1, ... in call order) and a choice; `block` is the module the call
+  // named (asked before fn runs), or nullptr (asked after its forward, from the first handler whose
+  // doors opened in it: kKeep is not an answer then). `offload` is what the call's options say.
+  struct CheckpointPlan {
+    int64_t call = -1;  // -1: the handler does not track the call
+    ActivationChoice choice = ActivationChoice::kRecompute;
+  };
+  virtual CheckpointPlan plan_checkpoint(const torch::nn::Module* /*block*/,
+                                         std::optional<bool> offload) {
+    return {-1,
+            offload.value_or(false) ? ActivationChoice::kOffload : ActivationChoice::kRecompute};
+  }
+  // The call's forward ran without gradients in `seconds` (host time) and its input is saved.
+  virtual void checkpoint_forward_done(int64_t /*call*/, const at::Tensor& /*input*/,
+                                       double /*seconds*/) {}
+  // Takes the call's saved input off the device; nullptr leaves it there.
+  virtual std::unique_ptr<OffloadedActivation> offload_activation(int64_t /*call*/,
+                                                                  const at::Tensor& /*input*/) {
+    return nullptr;
+  }
+  // The call's recompute in backward begins, and its forward (with gradients) is done.
+  virtual void checkpoint_recompute_begins(int64_t /*call*/) {}
+  virtual void checkpoint_recompute_done(int64_t /*call*/, double /*seconds*/) {}
 };
 
 // The registry of doors. Thread-safe. register_module_handler throws c10::Error when `module` is

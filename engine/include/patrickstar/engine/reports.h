@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "patrickstar/optimizer/placement.h"
 
@@ -103,6 +104,52 @@ struct IterationReport {
   int64_t reduce_bytes = 0;
   int64_t all_reduce_bytes = 0;
   double collective_seconds = 0;  // wall time inside collectives
+  // Offloaded checkpoint inputs (patrickstar::checkpoint, "activation_checkpointing"): bytes copied
+  // to the host tier and back this iteration, bytes left on the device because the host tier was
+  // full, the most host-tier bytes they held at once, and what they hold at the step (0 once
+  // every backward has taken its inputs back).
+  int64_t activation_offload_bytes = 0;
+  int64_t activation_prefetch_bytes = 0;
+  int64_t activation_refused_bytes = 0;
+  int64_t activation_host_peak_bytes = 0;
+  int64_t activation_host_bytes = 0;
+  // "policy": "auto": true on the iteration whose warm-up the plan was made from
+  // (Engine::activation_plan()); the next iteration records the trace again under it.
+  bool activation_plan_made = false;
+};
+
+// The activation plan ("activation_checkpointing": {"policy": ...}; docs/design.md,
+// "Activations"): what the warm-up measured of each checkpointed call of an iteration, what each
+// call does, and for "auto" the candidates the cost model compared.
+struct ActivationCallPlan {
+  int64_t call = 0;            // in call order within an iteration
+  bool named = false;          // checkpoint(block, ...): may be kept
+  int64_t input_bytes = 0;     // the saved input
+  int64_t kept_bytes = 0;      // its activations when kept (measured in the recompute)
+  double forward_seconds = 0;  // its forward (the least of the forward and the recompute)
+  std::string choice;          // "keep", "recompute" or "offload"
+};
+struct ActivationCandidate {
+  std::string name;  // "every call: recompute", ..., "chosen"
+  bool fits = false;
+  std::string why_not;  // when it does not fit
+  int64_t non_model_peak_bytes = 0;
+  int64_t traffic_bytes = 0;  // chunk moves per iteration (the OPT bound at this plan's budgets)
+  double predicted_seconds = 0;
+};
+struct ActivationPlanReport {
+  std::string policy;    // "recompute", "offload", "none" or "auto"
+  bool planned = false;  // "auto" made its choice (after the warm-up)
+  std::vector<ActivationCallPlan> calls;
+  std::vector<ActivationCandidate> candidates;
+  // The cost model's figures: the copy bandwidth measured here, the compute every plan shares (the
+  // warm-up's time less its recomputes and its chunk moves), whether copies overlap compute.
+  double copy_bytes_per_s = 0;
+  double common_seconds = 0;
+  bool copies_overlap = false;
+  double predicted_step_seconds = 0;  // the chosen plan's
+  // Lines for a log: the calls, the candidates and the choice.
+  std::string text() const;
 };
 
 // Model-data figures, fixed after registration.

@@ -35,6 +35,8 @@ struct GptSpec {
   int64_t max_seq = 1024;  // positions the model has; a batch may use fewer
   // Run each block through patrickstar::checkpoint: a block keeps only its input for backward and
   // computes its forward again there. Less activation memory for one more forward of the blocks.
+  // Each block is named to the call (checkpoint(block, ...)), so an engine's
+  // "activation_checkpointing" policy can also offload its input or keep its activations.
   bool checkpoint_activations = false;
   // Dropout probability, as GPT-2's config applies it (embd_pdrop, attn_pdrop and resid_pdrop all
   // equal): after the embeddings' sum, on the attention probabilities, and after each residual

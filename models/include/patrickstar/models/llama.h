@@ -54,6 +54,8 @@ struct LlamaSpec {
   // module's parameters freed as soon as it is built; values from initialize_parameter, drawn per
   // parameter from its name and torch::manual_seed's seed, or from a checkpoint:
   // LlamaImpl::initialize_from).
+  // Each block is named to the call (checkpoint(block, ...)), so an engine's
+  // "activation_checkpointing" policy can also offload its input or keep its activations.
   bool checkpoint_activations = false;
   // Dropout on the attention probabilities while training (transformers' attention_dropout, read
   // from config.json by llama_spec_from_pretrained; Llama's own configs have 0). With

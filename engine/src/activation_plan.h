@@ -1,0 +1,129 @@
+// Private to engine/src: the activation plan ("activation_checkpointing": {"policy": ...};
+// docs/design.md, "Activations"). Numbers the checkpointed calls of an iteration, answers what
+// each does, records what the warm-up measured of them, and for "auto" chooses per call keep,
+// recompute or offload with the cost model below.
+//
+// Invariants:
+// - Calls are numbered 0, 1, ... in call order from the last step (or dropped iteration); the
+//   plan's choices are per number, so an iteration must make its calls in the same order (as its
+//   doors must, for the trace).
+// - A call's options win over the policy (CheckpointOptions::offload); an unnamed call (asked after
+//   its forward) is never kept.
+// - "auto" runs its first iteration with every call recomputed (the warm-up measures that), then
+//   plans once; the engine records the trace again under the plan.
+// - The cost model: a plan's trace is the warm-up's with each kept call's activations added from
+//   its forward to its recompute (and the recompute's moments removed), and each offloaded call's
+//   input taken out from the next call's forward to that call's recompute; it must pass the
+//   scheduler's check, and its chunk moves are the OPT bound at its budgets. Predicted step =
+//   common compute + the forwards recomputed + moves / bandwidth + each offload's copies not
+//   hidden behind the next call's forward (all of them without a copy queue).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/module_hooks.h"
+#include "patrickstar/engine/reports.h"
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/trace.h"
+
+#include "activation_offload.h"
+
+namespace patrickstar::engine_detail {
+
+class ActivationPlanner {
+ public:
+  explicit ActivationPlanner(ActivationPolicy policy);
+
+  ActivationPolicy policy() const { return policy_; }
+  // The next call is number 0 again (a step, a dropped iteration); what was measured keeps this
+  // iteration's calls only.
+  void restart();
+  // A forward begins (its first door), and it was abandoned (its calls' numbers are given again).
+  void forward_begins() { forward_start_call_ = next_call_; }
+  void forward_abandoned() { next_call_ = std::min(next_call_, forward_start_call_); }
+  // The number and the choice of the next call: `named` (checkpoint(block, ...)), `offload` its
+  // options' wish; `moment`: the trace's last moment ticked now.
+  ModuleHookHandler::CheckpointPlan plan(bool named, std::optional<bool> offload, int64_t moment);
+  // What the warm-up measures: `moment` is the trace's last moment ticked then, `live_bytes` the
+  // non-model bytes live then. Calls after the first iteration's are ignored.
+  void forward_done(int64_t call, int64_t input_bytes, double seconds, int64_t moment);
+  void recompute_begins(int64_t call, int64_t moment, int64_t live_bytes);
+  void recompute_done(int64_t call, double seconds, int64_t moment, int64_t live_bytes);
+  // The measured iteration ended (the first step): "auto" plans now (make_plan) when true.
+  bool wants_plan() const;
+  // Nothing more is measured (any policy but "auto" after its first step).
+  void stop_measuring() { measuring_ = false; }
+
+  struct PlanInputs {
+    const Trace* trace = nullptr;  // the warm-up's
+    std::map<int64_t, ChunkInfo> chunks;
+    const Scheduler* scheduler = nullptr;
+    double copy_bytes_per_s = 0;
+    bool copies_overlap = false;
+    double warmup_seconds = 0;  // the warm-up iteration's wall time
+  };
+  // Chooses every call's way; fills report().
+  void make_plan(const PlanInputs& in);
+  // "auto"'s choice per measured call (ActivationChoice values; recompute where none was made), to
+  // agree on across ranks.
+  std::vector<uint8_t> choices() const;
+  void set_choices(const std::vector<uint8_t>& choices);
+  // The calls measured and their choices (any policy), and "auto"'s candidates.
+  ActivationPlanReport report() const;
+
+ private:
+  struct Call {
+    bool named = false;
+    int64_t input_bytes = 0;
+    int64_t kept_bytes = 0;
+    double forward_seconds = 0;
+    int64_t plan_moment = -1;  // when the call was planned (before a named call's forward)
+    int64_t forward_moment = -1;
+    int64_t recompute_begin = -1;
+    int64_t recompute_end = -1;
+    int64_t live_at_recompute = 0;
+  };
+  struct Evaluation {
+    bool fits = false;
+    std::string why_not;
+    int64_t peak = 0;
+    int64_t traffic = 0;
+    double seconds = 0;
+  };
+  Evaluation evaluate(const PlanInputs& in, const std::vector<ActivationChoice>& choices) const;
+  ActivationChoice default_choice(bool named) const;
+
+  const ActivationPolicy policy_;
+  int64_t next_call_ = 0;
+  int64_t forward_start_call_ = 0;
+  bool measuring_ = true;
+  bool planned_ = false;
+  std::vector<Call> calls_;
+  std::vector<ActivationChoice> choices_;  // "auto"'s, once planned
+  double common_seconds_ = 0;
+  ActivationPlanReport report_;
+};
+
+// The engine's activation component: the plan, the store of offloaded inputs (made at the first
+// offload, over the engine's tiers and copy queue), and when the iteration being measured began.
+struct Activations {
+  explicit Activations(ActivationPolicy policy) : planner(policy) {}
+  ActivationPlanner planner;
+  std::unique_ptr<ActivationStore> store;
+  std::chrono::steady_clock::time_point iteration_start{};
+};
+
+// The bytes per second of a copy between the tiers (the best of a few of `bytes`), or 0 where the
+// host tier cannot spare the block.
+double measure_copy_bandwidth(MemoryTier& device, MemoryTier& host, const c10::Device& where,
+                              int64_t bytes);
+
+}  // namespace patrickstar::engine_detail
