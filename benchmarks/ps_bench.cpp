@@ -365,6 +365,15 @@ int train(const ps::Config& config, Spec spec) {
   out["architecture"] = std::is_same_v<Spec, ps::models::GptSpec> ? "gpt" : "llama";
   out["init_from"] = absl::GetFlag(FLAGS_init_from);
   out["checkpoint_activations"] = spec.checkpoint_activations;
+  if (spec.checkpoint_activations) {
+    const ps::ActivationPlanReport plan = engine.activation_plan();
+    if (shape.lead) std::printf("\n%s", plan.text().c_str());
+    std::vector<std::string> ways;
+    for (const ps::ActivationCallPlan& c : plan.calls) ways.push_back(c.choice);
+    out["activation_policy"] = plan.policy;
+    out["activation_choices"] = ways;
+    if (plan.planned) out["activation_predicted_step_s"] = plan.predicted_step_seconds;
+  }
   out["dropout"] = spec.dropout;
   out["lora_rank"] = spec.lora_rank;
   out["deferred_init"] = spec.deferred_init;

@@ -54,8 +54,8 @@ std::string ActivationPlanReport::text() const {
 namespace engine_detail {
 namespace {
 
-constexpr ActivationChoice kChoices[] = {ActivationChoice::kKeep, ActivationChoice::kRecompute,
-                                         ActivationChoice::kOffload};
+constexpr ActivationChoice kChoices[] = {ActivationChoice::kRecompute, ActivationChoice::kOffload,
+                                         ActivationChoice::kKeep};
 
 }  // namespace
 
@@ -67,8 +67,11 @@ ActivationChoice ActivationPlanner::default_choice(bool named) const {
       return ActivationChoice::kOffload;
     case ActivationPolicy::kNone:
       return named ? ActivationChoice::kKeep : ActivationChoice::kRecompute;
-    case ActivationPolicy::kRecompute:
     case ActivationPolicy::kAuto:
+      // Measured offloaded (the least device memory: if any way trains, this one does), then
+      // as planned.
+      return ActivationChoice::kOffload;
+    case ActivationPolicy::kRecompute:
       break;
   }
   return ActivationChoice::kRecompute;
@@ -93,6 +96,7 @@ ModuleHookHandler::CheckpointPlan ActivationPlanner::plan(bool named, std::optio
     if (static_cast<int64_t>(calls_.size()) <= call) calls_.resize(call + 1);
     calls_[call].named = named;
     calls_[call].plan_moment = moment;
+    calls_[call].measured = choice;
   }
   if (static_cast<int64_t>(report_.calls.size()) <= call) {
     report_.calls.resize(call + 1);
@@ -151,8 +155,27 @@ ActivationPlanner::Evaluation ActivationPlanner::evaluate(
   const int64_t n = static_cast<int64_t>(calls_.size());
   double recomputed = 0;
   double exposed = 0;
+  std::vector<ActivationChoice> measured;
+  for (const Call& c : calls_) measured.push_back(c.measured);
   for (int64_t i = 0; i < n; ++i) {
     const Call& c = calls_[i];
+    // An offloaded input leaves the device when the next call's forward is done and comes back
+    // when that call's recompute begins (its own take, where that call is kept). The next call
+    // must come before this one's backward (with gradient accumulation, the next micro-batch's
+    // first call does not). The trace has it away where the warm-up offloaded it.
+    const Call* next =
+        i + 1 < n && calls_[i + 1].forward_moment < c.recompute_begin ? &calls_[i + 1] : nullptr;
+    auto back = [&](const std::vector<ActivationChoice>& ways) {
+      return ways[i + 1] == ActivationChoice::kKeep ? c.recompute_begin : next->recompute_begin;
+    };
+    if (next != nullptr && measured[i] == ActivationChoice::kOffload) {
+      adjust(next->forward_moment, back(measured), c.input_bytes);
+    }
+    if (next != nullptr && choices[i] == ActivationChoice::kOffload) {
+      adjust(next->forward_moment, back(choices), -c.input_bytes);
+      const double copy = bw > 0 ? static_cast<double>(c.input_bytes) / bw : 0;
+      exposed += in.copies_overlap ? 2 * std::max(0.0, copy - next->forward_seconds) : 2 * copy;
+    }
     if (choices[i] == ActivationChoice::kKeep) {
       // From its forward's start (its own moments hold what it builds) to its backward.
       adjust(c.plan_moment >= 0 ? c.plan_moment : c.forward_moment, c.recompute_begin,
@@ -163,18 +186,6 @@ ActivationPlanner::Evaluation ActivationPlanner::evaluate(
       continue;
     }
     recomputed += c.forward_seconds;
-    // An offloaded input leaves the device when the next call's forward is done and comes back
-    // when that call's recompute begins (its own take, where that call is kept). The next call
-    // must come before this one's backward (with gradient accumulation, the next micro-batch's
-    // first call does not).
-    if (choices[i] != ActivationChoice::kOffload || i + 1 >= n) continue;
-    const Call& next = calls_[i + 1];
-    if (next.forward_moment >= c.recompute_begin) continue;
-    const int64_t back =
-        choices[i + 1] == ActivationChoice::kKeep ? c.recompute_begin : next.recompute_begin;
-    adjust(next.forward_moment, back, -c.input_bytes);
-    const double copy = bw > 0 ? static_cast<double>(c.input_bytes) / bw : 0;
-    exposed += in.copies_overlap ? 2 * std::max(0.0, copy - next.forward_seconds) : 2 * copy;
   }
   Trace planned;
   planned.tail_non_model_bytes = trace.tail_non_model_bytes;
@@ -201,14 +212,12 @@ void ActivationPlanner::make_plan(const PlanInputs& in) {
   const int64_t n = static_cast<int64_t>(calls_.size());
   report_.copy_bytes_per_s = in.copy_bytes_per_s;
   report_.copies_overlap = in.copies_overlap;
-  // What every plan shares: the warm-up less its recomputes and its chunk moves.
-  std::vector<ActivationChoice> recompute(n, ActivationChoice::kRecompute);
+  // What every plan shares: the warm-up less what the model predicts for the way it ran (its
+  // recomputes, its chunk moves, its copies).
+  std::vector<ActivationChoice> measured;
+  for (const Call& c : calls_) measured.push_back(c.measured);
   common_seconds_ = 0;
-  const Evaluation warm = evaluate(in, recompute);
-  double recomputed = 0;
-  for (const Call& c : calls_) recomputed += c.forward_seconds;
-  const double moves = in.copy_bytes_per_s > 0 ? warm.traffic / in.copy_bytes_per_s : 0;
-  common_seconds_ = std::max(0.0, in.warmup_seconds - recomputed - moves);
+  common_seconds_ = std::max(0.0, in.warmup_seconds - evaluate(in, measured).seconds);
   report_.common_seconds = common_seconds_;
 
   auto candidate = [&](std::string name, const std::vector<ActivationChoice>& choices) {
@@ -219,9 +228,10 @@ void ActivationPlanner::make_plan(const PlanInputs& in) {
   };
   const bool all_named =
       std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
-  std::vector<ActivationChoice> best = recompute;
-  Evaluation best_e = candidate("every call: recompute", recompute);
-  for (ActivationChoice uniform : {ActivationChoice::kOffload, ActivationChoice::kKeep}) {
+  // The way the warm-up ran trained: the plan to fall back on.
+  std::vector<ActivationChoice> best = measured;
+  Evaluation best_e = evaluate(in, measured);
+  for (ActivationChoice uniform : kChoices) {
     if (uniform == ActivationChoice::kKeep && !all_named) continue;
     std::vector<ActivationChoice> choices(n, uniform);
     const Evaluation e =

@@ -9,11 +9,13 @@
 //   doors must, for the trace).
 // - A call's options win over the policy (CheckpointOptions::offload); an unnamed call (asked after
 //   its forward) is never kept.
-// - "auto" runs its first iteration with every call recomputed (the warm-up measures that), then
-//   plans once; the engine records the trace again under the plan.
+// - "auto" runs its first iteration with every call offloaded (the least device memory: where any
+//   way trains, this one does; the warm-up measures it), then plans once; the engine records the
+//   trace again under the plan.
 // - The cost model: a plan's trace is the warm-up's with each kept call's activations added from
-//   its forward to its recompute (and the recompute's moments removed), and each offloaded call's
-//   input taken out from the next call's forward to that call's recompute; it must pass the
+//   its forward to its recompute (and the recompute's moments removed), and each call's input
+//   away from the next call's forward to that call's recompute where the plan offloads it (put
+//   back where the warm-up offloaded it and the plan does not); it must pass the
 //   scheduler's check, and its chunk moves are the OPT bound at its budgets. Predicted step =
 //   common compute + the forwards recomputed + moves / bandwidth + each offload's copies not
 //   hidden behind the next call's forward (all of them without a copy queue).
@@ -90,6 +92,7 @@ class ActivationPlanner {
     int64_t recompute_begin = -1;
     int64_t recompute_end = -1;
     int64_t live_at_recompute = 0;
+    ActivationChoice measured = ActivationChoice::kRecompute;  // the way it ran when measured
   };
   struct Evaluation {
     bool fits = false;

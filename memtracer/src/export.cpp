@@ -194,7 +194,7 @@ std::string memory_timeline_svg(const std::vector<MomentRecord>& moments, int64_
     return r.chunk_bytes + std::max<int64_t>(r.non_model_bytes, 0);
   });
   // Legend.
-  const char* names[] = {"capacity", "chunk budget", "chunk bytes", "non-model bytes",
+  const char* names[] = {"capacity", "chunk budget", "chunk bytes", "non-model bytes (activations)",
                          "chunks + non-model"};
   const char* colors[] = {"black", "gray", "steelblue", "darkorange", "firebrick"};
   for (int i = 0; i < 5; ++i) {

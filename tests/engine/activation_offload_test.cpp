@@ -230,6 +230,35 @@ TEST(ActivationOffload, AutoKeepsEveryBlockWhereTheModelFitsAndPlansEveryCallWhe
   EXPECT_LE(max_relative_difference(moves.losses, plain), 1e-5);
 }
 
+bool trains(const std::string& policy, int64_t capacity, int steps = 3) {
+  Config config = tight_config(with_policy(policy));
+  config.device.capacity_bytes = capacity;
+  try {
+    train(config, steps);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+TEST(ActivationOffload, AutoTrainsOnADeviceWhereOnlyOffloadTrains) {
+  // The least capacity recompute trains at (bisected to 4 KiB), less 16 KiB: offload takes 64 KiB
+  // of inputs off the device at the recompute's peak, so it trains there and recompute does not.
+  int64_t bad = recompute_peak(), good = bad + 4000000;
+  ASSERT_FALSE(trains("recompute", bad));
+  ASSERT_TRUE(trains("recompute", good));
+  while (good - bad > 4096) {
+    const int64_t mid = (good + bad) / 2;
+    (trains("recompute", mid) ? good : bad) = mid;
+  }
+  const int64_t capacity = good - 16384;
+  EXPECT_FALSE(trains("recompute", capacity));
+  ASSERT_TRUE(trains("offload", capacity)) << "offload needs less device memory than recompute";
+  EXPECT_TRUE(trains("auto", capacity, 6)) << "auto is refused where offload trains";
+  std::cout << "at " << capacity << " B: recompute refused, offload and auto train (recompute "
+            << "needs " << good << " B)\n";
+}
+
 // A model written the way LibTorch's examples write one, with its own checkpoint calls: layer i
 // with options[i].
 struct StackImpl : torch::nn::Module {

@@ -146,7 +146,7 @@ TEST(Export, SvgPlotAndFile) {
     ++polylines;
   }
   EXPECT_EQ(polylines, 5u);
-  EXPECT_NE(svg.find("non-model bytes"), std::string::npos);
+  EXPECT_NE(svg.find("non-model bytes (activations)"), std::string::npos);
   EXPECT_NE(svg.find("bytes (MiB)"), std::string::npos);
 
   const std::string path =

@@ -186,7 +186,7 @@ inline constexpr int kShardWholeWorld = -1;
 // dropped and recomputed in backward from its saved input, which stays on the device. "offload":
 // recomputed, with the saved input in the host tier meanwhile (copied out after the forward,
 // prefetched back before the recompute). "none": kept, as without checkpointing (calls that name
-// their block; others recompute). "auto": the first iteration recomputes every call and measures
+// their block; others recompute). "auto": the first iteration offloads every call and measures
 // each one's saved input, kept activations and forward time; then the cost model chooses per call
 // keep, recompute or offload for the shortest predicted step that fits the device
 // (Engine::activation_plan()). A call's own {.offload = ...} wins. DeepSpeed's
