@@ -10,8 +10,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include "absl/strings/str_cat.h"
-
 namespace patrickstar::engine_detail {
 namespace offload_detail {
 
@@ -99,7 +97,7 @@ class Entry final : public OffloadedActivation {
     if (!away_ || coming_back_) return;
     device_ = at::empty(sizes_, options_);
     back_ = state_->copy(device_.mutable_data_ptr(), host_, bytes_, CopyDirection::kHostToDevice,
-                         absl::StrCat("prefetch checkpoint ", call_));
+                         "prefetch checkpoint " + std::to_string(call_));
     coming_back_ = true;
     state_->figures.prefetched_bytes += bytes_;
   }
@@ -206,7 +204,7 @@ std::unique_ptr<OffloadedActivation> ActivationStore::offload(int64_t call,
   CopyEvent out = 0;
   try {
     out = state_->copy(host, input.const_data_ptr(), bytes, CopyDirection::kDeviceToHost,
-                       absl::StrCat("offload checkpoint ", call));
+                       "offload checkpoint " + std::to_string(call));
   } catch (...) {
     state_->host->deallocate(host);
     throw;
