@@ -23,6 +23,12 @@ IterationReport Engine::step() { return core_->step(); }
 void Engine::zero_grad(bool set_to_none) { core_->zero_grad(set_to_none); }
 const at::Tensor& Engine::zero_grad_marker() const { return core_->zero_grad_marker(); }
 void Engine::set_lr(double lr) { core_->set_lr(lr); }
+void Engine::set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
+  core_->set_adam_hyperparameters(beta1, beta2, eps, weight_decay);
+}
+AdamHyperparameters Engine::adam_hyperparameters() const {
+  return core_->adam_hyperparameters();
+}
 void Engine::set_overlap_step(bool on) {
   core_->set_overlap_step(on);
 }

@@ -81,6 +81,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   const at::Tensor& zero_grad_marker() const { return gradients_.marker(); }
   void set_lr(double lr);
   double lr() const;
+  void set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
+  AdamHyperparameters adam_hyperparameters() const;
   void set_overlap_step(bool on);
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
   void save_weights(const std::string& path) const;

@@ -310,6 +310,12 @@ void StepPipeline::set_lr(double lr) {
   adam_->set_lr(lr);
 }
 
+void StepPipeline::set_hyperparameters(double beta1, double beta2, double eps,
+                                       double weight_decay) {
+  if (delayed_ != nullptr) delayed_->join();  // the update in flight reads the options
+  adam_->set_hyperparameters(beta1, beta2, eps, weight_decay);
+}
+
 void StepPipeline::set_overlap_step(bool on) {
   if (on) {
     TORCH_CHECK(overlap_.thread != nullptr,

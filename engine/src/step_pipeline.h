@@ -180,6 +180,9 @@ class StepPipeline {
   // --- settings and what the engine reports ---
   void set_lr(double lr);
   double lr() const { return adam_->options().lr(); }
+  // Betas, eps and weight decay of the next steps (the update in flight finishes with its own).
+  void set_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
+  const AdamOptions& adam_options() const { return adam_->options(); }
   void set_overlap_step(bool on);
   void set_record_spans(bool on);
   std::vector<CopySpan> optimizer_spans() const;

@@ -174,6 +174,23 @@ GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,
   return result;
 }
 
+namespace {
+
+void check_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "HybridAdam: beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "HybridAdam: beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), "HybridAdam: eps must be >= 0, got ", eps);
+  TORCH_CHECK(weight_decay >= 0.0 && std::isfinite(weight_decay),
+              "HybridAdam: weight_decay must be >= 0, got ", weight_decay);
+}
+
+}  // namespace
+
+void HybridAdam::set_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
+  check_hyperparameters(beta1, beta2, eps, weight_decay);
+  options_.beta1(beta1).beta2(beta2).eps(eps).weight_decay(weight_decay);
+}
+
 HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
     : options_(options), loss_scaler_(std::move(loss_scaler)) {
   TORCH_CHECK(options.lr() >= 0.0, "HybridAdam: lr must be >= 0, got ", options.lr());

@@ -17,9 +17,11 @@
 // Not thread-safe.
 #pragma once
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
@@ -102,9 +104,12 @@ class EngineModel {
 //     instead; it resets the engine's zero_grad_marker(), and the engine applies the zero_grad at
 //     its next call, so the effect is the same.
 //   - param_groups()[0] holds the model's parameters with options mirroring the config (lr, betas,
-//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. Only lr is
-//     read back from the groups; the other options come from the config, and added param groups
-//     are refused at step(). Gradients live in the chunks; after a backward, parameters' .grad()
+//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. As
+//     torch::optim's Adam reads its groups at every step, step() reads lr, betas, eps and
+//     weight_decay from param_groups()[0] and applies them (a schedule of any of them works), or
+//     refuses the step naming the option, nothing changed: amsgrad true, a beta outside [0, 1), a
+//     negative eps, weight decay or lr, options of another optimizer type. Added param groups are
+//     refused at step(). Gradients live in the chunks; after a backward, parameters' .grad()
 //     are the engine's handles: views of the gradient slots in one process in fp32/bf16 (reads and
 //     torch::nn::utils::clip_grad_norm_ act on them), else fences that refuse reads. The config's
 //     "gradient_clipping" clips the global norm everywhere.
@@ -121,7 +126,7 @@ class EngineOptimizer : public torch::optim::Optimizer {
   void zero_grad(bool set_to_none = true) const { engine_->zero_grad(set_to_none); }
   // The engine's step; returns its report.
   IterationReport step() {
-    sync_lr();
+    sync_options();
     return engine_->step();
   }
   // torch::optim::Optimizer's step (a base reference's step() comes here): runs `closure` first
@@ -158,10 +163,39 @@ class EngineOptimizer : public torch::optim::Optimizer {
     return std::make_unique<torch::optim::AdamOptions>(
         torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   }
-  void sync_lr() {
+  // torch::optim's Adam and AdamW read their group's options at every step; so does this: lr,
+  // betas, eps and weight_decay go to the engine before its step, or the step is refused naming
+  // the option, nothing changed.
+  void sync_options() {
     TORCH_CHECK(param_groups().size() == 2, "patrickstar: EngineOptimizer trains the model the engine "
                 "registered; param groups added to it (add_param_group) are not supported");
-    const double lr = param_groups().front().options().get_lr();
+    torch::optim::OptimizerOptions& options = param_groups().front().options();
+    const bool adamw = engine_->config().optimizer.type == OptimizerType::kAdamW;
+    std::tuple<double, double> betas;
+    double eps = 0, weight_decay = 0;
+    bool amsgrad = false;
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&options); w != nullptr && adamw) {
+      betas = w->betas(), eps = w->eps(), weight_decay = w->weight_decay(), amsgrad = w->amsgrad();
+    } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&options);
+               a != nullptr && !adamw) {
+      betas = a->betas(), eps = a->eps(), weight_decay = a->weight_decay(), amsgrad = a->amsgrad();
+    } else {
+      TORCH_CHECK(false, "patrickstar: param_groups()[0]'s options must stay torch::optim::",
+                  adamw ? "AdamWOptions" : "AdamOptions", " (the config's optimizer.type \"",
+                  adamw ? "AdamW" : "Adam", "\"); the engine cannot change its optimizer");
+    }
+    TORCH_CHECK(!amsgrad,
+                "patrickstar: param_groups()[0] option amsgrad is true: the engine's "
+                "Adam keeps no running maximum of the variance (torch's AMSGrad); set it false");
+    const double lr = options.get_lr();
+    TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: param_groups()[0] option lr is ", lr,
+                ": the learning rate must be finite and not negative");
+    const AdamHyperparameters now = engine_->adam_hyperparameters();
+    const auto [beta1, beta2] = betas;
+    if (beta1 != now.beta1 || beta2 != now.beta2 || eps != now.eps ||
+        weight_decay != now.weight_decay) {
+      engine_->set_adam_hyperparameters(beta1, beta2, eps, weight_decay);  // checks, or throws
+    }
     if (lr != engine_->lr()) engine_->set_lr(lr);
   }
   [[noreturn]] static void refuse(const char* what) {

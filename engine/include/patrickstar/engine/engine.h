@@ -69,6 +69,14 @@ class EngineImpl;  // the engine's implementation (engine/src/engine_core.h)
 class EngineInspector;
 class GatheredParameters;
 
+// Adam's options a trainer may change between steps (Engine::set_adam_hyperparameters).
+struct AdamHyperparameters {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
 class Engine final {
  public:
   // Moves every parameter of `model` into chunks per `config` and frees the parameters' original
@@ -122,6 +130,12 @@ class Engine final {
   // The learning rate of the next steps (LR schedules; EngineOptimizer passes its param group's).
   void set_lr(double lr);
   double lr() const;
+  // Adam's betas, eps and weight decay of the next steps (the config's until set; EngineOptimizer
+  // passes its param group's). Throws c10::Error naming the value, changing nothing, for a beta
+  // outside [0, 1), a negative or non-finite eps or weight decay, or a beta too close to 1 for
+  // bf16 optimizer states ("state_dtype": "bf16", as the config refuses it).
+  void set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
+  AdamHyperparameters adam_hyperparameters() const;
 
   // The overlapped step ("zero_optimization.overlap_step", "auto" by default) on (whatever the
   // cores) or off from the next backward; off undoes what the backward in progress updated ahead.

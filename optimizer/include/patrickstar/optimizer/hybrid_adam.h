@@ -142,6 +142,9 @@ class HybridAdam {
   LossScaler& loss_scaler() { return loss_scaler_; }
   const AdamOptions& options() const { return options_; }
   void set_lr(double lr) { options_.lr(lr); }
+  // Betas, eps and weight decay of the next steps (torch::optim's param group options); checked as
+  // the constructor checks them, nothing changed when one is refused.
+  void set_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   int64_t step_count() const { return step_; }
   // The constants of Adam step `step` (1-based) as step() will make them when the gradients are
   // not clipped (clip coefficient 1) and the loss scale stays what it is now: what a speculative
