@@ -88,7 +88,14 @@ ModuleHookHandler::CheckpointPlan ActivationPlanner::plan(bool named, std::optio
   const int64_t call = next_call_++;
   ActivationChoice choice = default_choice(named);
   if (planned_ && call < static_cast<int64_t>(choices_.size())) choice = choices_[call];
-  if (choice == ActivationChoice::kKeep && !named) choice = ActivationChoice::kRecompute;
+  if (choice == ActivationChoice::kKeep && !named) {
+    // Keeping needs the engine asked before the block runs, which an unnamed call cannot be.
+    TORCH_WARN_ONCE(
+        "patrickstar: \"activation_checkpointing\": a checkpoint call that does not "
+        "name its block (checkpoint(fn, x) rather than checkpoint(block, fn, x)) "
+        "cannot keep its activations: it recomputes them");
+    choice = ActivationChoice::kRecompute;
+  }
   if (offload.has_value()) {
     choice = *offload ? ActivationChoice::kOffload : ActivationChoice::kRecompute;
   }

@@ -211,21 +211,7 @@ TEST(ActivationOffload, AutoKeepsEveryBlockWhereTheModelFitsAndPlansEveryCallWhe
 
   // Both train as plain LibTorch does (the recompute and the kept forward compute the same
   // thing; 1e-5 relative, as the other checkpointing tests).
-  std::vector<double> plain;
-  {
-    Gpt model = make_six();
-    torch::optim::AdamW adamw(
-        model->parameters(),
-        torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
-    for (int s = 0; s < kSteps; ++s) {
-      auto batch = batch_of_step(s);
-      adamw.zero_grad();
-      at::Tensor loss = model->loss(batch.tokens, batch.targets);
-      loss.backward();
-      adamw.step();
-      plain.push_back(loss.item<double>());
-    }
-  }
+  const std::vector<double> plain = train_plain(kSteps, make_six());
   EXPECT_LE(max_relative_difference(fits.losses, plain), 1e-5);
   EXPECT_LE(max_relative_difference(moves.losses, plain), 1e-5);
 }

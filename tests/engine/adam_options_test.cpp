@@ -27,24 +27,6 @@ void change_options(torch::optim::Optimizer& optimizer, int s) {
   if (s == 6) options.weight_decay(0.0).betas({0.85, 0.97});
 }
 
-std::vector<double> train_plain() {
-  models::Gpt model = make_model(1);
-  torch::optim::AdamW adamw(
-      model->parameters(),
-      torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
-  std::vector<double> losses;
-  for (int s = 0; s < kSteps; ++s) {
-    auto batch = batch_of_step(s);
-    change_options(adamw, s);
-    adamw.zero_grad();
-    at::Tensor loss = model->loss(batch.tokens, batch.targets);
-    loss.backward();
-    adamw.step();
-    losses.push_back(loss.item<double>());
-  }
-  return losses;
-}
-
 std::vector<double> train_engine(const Config& config) {
   auto [model, optimizer] = initialize_engine([] { return make_model(1); }, 0, config);
   std::vector<double> losses;
@@ -63,7 +45,7 @@ std::vector<double> train_engine(const Config& config) {
 TEST(AdamOptions, BetasEpsAndWeightDecayChangedBetweenStepsGiveLibTorchsResult) {
   // Tolerance 1e-5 relative, as the engine's other fp32 equivalence tests (its Adam and
   // torch::optim's round differently); a missed change would differ by far more from step 4 on.
-  const std::vector<double> plain = train_plain();
+  const std::vector<double> plain = train_plain(kSteps, make_model(1), change_options);
   for (const std::string extra : {"{}", R"({"zero_optimization": {"overlap_step": true}})"}) {
     const std::vector<double> engine = train_engine(tight_config(extra));
     const double diff = max_relative_difference(engine, plain);

@@ -6,9 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-#include <nlohmann/json.hpp>
 
 #include "patrickstar/engine/engine_inspect.h"
 #include "patrickstar/models/gpt.h"
@@ -108,16 +109,20 @@ inline Config config_with_chunk_room(const std::string& extra, int64_t chunk_roo
   return config;
 }
 
-// The reference: plain LibTorch and torch::optim::AdamW (the same hyperparameters), fp32, no
-// checkpointing. Returns the loss of every step.
-inline std::vector<double> train_plain(int steps) {
-  models::Gpt model = make_model(1);
+// The reference: plain LibTorch and torch::optim::AdamW (the same hyperparameters), fp32, on
+// `model` (make_model(1) unless given: no checkpointing); `before_step(adamw, s)`, when given, runs
+// before step s (a trainer's changes to the options). Returns the loss of every step.
+inline std::vector<double> train_plain(
+    int steps, models::Gpt model = nullptr,
+    const std::function<void(torch::optim::Optimizer&, int)>& before_step = nullptr) {
+  if (model.is_empty()) model = make_model(1);
   torch::optim::AdamW adamw(
       model->parameters(),
       torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     auto batch = batch_of_step(s);
+    if (before_step) before_step(adamw, s);
     adamw.zero_grad();
     at::Tensor loss = model->loss(batch.tokens, batch.targets);
     loss.backward();
