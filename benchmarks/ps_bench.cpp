@@ -95,6 +95,10 @@ ABSL_FLAG(std::string, activations, "",
           "every block through patrickstar::checkpoint under this activation policy: none (kept), "
           "recompute, offload (inputs in the host tier meanwhile) or auto (planned per block after "
           "the warm-up; the plan is printed)");
+ABSL_FLAG(bool, no_decay, false,
+          "the LLM recipe's two AdamW groups: weight decay 0.1 (GPT-3's and Llama's) on the "
+          "matrices and none on biases, norms and embeddings (optimizer.params.no_decay; the "
+          "--baseline's torch::optim::AdamW gets the same groups)");
 ABSL_FLAG(bool, compare_activations, false,
           "train the model under the activation policies none, recompute, offload and auto in one "
           "run, one step of each per round, the order rotating; print each one's median step as a "

@@ -191,6 +191,11 @@ ps::Config build_config() {
                 "\"");
     j["activation_checkpointing"]["policy"] = activations;
   }
+  if (absl::GetFlag(FLAGS_no_decay)) {
+    j["optimizer"]["type"] = "AdamW";
+    j["optimizer"]["params"]["weight_decay"] = 0.1;
+    j["optimizer"]["params"]["no_decay"] = {"bias", "norm", "embedding"};
+  }
   const std::string chunk = absl::GetFlag(FLAGS_chunk_size);
   if (!chunk.empty()) {
     if (chunk == "auto") {
@@ -306,6 +311,46 @@ at::Tensor ranks_as_micro_batches(Model& model, const ps::models::TokenBatch& da
   return at::scalar_tensor(total / world, at::kDouble);
 }
 
+// torch::optim::AdamW's param groups as the config's (optimizer.param_groups, then no_decay, then
+// the rest), by the engine's pattern rule; one group when the config has none.
+std::vector<torch::optim::OptimizerParamGroup> baseline_groups(const torch::nn::Module& model,
+                                                               const ps::OptimizerConfig& o) {
+  auto options = [&](double lr, double b1, double b2, double eps, double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd));
+  };
+  std::vector<std::vector<std::string>> patterns;
+  for (const ps::ParamGroupConfig& g : o.param_groups) patterns.push_back(g.names);
+  if (!o.no_decay.empty()) patterns.push_back(o.no_decay);
+  std::vector<std::vector<at::Tensor>> members(patterns.size() + 1);
+  std::unordered_map<const c10::TensorImpl*, bool> seen;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      if (!seen.emplace(p.value().unsafeGetTensorImpl(), true).second) continue;
+      const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      size_t group = 0;
+      for (size_t g = 0; g < patterns.size() && group == 0; ++g) {
+        for (const std::string& pattern : patterns[g]) {
+          if (ps::pattern_takes_parameter(pattern, name, item.value()->name())) group = g + 1;
+        }
+      }
+      members[group].push_back(p.value());
+    }
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(members[0], options(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay));
+  for (size_t g = 0; g < o.param_groups.size(); ++g) {
+    const ps::ParamGroupConfig& c = o.param_groups[g];
+    groups.emplace_back(members[g + 1], options(c.lr.value_or(o.lr), c.beta1.value_or(o.beta1),
+                                                c.beta2.value_or(o.beta2), c.eps.value_or(o.eps),
+                                                c.weight_decay.value_or(o.weight_decay)));
+  }
+  if (!o.no_decay.empty()) {
+    groups.emplace_back(members.back(), options(o.lr, o.beta1, o.beta2, o.eps, 0.0));
+  }
+  return groups;
+}
+
 }  // namespace
 
 template <class Spec>
@@ -316,10 +361,10 @@ BaselineResult run_baseline(const Spec& spec, const ps::Config& config, int64_t 
   ps::materialize_parameters(*model);  // --deferred-init: the values the engine's chunks get
   model->to(batch_device(config));  // plain LibTorch on the GPU with --device cuda
   const auto& o = config.optimizer;
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr)
-                                                     .betas({o.beta1, o.beta2})
-                                                     .eps(o.eps)
-                                                     .weight_decay(o.weight_decay));
+  torch::optim::AdamW adamw(baseline_groups(*model, o), torch::optim::AdamWOptions(o.lr)
+                                                            .betas({o.beta1, o.beta2})
+                                                            .eps(o.eps)
+                                                            .weight_decay(o.weight_decay));
   BaselineResult r;
   std::vector<double> times;
   for (int64_t s = 0; s < steps; ++s) {

@@ -11,6 +11,7 @@ ABSL_DECLARE_FLAG(bool, list_models);
 ABSL_DECLARE_FLAG(int64_t, batch);
 ABSL_DECLARE_FLAG(int64_t, seq);
 ABSL_DECLARE_FLAG(int64_t, steps);
+ABSL_DECLARE_FLAG(bool, no_decay);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, state_dtype);
 ABSL_DECLARE_FLAG(int64_t, lora);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include <fcntl.h>
@@ -93,6 +94,14 @@ std::string checkpoint_index_text(const CheckpointIndex& index) {
     if (t.exp_avg.present()) {
       entry["exp_avg"] = range_json(t.exp_avg);
       entry["exp_avg_sq"] = range_json(t.exp_avg_sq);
+    }
+    if (t.options) {
+      const IndexOptions& o = *t.options;
+      entry["options"] = {{"lr", o.lr},
+                          {"betas", json::array({o.beta1, o.beta2})},
+                          {"eps", o.eps},
+                          {"weight_decay", o.weight_decay},
+                          {"group", o.group}};
     }
     tensors.push_back(std::move(entry));
   }
@@ -219,6 +228,28 @@ void parse_files(const Fields& top, CheckpointIndex& index, const std::string& p
   }
 }
 
+// A tensor's group options: finite, not negative, betas in [0, 1).
+IndexOptions parse_options(const Fields& f) {
+  auto number = [&](const json& v, const char* what, double high) {
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0 ||
+        v.get<double>() >= high) {
+      f.refuse(std::string("has a \"") + what + "\" that is not a number in its range");
+    }
+    return v.get<double>();
+  };
+  constexpr double kAny = std::numeric_limits<double>::infinity();
+  IndexOptions o;
+  o.lr = number(f.at("lr"), "lr", kAny);
+  const json& betas = f.at("betas");
+  if (!betas.is_array() || betas.size() != 2) f.refuse("has \"betas\" that are not two numbers");
+  o.beta1 = number(betas[0], "betas", 1.0);
+  o.beta2 = number(betas[1], "betas", 1.0);
+  o.eps = number(f.at("eps"), "eps", kAny);
+  o.weight_decay = number(f.at("weight_decay"), "weight_decay", kAny);
+  o.group = f.text("group");
+  return o;
+}
+
 IndexTensor parse_tensor(const json& entry, size_t i, const CheckpointIndex& index,
                          const std::string& path) {
   const Fields f(entry, "tensor " + std::to_string(i), path);
@@ -246,6 +277,9 @@ IndexTensor parse_tensor(const json& entry, size_t i, const CheckpointIndex& ind
     t.exp_avg = f.range("exp_avg");
     t.exp_avg_sq = f.range("exp_avg_sq");
   }
+  if (f.has("options"))
+    t.options =
+        parse_options(Fields(f.at("options"), "tensor " + std::to_string(i) + "'s options", path));
   const int64_t file_bytes = index.files[static_cast<size_t>(t.file)].bytes;
   for (const IndexRange* r : {&t.master, &t.exp_avg, &t.exp_avg_sq}) {
     if (r->present() && r->offset > file_bytes - t.bytes()) {

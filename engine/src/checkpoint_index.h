@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,17 @@ struct IndexRange {
   bool present() const { return offset >= 0; }
 };
 
+// The Adam options of a tensor's param group when it was saved (lr, betas, eps, weight decay).
+struct IndexOptions {
+  double lr = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double eps = 0;
+  double weight_decay = 0;
+  std::string group;  // the group's label ("default", "param_groups[0]", "no_decay")
+  bool operator==(const IndexOptions&) const = default;
+};
+
 struct IndexTensor {
   std::string name;
   std::vector<int64_t> shape;
@@ -40,6 +52,8 @@ struct IndexTensor {
   int64_t chunk = 0;  // its chunk index in the writing run's layout
   int64_t file = 0;   // which of IndexFile
   IndexRange master, exp_avg, exp_avg_sq;
+  // Its group's options (absent in checkpoints written before param groups: the config's apply).
+  std::optional<IndexOptions> options;
   int64_t bytes() const { return numel * 4; }
 };
 

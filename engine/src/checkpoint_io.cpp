@@ -206,6 +206,7 @@ CheckpointIndex EngineCore::describe_save(const std::string& path, const at::Ten
     t.numel = store().layout().placement(p.id).numel;
     t.trainable = p.tensor.requires_grad();
     t.adam_steps = p.adam_steps;
+    describe_group_options(t, p.id);
     t.chunk = store().layout().placement(p.id).chunk_index;
     t.file = file_of[static_cast<size_t>(row[kWriter] - 1)];
     t.master = IndexRange{row[kOffset], static_cast<uint64_t>(row[kMasterSum])};
@@ -243,10 +244,12 @@ void EngineCore::load_checkpoint(const std::string& path) {
   // Opened by the checking pass, kept for the copying one: a data file removed in between (another
   // save to this path) stays readable.
   std::unique_ptr<DataFileReader> reader;
+  std::vector<AdamOptions> group_options;  // each param group's, as saved
   std::string error;
   try {
     index = read_checkpoint_index(path);
     match_checkpoint(path, index, entries);
+    group_options = checkpoint_group_options(path, entries);
     int64_t largest = 1;
     for (const Param& p : params_) {
       if (owns(store().layout().placement(p.id).chunk_index)) {
@@ -278,6 +281,7 @@ void EngineCore::load_checkpoint(const std::string& path) {
     params_.set_adam_steps(p.id, entries[static_cast<size_t>(p.id)]->adam_steps);
   }
   pipeline_->adam().loss_scaler().load_state(index.scaler);
+  pipeline_->set_group_options(group_options);
   if (gradients_.space()) zero_grad();
 }
 

@@ -279,6 +279,9 @@ void check_bf16_states(const Config& c, std::vector<std::string>& errors) {
   if (std::string problem = bf16_state_problem(c.optimizer); !problem.empty()) {
     errors.push_back(std::move(problem));
   }
+  if (std::string problem = param_group_problem(c.optimizer); !problem.empty()) {
+    errors.push_back(std::move(problem));
+  }
 }
 
 void check_overlap_step(const Config& c, std::vector<std::string>& errors) {

@@ -34,6 +34,10 @@ constexpr int kIntMax = std::numeric_limits<int>::max();
 
 }  // namespace
 
+ValueReader ValueReader::child(std::string_view key) const {
+  return ValueReader(absl::StrCat(path_, ".", std::string(key)), errors_);
+}
+
 ValueReader ValueReader::element(int index) const {
   return ValueReader(absl::StrCat(path_, "[", index, "]"), errors_);
 }
@@ -313,6 +317,22 @@ constexpr ConfigKey kKeys[] = {
                 {{"fp32", StateDtype::kFp32}, {"bf16", StateDtype::kBf16}});
      },
      [](const Config& c) { return json(std::string(to_string(c.optimizer.state_dtype))); }},
+    {"optimizer.params.no_decay", "an array of name patterns", "[]",
+     "a last param group with weight decay 0 of these patterns (e.g. [\"bias\", \"norm\"])", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       read_patterns(v, r, c.optimizer.no_decay);
+     },
+     [](const Config& c) {
+       return c.optimizer.no_decay.empty() ? json() : json(c.optimizer.no_decay);
+     }},
+    {"optimizer.param_groups",
+     "an array of groups {\"names\", \"lr\", \"betas\", \"eps\", "
+     "\"weight_decay\"}",
+     "[]",
+     "param groups 1, 2, ...: the parameters their name patterns take, with their own options",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) { read_param_groups(v, r, c.optimizer); },
+     [](const Config& c) { return param_groups_json(c.optimizer); }},
 
     {"fp16.enabled", "true or false", "false", "fp16 mixed precision with loss scaling", kUsed,
      [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.fp16.enabled); },

@@ -30,6 +30,8 @@ class ValueReader {
   const std::string& path() const { return path_; }
   // The reader of element `index` of an array value: its path is "<path>[index]".
   ValueReader element(int index) const;
+  // The reader of key `key` of an object value: its path is "<path>.key".
+  ValueReader child(std::string_view key) const;
 
   void error(const nlohmann::json& value, std::string_view expected) const;
   // A problem in its own words, for the few that are not "expected ..., got ...".
@@ -61,6 +63,12 @@ class ValueReader {
   std::string path_;
   std::vector<std::string>* errors_;
 };
+
+// The param group keys (config_param_groups.cpp): a list of name patterns, the groups, and the
+// groups as to_json writes them (null when there are none).
+void read_patterns(const nlohmann::json& v, const ValueReader& r, std::vector<std::string>& out);
+void read_param_groups(const nlohmann::json& v, const ValueReader& r, OptimizerConfig& optimizer);
+nlohmann::json param_groups_json(const OptimizerConfig& optimizer);
 
 // Checks a present value (never null, except in a section whose nulls are values) and sets it in
 // the Config; problems go to the reader.

@@ -40,6 +40,8 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   // The same for bf16 optimizer states and betas they cannot hold.
   const std::string bf16_states = bf16_state_problem(config_.optimizer);
   TORCH_CHECK(bf16_states.empty(), "patrickstar::Engine: ", bf16_states);
+  const std::string groups = param_group_problem(config_.optimizer);
+  TORCH_CHECK(groups.empty(), "patrickstar::Engine: ", groups);
   // The GPU: from here on config().device.index is the one in use.
   config_.device.index = resolved_device_index(config_);
   const std::string unavailable = device_unavailable_reason(config_);

@@ -26,6 +26,15 @@ void Engine::set_lr(double lr) { core_->set_lr(lr); }
 void Engine::set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
   core_->set_adam_hyperparameters(beta1, beta2, eps, weight_decay);
 }
+std::vector<ParamGroupInfo> Engine::param_groups() const {
+  return core_->param_groups();
+}
+std::vector<AdamHyperparameters> Engine::param_group_options() const {
+  return core_->param_group_options();
+}
+void Engine::set_param_group_options(const std::vector<AdamHyperparameters>& options) {
+  core_->set_param_group_options(options);
+}
 AdamHyperparameters Engine::adam_hyperparameters() const {
   return core_->adam_hyperparameters();
 }

@@ -49,6 +49,7 @@
 #include "iteration_tracker.h"
 #include "model_storage.h"
 #include "non_model_probe.h"
+#include "param_groups.h"
 #include "param_table.h"
 #include "parameter_gathering.h"
 #include "step_pipeline.h"
@@ -83,6 +84,10 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   double lr() const;
   void set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   AdamHyperparameters adam_hyperparameters() const;
+  // The optimizer's parameter groups (engine_param_groups.cpp).
+  std::vector<ParamGroupInfo> param_groups() const;
+  std::vector<AdamHyperparameters> param_group_options() const;
+  void set_param_group_options(const std::vector<AdamHyperparameters>& options);
   void set_overlap_step(bool on);
   std::vector<std::pair<std::string, at::Tensor>> fp32_state_dict() const;
   void save_weights(const std::string& path) const;
@@ -305,6 +310,15 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
                                                const at::Tensor& files) const;
   void match_checkpoint(const std::string& path, const engine_detail::CheckpointIndex& index,
                         std::vector<const engine_detail::IndexTensor*>& entries) const;
+  // Param groups in checkpoints (engine_param_groups.cpp): what a tensor's entry saves, and the
+  // groups' options a checkpoint restores (checked; a group whose tensors were saved with
+  // different options, or without any, keeps its own, the former with a warning).
+  void describe_group_options(engine_detail::IndexTensor& entry, TensorId id) const;
+  std::vector<AdamOptions> checkpoint_group_options(
+      const std::string& path, const std::vector<const engine_detail::IndexTensor*>& entries) const;
+  // Every group's options checked (naming the group and option), as the Adam step takes them.
+  std::vector<AdamOptions> checked_group_options(
+      const std::vector<AdamHyperparameters>& options) const;
   void apply_checkpoint(const engine_detail::StateAccess& access, const std::string& path,
                         engine_detail::DataFileReader& reader,
                         const std::vector<const engine_detail::IndexTensor*>& entries,
@@ -381,6 +395,7 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   bool lean_param(TensorId id) const { return lean(store().layout().placement(id).chunk_index); }
   // The registered parameters and the modules whose doors open over them (param_table.h).
   engine_detail::ParamTable params_;
+  engine_detail::ParamGroups groups_;  // each parameter's optimizer group (param_groups.h)
 
   engine_detail::ModelStorage storage_;  // tiers, chunk store, disk tier (model_storage.h)
   ChunkStore& store() const { return *storage_.store(); }

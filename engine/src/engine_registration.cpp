@@ -117,8 +117,14 @@ void EngineCore::collect_parameters(Registration& reg) {
       params_.add(t);
       reg.unique.emplace_back(item.key(), t);
     }
+    // Each parameter's optimizer group: a group that takes nothing (or a predicate that throws)
+    // refuses the model here, before anything moves, and the ranks agree on it below.
+    if (!reg.unique.empty()) groups_.assign(config_.optimizer, *model_, reg.unique);
   } catch (const std::exception& e) {
-    if (!dp_.distributed()) throw;
+    if (!dp_.distributed()) {
+      params_.clear();
+      throw;
+    }
     error = error_text(e);
   }
   const std::string agreed = dp_.first_error(error);
@@ -535,6 +541,7 @@ void EngineCore::build_optimizer() {
     scaler = LossScaler(s);
   }
   pipeline_->build_adam(adam_options, std::move(scaler), gradients_.space());
+  pipeline_->set_group_options(groups_.initial_options(config_.optimizer, adam_options));
   dp_.start_groups(store().layout());
 }
 

@@ -25,6 +25,7 @@ PipelineWiring EngineCore::pipeline_wiring() {
       dp_.shards_gradients(),
       mixed(),
       [this](int64_t index) { return owns(index); },
+      [this](TensorId id) { return groups_.group_of(id); },
       [this](int64_t index) { return dp_.reduction_pending(store().layout(), index); }};
 }
 
@@ -188,27 +189,6 @@ IterationReport EngineCore::run_adam() {
 void EngineCore::set_overlap_step(bool on) {
   std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
   pipeline_->set_overlap_step(on);
-}
-
-void EngineCore::set_lr(double lr) { pipeline_->set_lr(lr); }
-
-double EngineCore::lr() const { return pipeline_->lr(); }
-
-void EngineCore::set_adam_hyperparameters(double beta1, double beta2, double eps,
-                                          double weight_decay) {
-  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
-  // bf16 moments cannot follow a beta too close to 1 (the config's own check).
-  OptimizerConfig wanted = config_.optimizer;
-  wanted.beta1 = beta1;
-  wanted.beta2 = beta2;
-  const std::string bf16_states = bf16_state_problem(wanted);
-  TORCH_CHECK(bf16_states.empty(), "patrickstar: betas (", beta1, ", ", beta2, "): ", bf16_states);
-  pipeline_->set_hyperparameters(beta1, beta2, eps, weight_decay);
-}
-
-AdamHyperparameters EngineCore::adam_hyperparameters() const {
-  const AdamOptions& o = pipeline_->adam_options();
-  return {o.beta1(), o.beta2(), o.eps(), o.weight_decay()};
 }
 
 IterationReport EngineCore::step() {

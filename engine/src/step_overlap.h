@@ -32,6 +32,7 @@ struct EarlyRun {
   int64_t begin = 0;  // elements in the chunk
   int64_t end = 0;
   int64_t step = 0;  // the Adam step it was computed for
+  int32_t group = 0;  // its parameter group (whose options it was computed with)
   SpeculativeUpdate update;
 };
 

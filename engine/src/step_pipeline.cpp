@@ -303,17 +303,9 @@ void StepPipeline::step_failed() { overlap_.last_step_end.reset(); }
 
 // --- settings ---
 
-void StepPipeline::set_lr(double lr) {
-  TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: set_lr(", lr,
-              "): the learning rate must be finite and not negative");
+void StepPipeline::set_group_options(const std::vector<AdamOptions>& groups) {
   if (delayed_ != nullptr) delayed_->join();  // the update in flight reads the options
-  adam_->set_lr(lr);
-}
-
-void StepPipeline::set_hyperparameters(double beta1, double beta2, double eps,
-                                       double weight_decay) {
-  if (delayed_ != nullptr) delayed_->join();  // the update in flight reads the options
-  adam_->set_hyperparameters(beta1, beta2, eps, weight_decay);
+  adam_->set_groups(groups);
 }
 
 void StepPipeline::set_overlap_step(bool on) {

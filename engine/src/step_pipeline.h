@@ -96,6 +96,8 @@ struct PipelineWiring {
   bool shards_gradients = false;  // data parallel: reduced sums hold the owners' gradients
   bool mixed = false;        // bf16 or fp16: half weights, fp32 masters
   std::function<bool(int64_t index)> owns;  // data parallel: this rank steps index `index`
+  // The parameter group of each tensor (param_groups.h): the options its update runs with.
+  std::function<int32_t(TensorId id)> group_of;
   // Data parallel: index `index`'s comm group holds gradients still to be reduced.
   std::function<bool(int64_t index)> reduction_pending;
 };
@@ -178,11 +180,10 @@ class StepPipeline {
   void end_trial_iteration(bool measurable, IterationReport& report);
 
   // --- settings and what the engine reports ---
-  void set_lr(double lr);
   double lr() const { return adam_->options().lr(); }
-  // Betas, eps and weight decay of the next steps (the update in flight finishes with its own).
-  void set_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
-  const AdamOptions& adam_options() const { return adam_->options(); }
+  // Every parameter group's options (HybridAdam::set_groups) for the next steps, after the update
+  // in flight (it finishes with its own).
+  void set_group_options(const std::vector<AdamOptions>& groups);
   void set_overlap_step(bool on);
   void set_record_spans(bool on);
   std::vector<CopySpan> optimizer_spans() const;
@@ -216,10 +217,11 @@ class StepPipeline {
 
  private:
   friend class StateAccess;
-  struct RunSpan {  // a run of consecutive tensors with gradients, at one Adam step
+  struct RunSpan {  // a run of consecutive tensors with gradients, at one Adam step, of one group
     int64_t begin = 0;
     int64_t end = 0;
     int64_t step = 0;
+    int32_t group = 0;
   };
   struct RunAt {  // a step run's chunk index and span
     int64_t index = 0;

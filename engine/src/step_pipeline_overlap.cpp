@@ -26,20 +26,24 @@ std::vector<StepPipeline::RunSpan> StepPipeline::run_spans(int64_t i) const {
     RunSpan span;
     span.begin = layout.placement(tensors[k]).offset_elems;
     span.end = span.begin;
-    // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter).
+    // A run's tensors are at one Adam step (torch::optim::Adam counts per parameter) and of one
+    // parameter group (its options): a chunk whose tensors share both is one run.
     const int64_t adam_steps = wiring_.params[tensors[k]].adam_steps;
+    const int32_t group = wiring_.group_of(tensors[k]);
     while (k < tensors.size() && wiring_.params[tensors[k]].has_grad &&
            wiring_.params[tensors[k]].adam_steps == adam_steps &&
+           wiring_.group_of(tensors[k]) == group &&
            layout.placement(tensors[k]).offset_elems == span.end) {
       span.end += layout.numel(tensors[k]);
       ++k;
     }
     span.step = adam_steps + 1;
+    span.group = group;
     // In pieces of at most kAdamRunElems: the overlapped step's unit (its undo buffers, one piece
     // at a time within their bound), the same in the serial step so that both sum the gradients'
     // statistics piece by piece alike.
     for (int64_t begin = span.begin; begin < span.end; begin += kAdamRunElems) {
-      spans.push_back({begin, std::min(span.end, begin + kAdamRunElems), span.step});
+      spans.push_back({begin, std::min(span.end, begin + kAdamRunElems), span.step, span.group});
     }
   }
   return spans;
@@ -53,6 +57,7 @@ AdamChunk StepPipeline::adam_views(int64_t i, const RunSpan& span, bool states_f
   };
   AdamChunk run;
   run.step = span.step;
+  run.group = span.group;
   run.states_from_source = states_from_disk;  // a disk tier's states come through its source
   if (!states_from_disk) {
     run.exp_avg = slice(ChunkKind::kMomentum);
@@ -187,7 +192,8 @@ void StepPipeline::start_early_update(int64_t i) {
     run.begin = span.begin;
     run.end = span.end;
     run.step = span.step;
-    run.update.constants = adam_->constants_without_clipping(span.step);
+    run.group = span.group;
+    run.update.constants = adam_->constants_without_clipping(span.step, span.group);
     job->runs.push_back(std::move(run));
   }
   if (ahead.empty()) return;
@@ -218,7 +224,7 @@ void StepPipeline::undo_early_update(EarlyIndex& job) const {
   torch::NoGradGuard no_grad;
   for (EarlyRun& run : job.runs) {
     if (run.update.state != SpeculativeUpdate::State::kApplied) continue;
-    undo(adam_views(job.index, {run.begin, run.end, run.step}, false), run.update);
+    undo(adam_views(job.index, {run.begin, run.end, run.step, run.group}, false), run.update);
   }
 }
 
@@ -255,7 +261,7 @@ void StepPipeline::attach_early_updates(std::vector<AdamChunk>& runs, const std:
       size_t k = 0;
       while (k < where.size() && !(where[k].index == i && where[k].span.begin == r.begin)) ++k;
       same = k < where.size() && where[k].span.end == r.end && where[k].span.step == r.step &&
-             !runs[k].states_from_source;
+             where[k].span.group == r.group && !runs[k].states_from_source;
       // The trainer could write the gradients through views since: the ones read, unchanged.
       if (same && overlap_.verify && r.update.state == SpeculativeUpdate::State::kApplied) {
         const AdamChunk& now = runs[k];

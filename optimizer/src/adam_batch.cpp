@@ -68,7 +68,7 @@ void update_entry_on_host(const AdamBatch& batch, const AdamBatchEntry& entry) {
 
 }  // namespace
 
-void AdamBatch::add(const AdamBatchEntry& entry, int64_t step) {
+void AdamBatch::add(const AdamBatchEntry& entry, int64_t step, int32_t group) {
   TORCH_CHECK(entry.numel >= 0, "AdamBatch: an entry has ", entry.numel, " elements");
   if (entry.numel == 0) return;
   const bool needs_half = kind_ != AdamBatchKind::kFp32;
@@ -82,9 +82,11 @@ void AdamBatch::add(const AdamBatchEntry& entry, int64_t step) {
   TORCH_CHECK(entries_.size() < static_cast<size_t>(INT32_MAX), "AdamBatch: too many entries");
   AdamBatchEntry added = entry;
   added.first_tile = tiles_;
-  const auto found = std::find(steps_.begin(), steps_.end(), step);
-  added.constants = static_cast<int32_t>(found - steps_.begin());
-  if (found == steps_.end()) steps_.push_back(step);
+  TORCH_CHECK(group >= 0, "AdamBatch: entry ", entries_.size(), " of group ", group);
+  const std::pair<int64_t, int32_t> key{step, group};
+  const auto found = std::find(keys_.begin(), keys_.end(), key);
+  added.constants = static_cast<int32_t>(found - keys_.begin());
+  if (found == keys_.end()) keys_.push_back(key);
   added.vector = aligned16(entry.half) && aligned16(entry.master) && aligned16(entry.grad) &&
                          aligned16(entry.exp_avg) && aligned16(entry.exp_avg_sq)
                      ? 1
@@ -95,7 +97,7 @@ void AdamBatch::add(const AdamBatchEntry& entry, int64_t step) {
 }
 
 void run_adam_batch_on_host(const AdamBatch& batch) {
-  TORCH_CHECK(batch.constants().size() == batch.steps().size(),
+  TORCH_CHECK(batch.constants().size() == batch.keys().size(),
               "run_adam_batch_on_host: the batch's constants are not set");
   // Every element is updated once and alone: the order of tiles does not change the result.
   for (const AdamBatchEntry& entry : batch.entries()) {

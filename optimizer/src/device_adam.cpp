@@ -69,7 +69,7 @@ void DeviceAdamBatches::add(const AdamChunk& chunk, int64_t step) {
   entry.exp_avg = chunk.exp_avg.data_ptr();
   entry.exp_avg_sq = chunk.exp_avg_sq.data_ptr();
   entry.numel = chunk.master.numel();
-  batch->add(entry, step);
+  batch->add(entry, step, chunk.group);
 }
 
 at::Tensor DeviceAdamBatches::upload(const void* data, size_t bytes) const {
@@ -107,7 +107,7 @@ double DeviceAdamBatches::sum_squares() {
   return total;
 }
 
-void DeviceAdamBatches::update(const std::function<AdamStepConstants(int64_t)>& make) {
+void DeviceAdamBatches::update(const std::function<AdamStepConstants(int64_t, int32_t)>& make) {
   if (batches_.empty()) return;
   const OnDevice on(*device_);
   void* stream = current_stream(*device_);

@@ -18,13 +18,14 @@ namespace patrickstar {
 
 class DeviceAdamBatches {
  public:
-  // Adds a chunk whose tensors are on a CUDA device (all on one device) at Adam step `step`.
+  // Adds a chunk whose tensors are on a CUDA device (all on one device) at Adam step `step`, of
+  // its parameter group (chunk.group).
   void add(const AdamChunk& chunk, int64_t step);
   bool empty() const { return batches_.empty(); }
   // The squared norm of every added chunk's gradient, summed on the device; one synchronization.
   double sum_squares();
-  // The update of every added chunk with the constants make(step) gives; asynchronous.
-  void update(const std::function<AdamStepConstants(int64_t)>& make);
+  // The update of every added chunk with the constants make(step, group) gives; asynchronous.
+  void update(const std::function<AdamStepConstants(int64_t, int32_t)>& make);
 
  private:
   at::Tensor upload(const void* data, size_t bytes) const;

@@ -176,39 +176,58 @@ GradMultiplier gradient_multiplier(const GradStats& total, double loss_scale,
 
 namespace {
 
-void check_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "HybridAdam: beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "HybridAdam: beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), "HybridAdam: eps must be >= 0, got ", eps);
-  TORCH_CHECK(weight_decay >= 0.0 && std::isfinite(weight_decay),
-              "HybridAdam: weight_decay must be >= 0, got ", weight_decay);
+void check_options(const AdamOptions& o, const char* who) {
+  TORCH_CHECK(o.lr() >= 0.0 && std::isfinite(o.lr()), who, ": lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.beta1() >= 0.0 && o.beta1() < 1.0, who, ": beta1 must be in [0, 1), got ",
+              o.beta1());
+  TORCH_CHECK(o.beta2() >= 0.0 && o.beta2() < 1.0, who, ": beta2 must be in [0, 1), got ",
+              o.beta2());
+  TORCH_CHECK(o.eps() >= 0.0 && std::isfinite(o.eps()), who, ": eps must be >= 0, got ", o.eps());
+  TORCH_CHECK(o.weight_decay() >= 0.0 && std::isfinite(o.weight_decay()), who,
+              ": weight_decay must be >= 0, got ", o.weight_decay());
 }
 
 }  // namespace
 
+void HybridAdam::set_groups(const std::vector<AdamOptions>& groups) {
+  TORCH_CHECK(!groups.empty(), "HybridAdam: at least one parameter group");
+  std::vector<AdamOptions> checked = groups;
+  for (size_t g = 0; g < checked.size(); ++g) {
+    check_options(checked[g], ("HybridAdam: group " + std::to_string(g)).c_str());
+    checked[g].decoupled(options().decoupled()).max_grad_norm(options().max_grad_norm());
+  }
+  groups_ = std::move(checked);
+}
+
+void HybridAdam::set_lr(double lr) {
+  std::vector<AdamOptions> groups = groups_;
+  for (AdamOptions& g : groups) g.lr(lr);
+  set_groups(groups);
+}
+
 void HybridAdam::set_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
-  check_hyperparameters(beta1, beta2, eps, weight_decay);
-  options_.beta1(beta1).beta2(beta2).eps(eps).weight_decay(weight_decay);
+  std::vector<AdamOptions> groups = groups_;
+  for (AdamOptions& g : groups) g.beta1(beta1).beta2(beta2).eps(eps).weight_decay(weight_decay);
+  set_groups(groups);
 }
 
 HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
-    : options_(options), loss_scaler_(std::move(loss_scaler)) {
-  TORCH_CHECK(options.lr() >= 0.0, "HybridAdam: lr must be >= 0, got ", options.lr());
-  TORCH_CHECK(options.beta1() >= 0.0 && options.beta1() < 1.0,
-              "HybridAdam: beta1 must be in [0, 1), got ", options.beta1());
-  TORCH_CHECK(options.beta2() >= 0.0 && options.beta2() < 1.0,
-              "HybridAdam: beta2 must be in [0, 1), got ", options.beta2());
-  TORCH_CHECK(options.eps() >= 0.0, "HybridAdam: eps must be >= 0, got ", options.eps());
-  TORCH_CHECK(options.weight_decay() >= 0.0, "HybridAdam: weight_decay must be >= 0, got ",
-              options.weight_decay());
+    : groups_{options}, loss_scaler_(std::move(loss_scaler)) {
+  check_options(options, "HybridAdam");
 }
 
-AdamStepConstants HybridAdam::constants_without_clipping(int64_t step) const {
+AdamStepConstants HybridAdam::constants(int64_t step, int32_t group, float multiplier) const {
+  const AdamOptions& o = groups_[static_cast<size_t>(group)];
+  return make_adam_step_constants(o.lr(), o.beta1(), o.beta2(), o.eps(), o.weight_decay(),
+                                  o.decoupled(), step, multiplier);
+}
+
+AdamStepConstants HybridAdam::constants_without_clipping(int64_t step, int32_t group) const {
+  TORCH_CHECK(group >= 0 && static_cast<size_t>(group) < groups_.size(), "HybridAdam: group ",
+              group, " of ", groups_.size());
   GradMultiplier unclipped;
   unclipped.multiplier = static_cast<float>(1.0 / loss_scaler_.scale()) * unclipped.clip_coef;
-  return make_adam_step_constants(options_.lr(), options_.beta1(), options_.beta2(), options_.eps(),
-                                  options_.weight_decay(), options_.decoupled(), step,
-                                  unclipped.multiplier);
+  return constants(step, group, unclipped.multiplier);
 }
 
 void HybridAdam::set_step_count(int64_t step) {
@@ -254,6 +273,10 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
                 "; a chunk's step is 1 or more (0: the optimizer's own count plus one)");
     TORCH_CHECK(!chunks[i].states_from_source || source != nullptr, "HybridAdam: chunk ", i,
                 " takes its states from a source and step() was given none");
+    TORCH_CHECK(
+        chunks[i].group >= 0 && static_cast<size_t>(chunks[i].group) < groups_.size(),
+        "HybridAdam: chunk ", i, " is of parameter group ", chunks[i].group, " and there ",
+        groups_.size() == 1 ? "is 1 group" : "are " + std::to_string(groups_.size()) + " groups");
   }
 
   StepReport report;
@@ -294,23 +317,23 @@ StepReport HybridAdam::step(c10::ArrayRef<AdamChunk> chunks, const PlacementPlan
   }
 
   const GradMultiplier multiplier =
-      gradient_multiplier(total, loss_scaler_.scale(), options_.max_grad_norm());
-  // Chunks may be at different steps (torch::optim::Adam counts steps per parameter): the
-  // constants are made once per distinct step.
-  auto constants_of = [&](int64_t step) {
-    return make_adam_step_constants(options_.lr(), options_.beta1(), options_.beta2(),
-                                    options_.eps(), options_.weight_decay(), options_.decoupled(),
-                                    step, multiplier.multiplier);
+      gradient_multiplier(total, loss_scaler_.scale(), options().max_grad_norm());
+  // Chunks may be at different steps (torch::optim::Adam counts steps per parameter) and of
+  // different groups: the constants are made once per distinct (step, group) in a row.
+  auto constants_of = [&](int64_t step, int32_t group) {
+    return constants(step, group, multiplier.multiplier);
   };
   gpu_batches.update(constants_of);  // asynchronous: the GPU updates while the host's chunks do
   int64_t cached_step = step_ + 1;
-  AdamStepConstants cached = constants_of(cached_step);
+  int32_t cached_group = 0;
+  AdamStepConstants cached = constants_of(cached_step, cached_group);
   for (size_t k = 0; k < chunks.size(); ++k) {
     if (on_gpu(chunks[k])) continue;
     const int64_t step = step_of(k);
-    if (step != cached_step) {
-      cached = constants_of(step);
+    if (step != cached_step || chunks[k].group != cached_group) {
+      cached = constants_of(step, chunks[k].group);
       cached_step = step;
+      cached_group = chunks[k].group;
     }
     const AdamStepConstants& constants = cached;
     if (SpeculativeUpdate* ahead = chunks[k].speculative) {

@@ -125,16 +125,23 @@ std::vector<Case> all_cases() {
   return cases;
 }
 
-// Sizes around the tile and the group, offsets aligned and not, two distinct Adam steps.
+// Sizes around the tile and the group, offsets aligned and not, two distinct Adam steps, two
+// parameter groups (three distinct constants).
 struct Shape {
   int64_t numel;
   int64_t offset;
   int64_t step;
+  int32_t group;
 };
-const std::vector<Shape> kShapes = {{20000, 0, 3}, {8192, 1, 3}, {8193, 0, 7},
-                                    {13, 3, 3},    {8, 0, 7},    {25000, 3, 7}};
+const std::vector<Shape> kShapes = {{20000, 0, 3, 0}, {8192, 1, 3, 1}, {8193, 0, 7, 0},
+                                    {13, 3, 3, 1},    {8, 0, 7, 0},    {25000, 3, 7, 0}};
 
-AdamStepConstants constants_of(int64_t step) {
+// Group 1: another learning rate, betas and eps, and no weight decay.
+AdamStepConstants constants_of(int64_t step, int32_t group = 0) {
+  if (group == 1) {
+    return make_adam_step_constants(3e-4, 0.8, 0.95, 1e-6, 0.0, /*decoupled=*/true, step,
+                                    1.0 / 1024);
+  }
   return make_adam_step_constants(1e-3, 0.9, 0.99, 1e-8, 0.01, /*decoupled=*/true, step,
                                   1.0 / 1024);
 }
@@ -149,8 +156,10 @@ std::vector<Chunk> chunks_of(const Case& c) {
 
 AdamBatch batch_of(const Case& c, const std::vector<Chunk>& chunks) {
   AdamBatch batch(c.kind, c.states == at::kBFloat16, c.half_dtype == at::kBFloat16);
-  for (size_t k = 0; k < chunks.size(); ++k) batch.add(chunks[k].entry(), kShapes[k].step);
-  batch.set_constants(constants_of);
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    batch.add(chunks[k].entry(), kShapes[k].step, kShapes[k].group);
+  }
+  batch.set_constants([](int64_t step, int32_t group) { return constants_of(step, group); });
   return batch;
 }
 
@@ -180,7 +189,7 @@ TEST(AdamBatch, TilesCoverEveryElementOnceAndEmptyEntriesAreLeftOut) {
     }
     EXPECT_EQ(adam_entry_of_tile(entries.data(), count, tile), expected) << "tile " << tile;
   }
-  EXPECT_EQ(batch.steps(), std::vector<int64_t>{1});
+  EXPECT_EQ(batch.keys(), (std::vector<std::pair<int64_t, int32_t>>{{1, 0}}));
 }
 
 TEST(AdamBatch, RefusesEntriesItsKindCannotUpdate) {
@@ -201,13 +210,13 @@ TEST(AdamBatch, HostReferenceEqualsTheHostKernelBitForBit) {
     std::vector<Chunk> reference;
     for (const Chunk& chunk : batched) reference.emplace_back(chunk, at::kCPU);
     const AdamBatch batch = batch_of(c, batched);
-    ASSERT_EQ(batch.steps().size(), 2U);
+    ASSERT_EQ(batch.keys().size(), 3U);  // (3, 0), (3, 1), (7, 0)
     for (size_t k = 0; k < kShapes.size(); ++k) {
       EXPECT_EQ(batch.entries()[k].vector, kShapes[k].offset == 0 ? 1 : 0) << c.name();
     }
     run_adam_batch_on_host(batch);
     for (size_t k = 0; k < reference.size(); ++k) {
-      reference[k].update_with_host_kernel(c.kind, constants_of(kShapes[k].step));
+      reference[k].update_with_host_kernel(c.kind, constants_of(kShapes[k].step, kShapes[k].group));
       batched[k].expect_bit_equal(reference[k], c.name() + ", chunk " + std::to_string(k));
     }
   }
@@ -302,10 +311,15 @@ TEST_F(AdamBatchOnGpu, HybridAdamOnTheGpuEqualsTheHostStepAndReadsOnce) {
     for (size_t k = 0; k < on_host.size(); ++k) {
       host_chunks.push_back(on_host[k].adam_chunk(kShapes[k].step));
       gpu_chunks.push_back(on_gpu[k].adam_chunk(kShapes[k].step));
+      host_chunks.back().group = gpu_chunks.back().group = kShapes[k].group;
     }
     const auto options = AdamOptions().lr(1e-3).beta2(0.99).weight_decay(0.01);
+    const std::vector<AdamOptions> groups = {
+        options, AdamOptions(options).lr(3e-4).beta1(0.8).beta2(0.95).eps(1e-6).weight_decay(0)};
     HybridAdam host_adam(options, LossScaler::disabled());
     HybridAdam gpu_adam(options, LossScaler::disabled());
+    host_adam.set_groups(groups);
+    gpu_adam.set_groups(groups);
     PlacementPlan all_device;
     all_device.on_device.assign(gpu_chunks.size(), true);
     const StepReport host_report = host_adam.step(host_chunks);

@@ -252,5 +252,62 @@ TEST(HybridAdamMixedFp32Gradient, UpdatesFromTheFp32GradientNotItsHalfRounding) 
   }
 }
 
+// Parameter groups: chunks of two groups stepped together equal each group's chunks stepped by a
+// HybridAdam of that group's options alone, bit for bit (mixed precision, bf16 halves; fp32 and
+// bf16 states), and a refused group changes no group.
+class HybridAdamGroups : public ::testing::TestWithParam<torch::Dtype> {};
+
+TEST_P(HybridAdamGroups, EachChunkRunsWithItsGroupsOptions) {
+  torch::manual_seed(3);
+  const std::vector<int64_t> sizes = {1000, 37, 4096, 5};
+  const auto decay = AdamOptions().lr(1e-3).beta1(0.9).beta2(0.95).weight_decay(0.1);
+  const auto no_decay = AdamOptions(decay).lr(2e-4).beta1(0.8).beta2(0.9).eps(1e-6).weight_decay(0);
+  std::vector<AdamChunk> together = make_mixed_chunks(sizes, torch::kBFloat16);
+  std::vector<AdamChunk> apart;
+  for (AdamChunk& c : together) {
+    c.exp_avg = c.exp_avg.to(GetParam());
+    c.exp_avg_sq = c.exp_avg_sq.to(GetParam());
+    c.half_param_grad.copy_(torch::randn(c.half_param_grad.sizes()).mul_(0.1));
+    AdamChunk copy = c;
+    copy.master = c.master.clone();
+    copy.exp_avg = c.exp_avg.clone();
+    copy.exp_avg_sq = c.exp_avg_sq.clone();
+    copy.half_param_grad = c.half_param_grad.clone();
+    apart.push_back(copy);
+  }
+  for (size_t k = 0; k < together.size(); ++k) together[k].group = static_cast<int32_t>(k % 2);
+  AdamChunk wrong = apart[1];  // chunk 1 with group 0's options
+  wrong.master = apart[1].master.clone();
+  wrong.exp_avg = apart[1].exp_avg.clone();
+  wrong.exp_avg_sq = apart[1].exp_avg_sq.clone();
+  wrong.half_param_grad = apart[1].half_param_grad.clone();
+  HybridAdam(decay).step({wrong});
+  HybridAdam grouped(decay);
+  grouped.set_groups({decay, no_decay});
+  grouped.step(together);
+  HybridAdam first(decay), second(no_decay);
+  first.step({apart[0], apart[2]});
+  second.step({apart[1], apart[3]});
+  for (size_t k = 0; k < together.size(); ++k) {
+    EXPECT_TRUE(bit_equal(together[k].master, apart[k].master)) << "chunk " << k;
+    EXPECT_TRUE(bit_equal(together[k].exp_avg_sq, apart[k].exp_avg_sq)) << "chunk " << k;
+    EXPECT_TRUE(bit_equal(together[k].half_param_grad, apart[k].half_param_grad)) << "chunk " << k;
+  }
+  // Group 0's options give chunk 1 other weights: the test sees the groups.
+  EXPECT_FALSE(bit_equal(wrong.master, together[1].master));
+  // A refused group changes nothing; a chunk of a group that does not exist is refused.
+  EXPECT_THROW(grouped.set_groups({decay, AdamOptions(no_decay).beta2(1.0)}), c10::Error);
+  EXPECT_EQ(grouped.group_options(1).beta2(), 0.9);
+  together[0].group = 2;
+  EXPECT_THROW(grouped.step(together), c10::Error);
+  // set_lr sets every group's.
+  grouped.set_lr(5e-4);
+  EXPECT_EQ(grouped.group_options(0).lr(), 5e-4);
+  EXPECT_EQ(grouped.group_options(1).lr(), 5e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(States, HybridAdamGroups,
+                         ::testing::Values(torch::kFloat, torch::kBFloat16));
+
 }  // namespace hybrid_adam_test
 }  // namespace patrickstar

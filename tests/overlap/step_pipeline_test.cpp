@@ -116,7 +116,8 @@ struct Rig {
         .tracker = tracker,
         .scheduler = [this]() -> const Scheduler& { return *scheduler; },
         .mover = [this]() -> ChunkMover& { return *mover; },
-        .owns = [](int64_t) { return true; },  // one process: every index is this rank's
+        .owns = [](int64_t) { return true; },    // one process: every index is this rank's
+        .group_of = [](TensorId) { return 0; },  // one param group
         .reduction_pending = [](int64_t) { return false; },
     };
     pipeline = std::make_unique<StepPipeline>(std::move(wiring));

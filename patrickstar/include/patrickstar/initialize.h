@@ -23,7 +23,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -97,20 +97,24 @@ class EngineModel {
 
 // The optimizer side: a torch::optim::Optimizer, so helpers taking `torch::optim::Optimizer&` and
 // LibTorch's LR schedulers (torch::optim::StepLR, ...) take it as they are.
-//   - step() runs the engine's step (Adam/AdamW over the chunks) with the learning rate of
-//     param_groups()[0] (set it, or let a scheduler set it). Called on an EngineOptimizer it
+//   - step() runs the engine's step (Adam/AdamW over the chunks). Called on an EngineOptimizer it
 //     returns the IterationReport; through a base reference it returns the closure's loss.
 //   - zero_grad() is the engine's. Through a base reference LibTorch's (not virtual) zero_grad runs
 //     instead; it resets the engine's zero_grad_marker(), and the engine applies the zero_grad at
 //     its next call, so the effect is the same.
-//   - param_groups()[0] holds the model's parameters with options mirroring the config (lr, betas,
-//     eps, weight_decay); param_groups()[1] holds only the engine's zero_grad marker. As
-//     torch::optim's Adam reads its groups at every step, step() reads lr, betas, eps and
-//     weight_decay from param_groups()[0] and applies them (a schedule of any of them works), or
-//     refuses the step naming the option, nothing changed: amsgrad true, a beta outside [0, 1), a
-//     negative eps, weight decay or lr, options of another optimizer type. Added param groups are
-//     refused at step(). Gradients live in the chunks; after a backward, parameters' .grad()
-//     are the engine's handles: views of the gradient slots in one process in fp32/bf16 (reads and
+//   - param_groups() holds one group per engine param group (Engine::param_groups(): group 0 the
+//     parameters no configured group takes, then optimizer.param_groups in order, then no_decay),
+//     each with its parameters and options mirroring its config (lr, betas, eps, weight_decay);
+//     the last group holds only the engine's zero_grad marker. As torch::optim's Adam reads its
+//     groups at every step, step() reads lr, betas, eps and weight_decay from each group and
+//     applies them (a schedule of any of them works, per group: LibTorch's LR schedulers set every
+//     group's lr), or refuses the step naming the group and option, nothing changed: amsgrad true,
+//     a beta outside [0, 1), a negative eps, weight decay or lr, options of another optimizer
+//     type. A group left as it was since the last step takes the engine's options where those
+//     changed (Engine::load_checkpoint restores them, Engine::set_lr sets them). Added param groups
+//     are refused at step().
+//   - Gradients live in the chunks; after a backward, parameters' .grad() are the engine's
+//     handles: views of the gradient slots in one process in fp32/bf16 (reads and
 //     torch::nn::utils::clip_grad_norm_ act on them), else fences that refuse reads. The config's
 //     "gradient_clipping" clips the global norm everywhere.
 //   - torch::save(optimizer) is refused: the optimizer state lives in the chunks
@@ -119,11 +123,25 @@ class EngineModel {
 class EngineOptimizer : public torch::optim::Optimizer {
  public:
   explicit EngineOptimizer(std::shared_ptr<Engine> engine)
-      : torch::optim::Optimizer(groups_of(*engine), defaults_of(*engine)), engine_(std::move(engine)) {}
+      : torch::optim::Optimizer(groups_of(*engine), defaults_of(*engine)),
+        engine_(std::move(engine)),
+        given_(options_now(*engine_)) {}
 
   // The engine's zero_grad: set_to_none false keeps, as in LibTorch, the gradients defined at zero
   // (the next step updates those parameters even where the loss does not reach them).
-  void zero_grad(bool set_to_none = true) const { engine_->zero_grad(set_to_none); }
+  // It also hands the groups' options to the engine when they can be followed (a refusal waits for
+  // step()): a schedule set before zero_grad() then reaches the overlapped step's updates made
+  // during this backward, which would otherwise be computed with the last step's and undone.
+  // (Not with the delayed update: its update in flight would have to land first.)
+  void zero_grad(bool set_to_none = true) {
+    if (!engine_->config().delayed_update.enabled) {
+      try {
+        sync_options();
+      } catch (const c10::Error&) {  // step() refuses it, naming the option
+      }
+    }
+    engine_->zero_grad(set_to_none);
+  }
   // The engine's step; returns its report.
   IterationReport step() {
     sync_options();
@@ -144,18 +162,24 @@ class EngineOptimizer : public torch::optim::Optimizer {
   Engine& engine() const { return *engine_; }
 
  private:
+  // One group per engine param group (its parameters, its options), then the marker's.
   static std::vector<torch::optim::OptimizerParamGroup> groups_of(Engine& engine) {
-    std::vector<at::Tensor> params;
-    std::unordered_set<const c10::TensorImpl*> seen;  // tied parameters once
-    for (const at::Tensor& t : engine.module().parameters(/*recurse=*/true)) {
-      if (seen.insert(t.unsafeGetTensorImpl()).second) params.push_back(t);
+    std::unordered_map<std::string, at::Tensor> by_name;
+    for (const auto& item : engine.module().named_parameters(/*recurse=*/true)) {
+      by_name.emplace(item.key(), item.value());
     }
-    return {torch::optim::OptimizerParamGroup(std::move(params)),
-            torch::optim::OptimizerParamGroup({engine.zero_grad_marker()})};
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (const ParamGroupInfo& group : engine.param_groups()) {
+      std::vector<at::Tensor> params;
+      for (const std::string& name : group.names) params.push_back(by_name.at(name));
+      groups.emplace_back(std::move(params), options_of(engine, group.options));
+    }
+    groups.emplace_back(std::vector<at::Tensor>{engine.zero_grad_marker()});
+    return groups;
   }
-  static std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(const Engine& engine) {
-    const OptimizerConfig& o = engine.config().optimizer;
-    if (o.type == OptimizerType::kAdamW) {
+  static std::unique_ptr<torch::optim::OptimizerOptions> options_of(const Engine& engine,
+                                                                    const AdamHyperparameters& o) {
+    if (engine.config().optimizer.type == OptimizerType::kAdamW) {
       return std::make_unique<torch::optim::AdamWOptions>(
           torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(
               o.weight_decay));
@@ -163,40 +187,84 @@ class EngineOptimizer : public torch::optim::Optimizer {
     return std::make_unique<torch::optim::AdamOptions>(
         torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   }
-  // torch::optim's Adam and AdamW read their group's options at every step; so does this: lr,
-  // betas, eps and weight_decay go to the engine before its step, or the step is refused naming
-  // the option, nothing changed.
-  void sync_options() {
-    TORCH_CHECK(param_groups().size() == 2, "patrickstar: EngineOptimizer trains the model the engine "
-                "registered; param groups added to it (add_param_group) are not supported");
-    torch::optim::OptimizerOptions& options = param_groups().front().options();
+  static std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(const Engine& engine) {
+    return options_of(engine, engine.adam_hyperparameters());
+  }
+  static std::vector<AdamHyperparameters> options_now(const Engine& engine) {
+    return engine.param_group_options();
+  }
+  // Group `g`'s options as the trainer left them, or a refusal naming the option.
+  AdamHyperparameters read_group(size_t g) {
+    torch::optim::OptimizerOptions& options = param_groups()[g].options();
     const bool adamw = engine_->config().optimizer.type == OptimizerType::kAdamW;
     std::tuple<double, double> betas;
-    double eps = 0, weight_decay = 0;
+    AdamHyperparameters o;
     bool amsgrad = false;
     if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&options); w != nullptr && adamw) {
-      betas = w->betas(), eps = w->eps(), weight_decay = w->weight_decay(), amsgrad = w->amsgrad();
+      betas = w->betas(), o.eps = w->eps(), o.weight_decay = w->weight_decay(),
+      amsgrad = w->amsgrad();
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&options);
                a != nullptr && !adamw) {
-      betas = a->betas(), eps = a->eps(), weight_decay = a->weight_decay(), amsgrad = a->amsgrad();
+      betas = a->betas(), o.eps = a->eps(), o.weight_decay = a->weight_decay(),
+      amsgrad = a->amsgrad();
     } else {
-      TORCH_CHECK(false, "patrickstar: param_groups()[0]'s options must stay torch::optim::",
-                  adamw ? "AdamWOptions" : "AdamOptions", " (the config's optimizer.type \"",
-                  adamw ? "AdamW" : "Adam", "\"); the engine cannot change its optimizer");
+      TORCH_CHECK(false, "patrickstar: param_groups()[", g,
+                  "]'s options must stay torch::optim::", adamw ? "AdamWOptions" : "AdamOptions",
+                  " (the config's optimizer.type \"", adamw ? "AdamW" : "Adam",
+                  "\"); the engine cannot change its optimizer");
     }
-    TORCH_CHECK(!amsgrad,
-                "patrickstar: param_groups()[0] option amsgrad is true: the engine's "
+    TORCH_CHECK(!amsgrad, "patrickstar: param_groups()[", g,
+                "] option amsgrad is true: the engine's "
                 "Adam keeps no running maximum of the variance (torch's AMSGrad); set it false");
-    const double lr = options.get_lr();
-    TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: param_groups()[0] option lr is ", lr,
-                ": the learning rate must be finite and not negative");
-    const AdamHyperparameters now = engine_->adam_hyperparameters();
-    const auto [beta1, beta2] = betas;
-    if (beta1 != now.beta1 || beta2 != now.beta2 || eps != now.eps ||
-        weight_decay != now.weight_decay) {
-      engine_->set_adam_hyperparameters(beta1, beta2, eps, weight_decay);  // checks, or throws
+    o.lr = options.get_lr();
+    TORCH_CHECK(o.lr >= 0 && std::isfinite(o.lr), "patrickstar: param_groups()[", g,
+                "] option lr is ", o.lr, ": the learning rate must be finite and not negative");
+    std::tie(o.beta1, o.beta2) = betas;
+    return o;
+  }
+  void write_group(size_t g, const AdamHyperparameters& o) {
+    torch::optim::OptimizerOptions& options = param_groups()[g].options();
+    options.set_lr(o.lr);
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+      w->betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+    } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+      a->betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
     }
-    if (lr != engine_->lr()) engine_->set_lr(lr);
+  }
+  // torch::optim's Adam and AdamW read their groups' options at every step; so does this: each
+  // group's lr, betas, eps and weight_decay go to the engine before its step, or the step is
+  // refused naming the group and option, nothing changed. A group the trainer left as it was since
+  // the last step takes the engine's options instead where those changed (load_checkpoint restored
+  // them, or Engine::set_lr was called).
+  void sync_options() {
+    const std::vector<AdamHyperparameters> engine_now = options_now(*engine_);
+    const size_t n = engine_now.size();
+    TORCH_CHECK(param_groups().size() == n + 1,
+                "patrickstar: EngineOptimizer trains the model the "
+                "engine registered in its ",
+                n, " param group", n == 1 ? "" : "s",
+                " (the config's "
+                "optimizer.param_groups and no_decay); param groups added to it (add_param_group) "
+                "are not supported");
+    std::vector<AdamHyperparameters> wanted(n);
+    for (size_t g = 0; g < n; ++g) wanted[g] = read_group(g);  // every refusal before any change
+    std::vector<bool> pulled(n, false);
+    for (size_t g = 0; g < n; ++g) {
+      // Option by option: one the trainer left alone takes the engine's where that changed.
+      for (auto field :
+           {&AdamHyperparameters::beta1, &AdamHyperparameters::beta2, &AdamHyperparameters::eps,
+            &AdamHyperparameters::weight_decay, &AdamHyperparameters::lr}) {
+        if (wanted[g].*field == given_[g].*field && engine_now[g].*field != given_[g].*field) {
+          wanted[g].*field = engine_now[g].*field;
+          pulled[g] = true;
+        }
+      }
+    }
+    if (wanted != engine_now) engine_->set_param_group_options(wanted);  // checks, or throws
+    for (size_t g = 0; g < n; ++g) {
+      if (pulled[g]) write_group(g, wanted[g]);  // the engine's, now the group's too
+    }
+    given_ = std::move(wanted);
   }
   [[noreturn]] static void refuse(const char* what) {
     TORCH_CHECK(false, "patrickstar: torch::", what, "(optimizer) is not supported: the optimizer "
@@ -204,6 +272,7 @@ class EngineOptimizer : public torch::optim::Optimizer {
   }
 
   std::shared_ptr<Engine> engine_;
+  std::vector<AdamHyperparameters> given_;  // each group's options the last step ran with
 };
 
 namespace detail {

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,8 +36,38 @@ std::string_view to_string(Precision precision);
 std::string_view to_string(DeviceType type);
 std::string_view to_string(StateDtype dtype);
 
-// "optimizer": {"type": "Adam"|"AdamW", "params": {...}}. Adam adds weight_decay * w to the gradient
-// (L2), AdamW decays the weight itself, as torch.optim does.
+// What a parameter group's predicate sees of one parameter.
+struct ParamInfo {
+  std::string_view name;  // its qualified name, as named_parameters() gives it
+  std::string_view
+      module_type;  // the type of the module owning it, e.g. "torch::nn::LayerNormImpl"
+  int64_t dim = 0;  // its number of dimensions
+};
+
+// A parameter group, as torch::optim's: the parameters it takes, and the options it sets for them
+// (an option not set is the optimizer's). A parameter is in the first group that takes it, or else
+// in group 0 with the optimizer's options.
+struct ParamGroupConfig {
+  // Patterns: the group takes a parameter whose name, or whose module's type name, contains one of
+  // them, ignoring case ("bias" takes every bias, "norm" every LayerNorm's and RMSNorm's
+  // parameters, "embedding" every torch::nn::Embedding's).
+  std::vector<std::string> names;
+  // In C++ only, besides the patterns: the group also takes a parameter for which this is true.
+  std::function<bool(const ParamInfo&)> predicate;
+  std::optional<double> lr;
+  std::optional<double> beta1;
+  std::optional<double> beta2;
+  std::optional<double> eps;
+  std::optional<double> weight_decay;
+};
+
+// Whether a param group's pattern takes the parameter named `name` of a module of type
+// `module_type`: one of them contains it, ignoring case.
+bool pattern_takes_parameter(std::string_view pattern, std::string_view name,
+                             std::string_view module_type);
+
+// "optimizer": {"type": "Adam"|"AdamW", "params": {...}, "param_groups": [...]}. Adam adds
+// weight_decay * w to the gradient (L2), AdamW decays the weight itself, as torch.optim does.
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdam;
   double lr = 1e-3;
@@ -51,8 +83,17 @@ struct OptimizerConfig {
   // 1 - kBf16StateMinDecay (a moment rounded to nearest moves only when a step changes it by more
   // than half a bf16 step: with beta2 0.999 the variance could never decay).
   StateDtype state_dtype = StateDtype::kFp32;
+  // "param_groups": groups 1, 2, ... in this order (group 0 holds the parameters none takes).
+  std::vector<ParamGroupConfig> param_groups;
+  // "params.no_decay": a last group of these patterns with weight decay 0 (Hugging Face's recipe:
+  // ["bias", "norm"]); nothing when empty.
+  std::vector<std::string> no_decay;
 };
 inline constexpr double kBf16StateMinDecay = 1.0 / 256;  // 2^-8
+// What is wrong with `optimizer`'s param groups (values out of range, a group that names nothing,
+// betas bf16 states cannot hold; one line each), or "" when nothing is. Config::from_json and the
+// engine's constructor refuse such a config with it.
+std::string param_group_problem(const OptimizerConfig& optimizer);
 // Why `optimizer`'s betas cannot go with its bf16 states (one line per beta), or "" when they can.
 // Config::from_json and the engine's constructor refuse such a config with it.
 std::string bf16_state_problem(const OptimizerConfig& optimizer);

@@ -75,6 +75,16 @@ struct AdamHyperparameters {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  double lr = 1e-3;
+  bool operator==(const AdamHyperparameters&) const = default;
+};
+
+// One parameter group of the optimizer (OptimizerConfig::param_groups, "params.no_decay"): what it
+// is called, its options now, and its parameters' names in registration order.
+struct ParamGroupInfo {
+  std::string label;  // "default" (group 0), "param_groups[i]", "no_decay"
+  AdamHyperparameters options;
+  std::vector<std::string> names;
 };
 
 class Engine final {
@@ -136,6 +146,20 @@ class Engine final {
   // bf16 optimizer states ("state_dtype": "bf16", as the config refuses it).
   void set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   AdamHyperparameters adam_hyperparameters() const;
+  // With param groups: set_lr and set_adam_hyperparameters set an option of group 0 and of every
+  // group whose value is group 0's (the groups that did not set their own: a no_decay group keeps
+  // its weight decay 0, a group with its own lr keeps it); lr() and adam_hyperparameters() are
+  // group 0's.
+
+  // The optimizer's parameter groups (one, "default", unless the config has param_groups or
+  // no_decay): each parameter's Adam update runs with its group's options.
+  std::vector<ParamGroupInfo> param_groups() const;
+  // Each group's options alone (param_groups() without the names).
+  std::vector<AdamHyperparameters> param_group_options() const;
+  // Every group's options for the next steps, one per group in param_groups()'s order. All are
+  // checked before any is applied (as set_adam_hyperparameters checks, and lr finite and not
+  // negative): a refusal names the group and the option, and changes nothing.
+  void set_param_group_options(const std::vector<AdamHyperparameters>& options);
 
   // The overlapped step ("zero_optimization.overlap_step", "auto" by default) on (whatever the
   // cores) or off from the next backward; off undoes what the backward in progress updated ahead.

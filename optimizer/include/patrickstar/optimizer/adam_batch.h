@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "patrickstar/optimizer/adam_rule.h"
@@ -83,19 +84,20 @@ PS_HOST_DEVICE inline double grad_square(AdamBatchKind kind, bool bf16_half, uin
 }
 
 // A table of entries of one kind and state dtype, with the constants they use (one per distinct
-// Adam step among them). Entries of 0 elements are left out.
+// Adam step and parameter group among them). Entries of 0 elements are left out.
 class AdamBatch {
  public:
   AdamBatch(AdamBatchKind kind, bool bf16_states, bool bf16_half)
       : kind_(kind), bf16_states_(bf16_states), bf16_half_(bf16_half) {}
 
-  // Adds a chunk at Adam step `step` (its bias corrections); the constants come later.
-  void add(const AdamBatchEntry& entry, int64_t step);
-  // The constants of each distinct step, made once per step by `make(step)`.
+  // Adds a chunk at Adam step `step` (its bias corrections) of parameter group `group` (its
+  // options); the constants come later.
+  void add(const AdamBatchEntry& entry, int64_t step, int32_t group = 0);
+  // The constants of each distinct (step, group), made once each by `make(step, group)`.
   template <typename Make>
   void set_constants(Make make) {
     constants_.clear();
-    for (const int64_t step : steps_) constants_.push_back(make(step));
+    for (const auto& [step, group] : keys_) constants_.push_back(make(step, group));
   }
 
   AdamBatchKind kind() const { return kind_; }
@@ -103,7 +105,8 @@ class AdamBatch {
   bool bf16_half() const { return bf16_half_; }
   const std::vector<AdamBatchEntry>& entries() const { return entries_; }
   const std::vector<AdamStepConstants>& constants() const { return constants_; }
-  const std::vector<int64_t>& steps() const { return steps_; }
+  // The distinct (step, group) pairs, in first-seen order: constants()[i] is keys()[i]'s.
+  const std::vector<std::pair<int64_t, int32_t>>& keys() const { return keys_; }
   int64_t tiles() const { return tiles_; }
   int64_t elements() const { return elements_; }
   bool empty() const { return entries_.empty(); }
@@ -113,7 +116,7 @@ class AdamBatch {
   bool bf16_states_;
   bool bf16_half_;
   std::vector<AdamBatchEntry> entries_;
-  std::vector<int64_t> steps_;  // distinct steps, in first-seen order: constants_[i] is steps_[i]'s
+  std::vector<std::pair<int64_t, int32_t>> keys_;  // distinct (step, group): constants_[i]'s
   std::vector<AdamStepConstants> constants_;
   int64_t tiles_ = 0;
   int64_t elements_ = 0;

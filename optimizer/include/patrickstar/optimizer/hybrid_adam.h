@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <utility>
+#include <vector>
 
 #include "patrickstar/optimizer/adam_rule.h"
 #include "patrickstar/optimizer/cpu_adam.h"
@@ -74,6 +75,9 @@ struct AdamChunk {
   // The Adam step this update is (1-based, as torch::optim::Adam counts it per parameter): its
   // bias corrections. 0: the optimizer's own count of steps taken, plus one.
   int64_t step = 0;
+  // The parameter group whose options (lr, betas, eps, weight decay) this update runs with
+  // (HybridAdam::set_groups); every tensor of the views is of it.
+  int32_t group = 0;
 
   // This chunk's update computed ahead (speculative_update.h), applied and undoable: step()
   // commits it when its constants are the step's own, else undoes it and updates the chunk itself
@@ -140,16 +144,24 @@ class HybridAdam {
   // The loss must be multiplied by this before backward.
   double loss_scale() const { return loss_scaler_.scale(); }
   LossScaler& loss_scaler() { return loss_scaler_; }
-  const AdamOptions& options() const { return options_; }
-  void set_lr(double lr) { options_.lr(lr); }
-  // Betas, eps and weight decay of the next steps (torch::optim's param group options); checked as
-  // the constructor checks them, nothing changed when one is refused.
+  // Group 0's options (the constructor's), with decoupled and max_grad_norm, which every group
+  // shares.
+  const AdamOptions& options() const { return groups_.front(); }
+  // Parameter groups, as torch::optim's: each has its own lr, betas, eps and weight decay, and a
+  // chunk's `group` selects them. set_groups replaces every group's (decoupled and max_grad_norm
+  // are kept); each is checked as the constructor checks its options, nothing changed when one is
+  // refused.
+  size_t group_count() const { return groups_.size(); }
+  const AdamOptions& group_options(size_t group) const { return groups_.at(group); }
+  void set_groups(const std::vector<AdamOptions>& groups);
+  // The learning rate, and betas, eps and weight decay, of every group.
+  void set_lr(double lr);
   void set_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   int64_t step_count() const { return step_; }
-  // The constants of Adam step `step` (1-based) as step() will make them when the gradients are
-  // not clipped (clip coefficient 1) and the loss scale stays what it is now: what a speculative
-  // update computes with.
-  AdamStepConstants constants_without_clipping(int64_t step) const;
+  // The constants of Adam step `step` (1-based) of group `group` as step() will make them when the
+  // gradients are not clipped (clip coefficient 1) and the loss scale stays what it is now: what a
+  // speculative update computes with.
+  AdamStepConstants constants_without_clipping(int64_t step, int32_t group = 0) const;
   void set_step_count(int64_t step);  // for checkpoints
   // Data parallel: each process steps its own shard of the chunks. `agree` is called with this
   // shard's gradient statistics before anything is decided and must replace them with the global
@@ -157,7 +169,9 @@ class HybridAdam {
   void set_stats_reducer(std::function<void(GradStats&)> agree) { agree_ = std::move(agree); }
 
  private:
-  AdamOptions options_;
+  AdamStepConstants constants(int64_t step, int32_t group, float multiplier) const;
+
+  std::vector<AdamOptions> groups_;  // at least one
   std::function<void(GradStats&)> agree_;
   LossScaler loss_scaler_;
   int64_t step_ = 0;
