@@ -52,7 +52,8 @@ struct IndexTensor {
   int64_t chunk = 0;  // its chunk index in the writing run's layout
   int64_t file = 0;   // which of IndexFile
   IndexRange master, exp_avg, exp_avg_sq;
-  // Its group's options (absent in checkpoints written before param groups: the config's apply).
+  // Its group's label and options (absent in checkpoints written before param groups: the groups
+  // keep the options they have).
   std::optional<IndexOptions> options;
   int64_t bytes() const { return numel * 4; }
 };

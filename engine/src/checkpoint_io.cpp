@@ -244,7 +244,7 @@ void EngineCore::load_checkpoint(const std::string& path) {
   // Opened by the checking pass, kept for the copying one: a data file removed in between (another
   // save to this path) stays readable.
   std::unique_ptr<DataFileReader> reader;
-  std::vector<AdamOptions> group_options;  // each param group's, as saved
+  std::vector<AdamHyperparameters> group_options;  // each param group's, as restored
   std::string error;
   try {
     index = read_checkpoint_index(path);
@@ -281,7 +281,8 @@ void EngineCore::load_checkpoint(const std::string& path) {
     params_.set_adam_steps(p.id, entries[static_cast<size_t>(p.id)]->adam_steps);
   }
   pipeline_->adam().loss_scaler().load_state(index.scaler);
-  pipeline_->set_group_options(group_options);
+  pipeline_->set_group_options(checked_group_options(group_options));
+  groups_.note_options(group_options);
   if (gradients_.space()) zero_grad();
 }
 

@@ -279,7 +279,8 @@ void check_bf16_states(const Config& c, std::vector<std::string>& errors) {
   if (std::string problem = bf16_state_problem(c.optimizer); !problem.empty()) {
     errors.push_back(std::move(problem));
   }
-  if (std::string problem = param_group_problem(c.optimizer); !problem.empty()) {
+  if (std::string problem = param_group_problem(c.optimizer, /*values_read=*/true);
+      !problem.empty()) {
     errors.push_back(std::move(problem));
   }
 }

@@ -115,32 +115,51 @@ void read_param_group(const json& v, const ValueReader& r, const OptimizerConfig
 }  // namespace
 }  // namespace config_keys
 
-std::string param_group_problem(const OptimizerConfig& optimizer) {
+std::string param_group_problem(const OptimizerConfig& optimizer, bool values_read) {
   std::string problem;
   auto add = [&](const std::string& text) {
     absl::StrAppend(&problem, problem.empty() ? "" : "\n  ", text);
   };
+  constexpr double kAny = std::numeric_limits<double>::infinity();
+  auto empty_pattern = [](const std::vector<std::string>& names) {
+    for (const std::string& n : names) {
+      if (n.empty()) return true;
+    }
+    return false;
+  };
+  if (!values_read && empty_pattern(optimizer.no_decay)) {
+    add("$.optimizer.params.no_decay: an empty pattern, which would take every parameter");
+  }
   for (size_t g = 0; g < optimizer.param_groups.size(); ++g) {
     const ParamGroupConfig& group = optimizer.param_groups[g];
     const std::string at = absl::StrCat("$.optimizer.param_groups[", g, "]");
-    auto check = [&](const std::optional<double>& value, const char* name, double high) {
-      if (value && !(std::isfinite(*value) && *value >= 0 && *value < high)) {
-        add(absl::StrCat(at, ".", name, ": ", *value, " is not a number in [0, ", high, ")"));
+    // A Config built in C++ has not been through the JSON reader's checks: the same ones here.
+    auto check = [&](const std::optional<double>& value, const char* name, double low, bool open,
+                     double high) {
+      if (value &&
+          !(std::isfinite(*value) && (open ? *value > low : *value >= low) && *value < high)) {
+        add(absl::StrCat(at, ".", name, ": ", *value, " is not a number in ", open ? "(" : "[", low,
+                         ", ", high, ")"));
       }
     };
-    constexpr double kAny = std::numeric_limits<double>::infinity();
-    check(group.lr, "lr", kAny);
-    check(group.beta1, "betas[0]", 1.0);
-    check(group.beta2, "betas[1]", 1.0);
-    check(group.eps, "eps", kAny);
-    check(group.weight_decay, "weight_decay", kAny);
-    if (group.names.empty() && !group.predicate) {
-      add(absl::StrCat(at, ": neither names nor a predicate: the group could take no parameter"));
+    if (!values_read) {
+      check(group.lr, "lr", 0, false, kAny);
+      check(group.beta1, "betas[0]", 0, false, 1.0);
+      check(group.beta2, "betas[1]", 0, false, 1.0);
+      check(group.eps, "eps", 0, true, kAny);
+      check(group.weight_decay, "weight_decay", 0, false, kAny);
+      if (group.names.empty() && !group.predicate) {
+        add(absl::StrCat(at, ": neither names nor a predicate: the group could take no parameter"));
+      }
+      if (empty_pattern(group.names)) {
+        add(absl::StrCat(at, ".names: an empty pattern, which would take every parameter"));
+      }
     }
     if (!group.beta1 && !group.beta2) continue;  // the optimizer's own betas
     OptimizerConfig with = optimizer;
     with.beta1 = group.beta1.value_or(with.beta1);
     with.beta2 = group.beta2.value_or(with.beta2);
+    if (with.beta1 >= 1.0 || with.beta2 >= 1.0) continue;  // out of range: said above
     if (std::string bf16 = bf16_state_problem(with); !bf16.empty())
       add(absl::StrCat(at, ": ", bf16));
   }

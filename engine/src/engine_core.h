@@ -311,14 +311,17 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void match_checkpoint(const std::string& path, const engine_detail::CheckpointIndex& index,
                         std::vector<const engine_detail::IndexTensor*>& entries) const;
   // Param groups in checkpoints (engine_param_groups.cpp): what a tensor's entry saves, and the
-  // groups' options a checkpoint restores (checked; a group whose tensors were saved with
-  // different options, or without any, keeps its own, the former with a warning).
+  // groups' options a checkpoint restores (a group saved as it is now, with options this engine
+  // can follow; any other keeps its own, with a warning when the checkpoint has options for it).
   void describe_group_options(engine_detail::IndexTensor& entry, TensorId id) const;
-  std::vector<AdamOptions> checkpoint_group_options(
+  std::vector<AdamHyperparameters> checkpoint_group_options(
       const std::string& path, const std::vector<const engine_detail::IndexTensor*>& entries) const;
   // Every group's options checked (naming the group and option), as the Adam step takes them.
   std::vector<AdamOptions> checked_group_options(
       const std::vector<AdamHyperparameters>& options) const;
+  // Group 0's `option`, and every group's that follows group 0 in it, take `value`.
+  void follow_group_zero(std::vector<AdamHyperparameters>& options,
+                         double AdamHyperparameters::*option, double value) const;
   void apply_checkpoint(const engine_detail::StateAccess& access, const std::string& path,
                         engine_detail::DataFileReader& reader,
                         const std::vector<const engine_detail::IndexTensor*>& entries,

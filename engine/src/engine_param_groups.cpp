@@ -12,20 +12,18 @@ namespace patrickstar {
 
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
-// Group 0's option, and the same option of every group whose value is group 0's (a group that did
-// not set its own), take `value`.
-namespace {
-void follow_group_zero(std::vector<AdamHyperparameters>& options,
-                       double AdamHyperparameters::*field, double value) {
-  const double first = options.front().*field;
-  for (AdamHyperparameters& o : options) {
-    if (o.*field == first) o.*field = value;
+// Group 0's option, and the same option of every group that follows group 0 in it (one that did not
+// set its own), take `value`.
+void EngineCore::follow_group_zero(std::vector<AdamHyperparameters>& options,
+                                   double AdamHyperparameters::*option, double value) const {
+  for (size_t g = 0; g < options.size(); ++g) {
+    if (g == 0 || groups_.follows_group_zero(g, option)) options[g].*option = value;
   }
 }
-}  // namespace
 
 void EngineCore::set_adam_hyperparameters(double beta1, double beta2, double eps,
                                           double weight_decay) {
+  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);  // the read and the write
   std::vector<AdamHyperparameters> options = param_group_options();
   follow_group_zero(options, &AdamHyperparameters::beta1, beta1);
   follow_group_zero(options, &AdamHyperparameters::beta2, beta2);
@@ -101,6 +99,7 @@ std::vector<AdamOptions> EngineCore::checked_group_options(
 void EngineCore::set_param_group_options(const std::vector<AdamHyperparameters>& options) {
   std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
   pipeline_->set_group_options(checked_group_options(options));
+  groups_.note_options(options);
 }
 
 void EngineCore::describe_group_options(IndexTensor& entry, TensorId id) const {
@@ -110,7 +109,7 @@ void EngineCore::describe_group_options(IndexTensor& entry, TensorId id) const {
       o.eps(), o.weight_decay(), groups_.label(static_cast<size_t>(groups_.group_of(id)))};
 }
 
-std::vector<AdamOptions> EngineCore::checkpoint_group_options(
+std::vector<AdamHyperparameters> EngineCore::checkpoint_group_options(
     const std::string& path, const std::vector<const IndexTensor*>& entries) const {
   std::vector<AdamHyperparameters> options = param_group_options();
   for (size_t g = 0; g < groups_.count(); ++g) {
@@ -140,14 +139,26 @@ std::vector<AdamOptions> EngineCore::checkpoint_group_options(
                  "in other groups, or with different options); it keeps its options now");
       continue;
     }
-    options[g] = {saved->beta1, saved->beta2, saved->eps, saved->weight_decay, saved->lr};
+    // Options this engine cannot follow (beta2 0.999 saved by a run with fp32 states, resumed
+    // with bf16 ones) are not restored; the weights and states are.
+    std::vector<AdamHyperparameters> restored = options;
+    restored[g] = {saved->beta1, saved->beta2, saved->eps, saved->weight_decay, saved->lr};
+    try {
+      checked_group_options(restored);
+      options = std::move(restored);
+    } catch (const c10::Error& e) {
+      TORCH_WARN("patrickstar: load_checkpoint(\"", path, "\"): param group ", g, " (",
+                 groups_.label(g), ") keeps its options: the saved ones are refused here (",
+                 e.what_without_backtrace(), ")");
+    }
   }
-  return checked_group_options(options);
+  return options;
 }
 
 void EngineCore::set_lr(double lr) {
   TORCH_CHECK(lr >= 0 && std::isfinite(lr), "patrickstar: set_lr(", lr,
               "): the learning rate must be finite and not negative");
+  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);  // the read and the write
   std::vector<AdamHyperparameters> options = param_group_options();
   follow_group_zero(options, &AdamHyperparameters::lr, lr);
   set_param_group_options(options);  // under the entry gate

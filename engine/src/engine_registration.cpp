@@ -126,6 +126,12 @@ void EngineCore::collect_parameters(Registration& reg) {
       throw;
     }
     error = error_text(e);
+  } catch (...) {  // a param group's predicate may throw anything
+    if (!dp_.distributed()) {
+      params_.clear();
+      throw;
+    }
+    error = "an exception that is not a std::exception, from a param group's predicate";
   }
   const std::string agreed = dp_.first_error(error);
   if (!agreed.empty()) {

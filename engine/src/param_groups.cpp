@@ -75,6 +75,35 @@ void ParamGroups::assign(const OptimizerConfig& optimizer, const torch::nn::Modu
   group_of_ = std::move(group_of);
   labels_ = {"default"};
   for (const Group& group : configured) labels_.push_back(group.label);
+  own_.assign(labels_.size(), {});
+  for (size_t g = 0; g < optimizer.param_groups.size(); ++g) {
+    const ParamGroupConfig& c = optimizer.param_groups[g];
+    std::vector<Option>& own = own_[g + 1];
+    if (c.lr) own.push_back(&AdamHyperparameters::lr);
+    if (c.beta1) own.push_back(&AdamHyperparameters::beta1);
+    if (c.beta2) own.push_back(&AdamHyperparameters::beta2);
+    if (c.eps) own.push_back(&AdamHyperparameters::eps);
+    if (c.weight_decay) own.push_back(&AdamHyperparameters::weight_decay);
+  }
+  if (!optimizer.no_decay.empty()) own_.back() = {&AdamHyperparameters::weight_decay};
+}
+
+bool ParamGroups::follows_group_zero(size_t group, Option option) const {
+  if (group == 0) return false;
+  const std::vector<Option>& own = own_[group];
+  return std::find(own.begin(), own.end(), option) == own.end();
+}
+
+void ParamGroups::note_options(const std::vector<AdamHyperparameters>& options) {
+  for (size_t g = 1; g < options.size() && g < own_.size(); ++g) {
+    for (Option option :
+         {&AdamHyperparameters::lr, &AdamHyperparameters::beta1, &AdamHyperparameters::beta2,
+          &AdamHyperparameters::eps, &AdamHyperparameters::weight_decay}) {
+      if (options[g].*option != options[0].*option && follows_group_zero(g, option)) {
+        own_[g].push_back(option);
+      }
+    }
+  }
 }
 
 std::vector<TensorId> ParamGroups::members(size_t group) const {

@@ -20,6 +20,7 @@
 
 #include "patrickstar/chunk/types.h"
 #include "patrickstar/engine/config.h"
+#include "patrickstar/engine/engine.h"
 #include "patrickstar/optimizer/hybrid_adam.h"
 
 namespace patrickstar::engine_detail {
@@ -42,9 +43,19 @@ class ParamGroups {
   std::vector<AdamOptions> initial_options(const OptimizerConfig& optimizer,
                                            const AdamOptions& base) const;
 
+  // Which options a group holds of its own (the config set them, or a trainer gave it a value
+  // other than group 0's); the others follow group 0 in Engine::set_lr and
+  // set_adam_hyperparameters. Group 0 follows nothing.
+  using Option = double AdamHyperparameters::*;
+  bool follows_group_zero(size_t group, Option option) const;
+  // Options set for every group (in order): a group > 0 given a value other than group 0's holds
+  // that option of its own from now on.
+  void note_options(const std::vector<AdamHyperparameters>& options);
+
  private:
   std::vector<int32_t> group_of_;  // by TensorId
   std::vector<std::string> labels_;
+  std::vector<std::vector<Option>> own_;  // by group
 };
 
 }  // namespace patrickstar::engine_detail

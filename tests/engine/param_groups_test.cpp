@@ -225,6 +225,11 @@ TEST(ParamGroupsLayout, OneOptimizerGroupPerEngineGroupHoldingItsParameters) {
   }
   EXPECT_EQ(engine.param_groups()[0].options.lr, 2e-3);
   EXPECT_EQ(engine.param_groups()[1].options.beta2, 0.95);
+  // A weight-decay schedule through 0 does not tie the no-decay group to it.
+  engine.set_adam_hyperparameters(0.9, 0.95, 1e-8, 0.0);
+  engine.set_adam_hyperparameters(0.9, 0.95, 1e-8, 0.2);
+  EXPECT_EQ(engine.param_groups()[0].options.weight_decay, 0.2);
+  EXPECT_EQ(engine.param_groups()[1].options.weight_decay, 0.0);
 }
 
 TEST(ParamGroupsLayout, AGroupOptionTheEngineCannotFollowRefusesTheStepNamingGroupAndOption) {
@@ -337,6 +342,12 @@ TEST(ParamGroupsConfig, PatternsPredicatesAndTheirErrors) {
     bad.optimizer.state_dtype = StateDtype::kFp32;
     bad.optimizer.param_groups[0].lr = -1.0;
     EXPECT_THROW(Engine(untouched.ptr(), bad), c10::Error);
+    bad.optimizer.param_groups[0].lr = 1e-3;
+    bad.optimizer.param_groups[0].eps = 0.0;  // JSON refuses it too
+    EXPECT_THROW(Engine(untouched.ptr(), bad), c10::Error);
+    bad.optimizer.param_groups[0].eps.reset();
+    bad.optimizer.no_decay = {""};  // an empty pattern would take every parameter
+    EXPECT_THROW(Engine(untouched.ptr(), bad), c10::Error);
     EXPECT_NO_THROW(untouched->wte->weight.sum().item<float>());  // its data is where it was
   }
   models::Gpt gpt_model = make_model(1);
@@ -370,6 +381,7 @@ TEST(ParamGroupsCheckpoint, OptionsComeBackAndACheckpointWithoutThemLoadsWithThe
     for (const ParamGroupInfo& g : engine.param_groups()) options.push_back(g.options);
     options[1].weight_decay = 0.02;
     options[1].lr = 7e-4;
+    options[1].beta2 = 0.999;  // fp32 states follow it; bf16 states could not (below)
     engine.set_param_group_options(options);
     train_step(engine, model, 1);
     engine.save_checkpoint(path);
@@ -384,6 +396,13 @@ TEST(ParamGroupsCheckpoint, OptionsComeBackAndACheckpointWithoutThemLoadsWithThe
   EXPECT_EQ(groups[0].options.weight_decay, kDecay);
   EXPECT_EQ(groups[1].options.weight_decay, 0.02);
   EXPECT_EQ(groups[1].options.lr, 7e-4);
+  EXPECT_EQ(groups[1].options.beta2, 0.999);
+  // Resumed with bf16 states, which cannot follow beta2 0.999: the checkpoint loads, and that group
+  // keeps the config's options (with a warning); the other group's come back.
+  groups = loaded(grouped_config(R"({"optimizer": {"params": {"state_dtype": "bf16"}}})"));
+  EXPECT_EQ(groups[1].options.beta2, 0.95);
+  EXPECT_EQ(groups[1].options.lr, 3e-3);
+  EXPECT_EQ(groups[0].options.weight_decay, kDecay);
   // Resumed with other groups (the no-decay group dropped, or a group of its own for the
   // embeddings added): a group that is not the one saved keeps the config's options.
   groups = loaded(tight_config(R"({"optimizer": {"params": {"weight_decay": 0.1}}})"));

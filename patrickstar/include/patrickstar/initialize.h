@@ -110,9 +110,9 @@ class EngineModel {
 //     applies them (a schedule of any of them works, per group: LibTorch's LR schedulers set every
 //     group's lr), or refuses the step naming the group and option, nothing changed: amsgrad true,
 //     a beta outside [0, 1), a negative eps, weight decay or lr, options of another optimizer
-//     type. A group left as it was since the last step takes the engine's options where those
-//     changed (Engine::load_checkpoint restores them, Engine::set_lr sets them). Added param groups
-//     are refused at step().
+//     type. A group left as it was since the last step (or zero_grad()) takes the engine's options
+//     where those changed (Engine::load_checkpoint restores them, Engine::set_lr sets them). Added
+//     param groups are refused at step().
 //   - Gradients live in the chunks; after a backward, parameters' .grad() are the engine's
 //     handles: views of the gradient slots in one process in fp32/bf16 (reads and
 //     torch::nn::utils::clip_grad_norm_ act on them), else fences that refuse reads. The config's

@@ -91,9 +91,10 @@ struct OptimizerConfig {
 };
 inline constexpr double kBf16StateMinDecay = 1.0 / 256;  // 2^-8
 // What is wrong with `optimizer`'s param groups (values out of range, a group that names nothing,
-// betas bf16 states cannot hold; one line each), or "" when nothing is. Config::from_json and the
-// engine's constructor refuse such a config with it.
-std::string param_group_problem(const OptimizerConfig& optimizer);
+// an empty pattern, betas bf16 states cannot hold; one line each), or "" when nothing is.
+// `values_read`: the values came through Config::from_json, which checked all but the betas'
+// bf16 problem. Config::from_json and the engine's constructor refuse such a config with it.
+std::string param_group_problem(const OptimizerConfig& optimizer, bool values_read = false);
 // Why `optimizer`'s betas cannot go with its bf16 states (one line per beta), or "" when they can.
 // Config::from_json and the engine's constructor refuse such a config with it.
 std::string bf16_state_problem(const OptimizerConfig& optimizer);
@@ -273,7 +274,8 @@ struct Config {
   static Config from_string(std::string_view text);
   static Config from_file(const std::string& path);
 
-  // The effective configuration, every key present; from_json(to_json()) gives this config back.
+  // The effective configuration, every key present; from_json(to_json()) gives this config back
+  // (but a param group's C++ predicate, which has no JSON: its group is written with its names).
   nlohmann::json to_json() const;
 };
 

@@ -69,7 +69,8 @@ class EngineImpl;  // the engine's implementation (engine/src/engine_core.h)
 class EngineInspector;
 class GatheredParameters;
 
-// Adam's options a trainer may change between steps (Engine::set_adam_hyperparameters).
+// Adam's options a trainer may change between steps, for the model or one param group
+// (Engine::set_adam_hyperparameters, set_lr, set_param_group_options).
 struct AdamHyperparameters {
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -137,19 +138,20 @@ class Engine final {
   // the start of a plain backward, step(), load_checkpoint(), a GatheredParameters scope).
   const at::Tensor& zero_grad_marker() const;
 
-  // The learning rate of the next steps (LR schedules; EngineOptimizer passes its param group's).
+  // The learning rate of the next steps (LR schedules; EngineOptimizer passes each param group's
+  // through set_param_group_options).
   void set_lr(double lr);
   double lr() const;
-  // Adam's betas, eps and weight decay of the next steps (the config's until set; EngineOptimizer
-  // passes its param group's). Throws c10::Error naming the value, changing nothing, for a beta
-  // outside [0, 1), a negative or non-finite eps or weight decay, or a beta too close to 1 for
-  // bf16 optimizer states ("state_dtype": "bf16", as the config refuses it).
+  // Adam's betas, eps and weight decay of the next steps (the config's until set). Throws
+  // c10::Error naming the value, changing nothing, for a beta outside [0, 1), a negative or
+  // non-finite eps or weight decay, or a beta too close to 1 for bf16 optimizer states
+  // ("state_dtype": "bf16", as the config refuses it).
   void set_adam_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   AdamHyperparameters adam_hyperparameters() const;
   // With param groups: set_lr and set_adam_hyperparameters set an option of group 0 and of every
-  // group whose value is group 0's (the groups that did not set their own: a no_decay group keeps
-  // its weight decay 0, a group with its own lr keeps it); lr() and adam_hyperparameters() are
-  // group 0's.
+  // group that follows group 0 in it. A group holds an option of its own once the config set it
+  // (the no_decay group: its weight decay 0) or set_param_group_options gave it a value other
+  // than group 0's; lr() and adam_hyperparameters() are group 0's.
 
   // The optimizer's parameter groups (one, "default", unless the config has param_groups or
   // no_decay): each parameter's Adam update runs with its group's options.

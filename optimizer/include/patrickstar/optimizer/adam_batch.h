@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -96,6 +97,8 @@ class AdamBatch {
   // The constants of each distinct (step, group), made once each by `make(step, group)`.
   template <typename Make>
   void set_constants(Make make) {
+    static_assert(std::is_invocable_r_v<AdamStepConstants, Make, int64_t, int32_t>,
+                  "set_constants takes make(step, group)");
     constants_.clear();
     for (const auto& [step, group] : keys_) constants_.push_back(make(step, group));
   }
