@@ -205,12 +205,6 @@ void HybridAdam::set_lr(double lr) {
   set_groups(groups);
 }
 
-void HybridAdam::set_hyperparameters(double beta1, double beta2, double eps, double weight_decay) {
-  std::vector<AdamOptions> groups = groups_;
-  for (AdamOptions& g : groups) g.beta1(beta1).beta2(beta2).eps(eps).weight_decay(weight_decay);
-  set_groups(groups);
-}
-
 HybridAdam::HybridAdam(const AdamOptions& options, LossScaler loss_scaler)
     : groups_{options}, loss_scaler_(std::move(loss_scaler)) {
   check_options(options, "HybridAdam");

@@ -154,9 +154,8 @@ class HybridAdam {
   size_t group_count() const { return groups_.size(); }
   const AdamOptions& group_options(size_t group) const { return groups_.at(group); }
   void set_groups(const std::vector<AdamOptions>& groups);
-  // The learning rate, and betas, eps and weight decay, of every group.
+  // The learning rate of every group.
   void set_lr(double lr);
-  void set_hyperparameters(double beta1, double beta2, double eps, double weight_decay);
   int64_t step_count() const { return step_; }
   // The constants of Adam step `step` (1-based) of group `group` as step() will make them when the
   // gradients are not clipped (clip coefficient 1) and the loss scale stays what it is now: what a
