@@ -133,6 +133,18 @@ ABSL_FLAG(bool, compare_step, false,
           "the median iterations as ratios: overlapped / serial and overlapped / max(forward + "
           "backward alone, step alone), both measured from the serial steps (--threads 1 leaves "
           "the other core to the optimizer thread)");
+ABSL_FLAG(bool, plan, false,
+          "\"plan\": \"auto\": the engine chooses the chunk size, the step schedule and the "
+          "Adam placement after the first scheduled iteration from its cost model; prints every "
+          "candidate, the choice and its check against the measured step");
+ABSL_FLAG(std::string, plan_profile, "",
+          "the plan's rates: measured (default) or a GPU's (h100, h200)");
+ABSL_FLAG(std::string, write_plan, "",
+          "with --plan: write the chosen settings as a config file that pins them");
+ABSL_FLAG(bool, compare_plan, false,
+          "plan (\"plan\": \"auto\"), then train every candidate the plan considered pinned in "
+          "its own engine beside the planning one, one step of each per round on the same data; "
+          "print each one's predicted and measured median step and the plan's against the best");
 ABSL_FLAG(std::string, predict, "",
           "also predict the step time on a GPU (h100) from the iteration this run recorded: "
           "memtracer's cost model, its assumptions printed beside the figures");
@@ -250,6 +262,10 @@ std::optional<int> other_job(const ps::Config& config, const Spec& spec, const R
     return compare_activations(config, spec, shape.batch, shape.seq, shape.steps, shape.seed);
   }
   if (longest) return longest_seq(config, spec, shape.batch, shape.steps, shape.seed);
+  if (absl::GetFlag(FLAGS_compare_plan)) {
+    TORCH_CHECK(shape.world == 1, "--compare-plan runs in one process (not under mpirun)");
+    return compare_plan(config, spec, shape.batch, shape.seq, shape.steps, shape.seed);
+  }
   if constexpr (std::is_same_v<Spec, ps::models::GptSpec>) {
     const auto [batch, seq, steps, seed] = std::tuple(shape.batch, shape.seq, shape.steps, shape.seed);
     if (absl::GetFlag(FLAGS_find_max_model)) return find_max_model(config, spec, batch, seq, seed);
@@ -377,6 +393,15 @@ int train(const ps::Config& config, Spec spec) {
     out["activation_policy"] = plan.policy;
     out["activation_choices"] = ways;
     if (plan.planned) out["activation_predicted_step_s"] = plan.predicted_step_seconds;
+  }
+  if (const ps::PlanReport plan = engine.plan(); plan.planned) {
+    out["plan"] = plan_json(plan);
+    if (const std::string path = absl::GetFlag(FLAGS_write_plan); !path.empty() && shape.lead) {
+      write_plan(plan, path);
+    }
+  } else {
+    TORCH_CHECK(absl::GetFlag(FLAGS_write_plan).empty(), "--write-plan: the engine made no plan ",
+                "(give --plan, and --steps of at least 2)");
   }
   out["dropout"] = spec.dropout;
   out["lora_rank"] = spec.lora_rank;

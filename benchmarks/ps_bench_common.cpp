@@ -196,6 +196,10 @@ ps::Config build_config() {
     j["optimizer"]["params"]["weight_decay"] = 0.1;
     j["optimizer"]["params"]["no_decay"] = {"bias", "norm", "embedding"};
   }
+  if (absl::GetFlag(FLAGS_plan) || absl::GetFlag(FLAGS_compare_plan)) j["plan"] = "auto";
+  if (!absl::GetFlag(FLAGS_plan_profile).empty()) {
+    j["plan_profile"] = absl::GetFlag(FLAGS_plan_profile);
+  }
   const std::string chunk = absl::GetFlag(FLAGS_chunk_size);
   if (!chunk.empty()) {
     if (chunk == "auto") {

@@ -152,6 +152,13 @@ int compare_activations(const ps::Config& base, Spec spec, int64_t batch, int64_
                         int64_t steps, uint64_t seed);
 template <class Spec>
 int longest_seq(const ps::Config& base, Spec spec, int64_t batch, int64_t steps, uint64_t seed);
+// --compare-plan, and the plan in the JSON and in a file (--write-plan) (ps_bench_plan.cpp; GptSpec
+// and LlamaSpec).
+template <class Spec>
+int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, int64_t steps,
+                 uint64_t seed);
+nlohmann::json plan_json(const ps::PlanReport& plan);
+void write_plan(const ps::PlanReport& plan, const std::string& path);
 // --compare-delayed (ps_bench_delayed.cpp).
 int compare_delayed(const ps::Config& base, const ps::models::GptSpec& spec, int64_t batch,
                     int64_t seq, int64_t steps, uint64_t seed);

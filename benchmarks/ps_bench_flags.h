@@ -43,3 +43,7 @@ ABSL_DECLARE_FLAG(std::string, predict);
 ABSL_DECLARE_FLAG(bool, check_flags);
 ABSL_DECLARE_FLAG(int64_t, threads);
 ABSL_DECLARE_FLAG(bool, breakdown);
+ABSL_DECLARE_FLAG(bool, plan);
+ABSL_DECLARE_FLAG(std::string, plan_profile);
+ABSL_DECLARE_FLAG(std::string, write_plan);
+ABSL_DECLARE_FLAG(bool, compare_plan);

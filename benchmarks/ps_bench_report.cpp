@@ -91,6 +91,7 @@ void print_step(int64_t step, const RunShape& shape, const ps::IterationReport& 
               warm_start.c_str(), bytes(r.d2h_bytes).c_str(), n(r.adam.chunks_device),
               n(r.adam.chunks_host), r.skipped ? "  (overflow: skipped)" : "");
   if (!r.overlap_step_decision.empty()) std::printf("    %s\n", r.overlap_step_decision.c_str());
+  if (!r.plan_decision.empty()) std::printf("    %s\n", r.plan_decision.c_str());
   if (disk_tier) {
     std::printf("    forward+backward %.3f s, step %.3f s (disk: read %s, written %s, waited %.3f s)\n",
                 seconds - r.adam_seconds, r.adam_seconds, bytes(r.disk_read_bytes).c_str(),

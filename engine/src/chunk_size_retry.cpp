@@ -12,6 +12,16 @@ Layout ChunkSizeRetry::layout(int64_t chunk_elems) const {
   return layout;
 }
 
+int64_t ChunkSizeRetry::move_bytes(int64_t chunk_elems, const ChunkStore& store) const {
+  const Layout moved = layout(chunk_elems);
+  int64_t largest_kind = 0;
+  for (const ChunkKindSpec& spec : store.kinds()) {
+    largest_kind = std::max(largest_kind, (moved.total_numel() + moved.waste_elems()) *
+                                              chunk_element_bytes(spec.dtype));
+  }
+  return largest_kind;
+}
+
 void ChunkSizeRetry::note_need(int64_t moment, MomentNeed need) {
   if (!armed_) return;
   if (static_cast<size_t>(moment) >= needs_.size()) needs_.resize(static_cast<size_t>(moment) + 1);
@@ -56,14 +66,9 @@ void ChunkSizeRetry::choose(const Trace& trace, const c10::Error& why, int64_t u
               reason, "; and no smaller chunk size fits every moment: ", choice.tightest, " bytes");
   // The move allocates one chunk kind next to the model data at a time: it must fit the host.
   if (host.capacity_bytes() != MemoryTier::kUnlimited) {
-    const Layout moved = layout(choice.chunk_elems);
-    int64_t largest_kind = 0;
-    for (const ChunkKindSpec& spec : store.kinds()) {
-      largest_kind = std::max(largest_kind, (moved.total_numel() + moved.waste_elems()) *
-                                                chunk_element_bytes(spec.dtype));
-    }
+    const int64_t largest_kind = move_bytes(choice.chunk_elems, store);
     TORCH_CHECK(
-        host.used_bytes() + largest_kind <= host.capacity_bytes(),
+        move_fits(choice.chunk_elems, store, host),
         "patrickstar: \"default_chunk_size\": \"auto\" chose chunks of ", store.chunk_elems(),
         " elements and the warm-up's trace does not fit the "
         "device: ",

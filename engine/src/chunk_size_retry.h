@@ -34,14 +34,24 @@ class ChunkSizeRetry {
   bool armed() const { return armed_; }
   // `base()` packed with chunks of `chunk_elems`.
   Layout layout(int64_t chunk_elems) const;
+  const Layout& base() const { return base_; }
 
   // A warm-up moment: what it needs on the device (kept while armed).
   void note_need(int64_t moment, MomentNeed need);
+  // The warm-up's needs by moment (until the engine moves the model: take_chosen).
+  const std::vector<MomentNeed>& needs() const { return needs_; }
   // The warm-up's trace does not fit the device (`why`, check_trace's error) with the chunks of
   // `store`: chooses the least-waste smaller size with which every moment of `trace` fits within
   // `usable_device_bytes`; throws when there is none or the move would not fit `host`.
   void choose(const Trace& trace, const c10::Error& why, int64_t usable_device_bytes,
               const ChunkStore& store, const DeviceCosts& costs, const MemoryTier& host);
+  // The bytes moving the model from `store` into chunks of `chunk_elems` needs on the host beyond
+  // what it uses (one kind of the new chunks at a time), and whether `host` has them.
+  int64_t move_bytes(int64_t chunk_elems, const ChunkStore& store) const;
+  bool move_fits(int64_t chunk_elems, const ChunkStore& store, const MemoryTier& host) const {
+    return host.capacity_bytes() == MemoryTier::kUnlimited ||
+           host.used_bytes() + move_bytes(chunk_elems, store) <= host.capacity_bytes();
+  }
   int64_t chosen() const { return chosen_; }
   // The step that chose failed: nothing moves.
   void drop_chosen() { chosen_ = 0; }

@@ -246,6 +246,36 @@ constexpr ConfigKey kKeys[] = {
        return c.offload_optimizer.nvme_path.empty() ? json() : json(c.offload_optimizer.nvme_path);
      }},
 
+    {"plan", "\"auto\" or \"off\"", "\"off\"",
+     "auto: the engine chooses the chunk size, step schedule and Adam placement from its trace",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.choice(v, c.plan.mode, {{"off", PlanMode::kOff}, {"auto", PlanMode::kAuto}});
+     },
+     [](const Config& c) { return json(c.plan.mode == PlanMode::kAuto ? "auto" : "off"); }},
+    {"plan_profile", "one of \"measured\", \"h100\", \"h200\"", "\"measured\"",
+     "the plan's copy and Adam rates: measured here, or a GPU's", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       static constexpr const char* kProfiles[] = {"measured", "h100", "h200"};
+       if (const int i = r.choice_index(v, {kProfiles[0], kProfiles[1], kProfiles[2]}); i >= 0) {
+         c.plan.profile = kProfiles[i];
+       }
+     },
+     [](const Config& c) { return json(c.plan.profile); }},
+    {"plan_check_iterations", "an integer in [1, 1000]", "3",
+     "iterations on the plan before its measured step is compared with the prediction", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.integer(v, c.plan.check_iterations, 1, 1000);
+     },
+     [](const Config& c) { return json(c.plan.check_iterations); }},
+    {"plan_tolerance", "a number in (0, 10]", "0.25",
+     "relative difference of measured and predicted step past which the engine plans again once",
+     kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.number(v, c.plan.tolerance, 0, 10, /*open_min=*/true);
+     },
+     [](const Config& c) { return json(c.plan.tolerance); }},
+
     {"activation_checkpointing.policy", "one of \"recompute\", \"offload\", \"none\", \"auto\"",
      "\"recompute\"",
      "what each patrickstar::checkpoint call does with its activations (auto: planned per call)",

@@ -51,6 +51,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   make_current_device(config_);
   // Hybrid sharding's groups (a collective; a bad size is refused alike on every rank).
   dp_.form_shard_groups(config_.shard_group_size);
+  check_plan_config();
   // From here on config().device.capacity_bytes is the capacity in use, never "auto".
   config_.device.capacity_bytes = resolved_device_capacity(config_);
   // Other ranks' chunks are never allocated here (PatrickStar's release_after_init is always on):
@@ -100,6 +101,8 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
     }
     TORCH_CHECK(false, kRegistrationFailed, agreed, kNoRankRegistered);
   }
+  // "plan": "auto" decides the step schedule: no trial of its own.
+  if (plan_.enabled() && pipeline_->overlap_possible()) pipeline_->set_overlap_step(false);
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : params_.module_names()) register_module_handler(*module, this);
 }

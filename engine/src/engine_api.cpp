@@ -62,6 +62,8 @@ const std::vector<IterationReport>& Engine::history() const { return core_->hist
 ActivationPlanReport Engine::activation_plan() const {
   return core_->activation_plan();
 }
+
+PlanReport Engine::plan() const { return core_->plan(); }
 void Engine::set_record_timeline(bool on) { core_->set_record_timeline(on); }
 const MemoryBreakdown& Engine::device_peak_breakdown() const {
   return core_->device_peak_breakdown();
@@ -81,6 +83,15 @@ std::vector<CopySpan> EngineInspector::optimizer_spans() const {
   return core_.optimizer_spans();
 }
 const Scheduler& EngineInspector::scheduler() const { return core_.scheduler(); }
+std::vector<int64_t> EngineInspector::plan_chunk_sizes() const {
+  return core_.plan_sizes();
+}
+std::optional<Trace> EngineInspector::plan_trace_of(int64_t chunk_elems) const {
+  return core_.plan_trace_of(chunk_elems);
+}
+void EngineInspector::apply_plan_candidate(Engine& engine, int candidate) {
+  engine.core_->apply_plan_candidate(candidate);
+}
 const TraceRecorder& EngineInspector::tracer() const { return core_.tracer(); }
 MemoryTier& EngineInspector::device_tier() const { return core_.device_tier(); }
 MemoryTier& EngineInspector::host_tier() const { return core_.host_tier(); }

@@ -52,6 +52,7 @@
 #include "param_groups.h"
 #include "param_table.h"
 #include "parameter_gathering.h"
+#include "run_plan.h"
 #include "step_pipeline.h"
 
 namespace patrickstar {
@@ -147,6 +148,13 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void checkpoint_recompute_begins(int64_t call) override;
   void checkpoint_recompute_done(int64_t call, double seconds) override;
   ActivationPlanReport activation_plan() const;
+  PlanReport plan() const { return plan_.report(); }
+  // Tests (EngineInspector): applies the plan's candidate `candidate` as if chosen; the trace the
+  // plan predicts for chunks of `chunk_elems` (nullopt without a trace or the warm-up's needs), and
+  // the sizes it considers.
+  void apply_plan_candidate(int candidate);
+  std::optional<Trace> plan_trace_of(int64_t chunk_elems) const;
+  std::vector<int64_t> plan_sizes() const { return plan_chunk_sizes(); }
 
  private:
   using Param = engine_detail::Param;
@@ -206,10 +214,10 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // step (ChunkSizeRetry::chosen); throws when there is none or the move would not fit the host,
   // and rethrows `why` when the retry is not armed.
   void choose_retry_chunk_size(const Trace& trace, const c10::Error& why);
-  // After the step: the model moves into chunks of `chunk_elems`, the size the retry chose (every
-  // kind's slots copied, kind by kind); the scheduler and the mover are rebuilt; the next
-  // iteration is a warm-up.
-  void move_to_chunk_size(int64_t chunk_elems);
+  // After the step: the model moves into chunks of `chunk_elems`, the size the retry chose
+  // (`retried`: it warns and counts the retry) or the plan's (every kind's slots copied, kind by
+  // kind); the scheduler and the mover are rebuilt; the next iteration is a warm-up.
+  void move_to_chunk_size(int64_t chunk_elems, bool retried = true);
   // Registration gave up: every chunk and the parameter table go (the parameters are restored by
   // the caller where they moved).
   void abandon_registration();
@@ -330,6 +338,32 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   std::vector<std::pair<std::string, at::Tensor>> fp32_values(
       const engine_detail::StateAccess& access) const;
   void decide_adam_placement();
+  // The chunks chunk index `index`'s Adam reads on the device (`device`), or needs on the host.
+  std::vector<int64_t> adam_side_chunks(int64_t index, bool device) const;
+  // "plan": "auto" (engine_plan.cpp): the refusals before registration, the measured iteration's
+  // marks, and after each step the plan, its application and its check.
+  void check_plan_config() const;
+  engine_detail::RunPlanner::Mark plan_mark() const;
+  void note_plan_moment(int64_t moment) {
+    if (!plan_.enabled() || (moment != 0 && !plan_.measuring())) return;
+    const engine_detail::RunPlanner::Mark mark = plan_mark();
+    if (moment == 0) plan_.iteration_began(mark);
+    plan_.note_moment(moment, mark);
+  }
+  void plan_after_step(IterationReport& report);
+  // An iteration on the plan: its check, and the one re-plan when the check says so.
+  void check_plan(IterationReport& report, const engine_detail::RunPlanner::Mark& now);
+  engine_detail::PlanInputs plan_inputs(std::vector<double> compute) const;
+  // The plan's chunk sizes (engine_plan_layouts.cpp): the engine's own, and with "auto" the
+  // others it considers, each with the trace it would run (nullopt where the warm-up's needs do
+  // not cover the trace).
+  engine_detail::PlanLayout plan_layout_now() const;
+  std::vector<int64_t> plan_chunk_sizes() const;
+  std::optional<engine_detail::PlanLayout> plan_layout_of(int64_t chunk_elems,
+                                                          const Trace& trace) const;
+  engine_detail::PlanProfile plan_profile(const engine_detail::PlanInputs& inputs,
+                                          double adam_seconds, double copy_bytes_per_s) const;
+  void apply_plan(const PlanCandidateReport& chosen);
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
   // Keeps the breakdown of this moment when it is the highest device or host use so far.
@@ -406,6 +440,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   std::unique_ptr<engine_detail::NonModelProbe> probe_;
   // "default_chunk_size": "auto"'s retry with a smaller size (chunk_size_retry.h).
   engine_detail::ChunkSizeRetry retry_;
+  // "plan": "auto": the measured iteration, the candidates, the choice and its check (run_plan.h).
+  engine_detail::RunPlanner plan_{config_.plan};
   std::function<int64_t()> clock_;  // the scheduler's, the copy thread's and the optimizer thread's
   std::unique_ptr<TraceRecorder> recorder_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -138,6 +138,7 @@ std::vector<TensorId> EngineCore::access(const ModuleInfo& module, MomentKind ki
   close_moment();
   follow_trace(kind, module.label);
   const int64_t m = recorder_->tick(kind, module.label);
+  note_plan_moment(m);
   for (int64_t c : chunk_ids) recorder_->record_access(c);
   note_warmup_need(m, module, kind, with_grad_chunks);
   try {

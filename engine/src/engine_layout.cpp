@@ -77,7 +77,7 @@ void EngineCore::choose_retry_chunk_size(const Trace& trace, const c10::Error& w
   retry_.choose(trace, why, usable_device_bytes(config_), store(), costs, *storage_.host());
 }
 
-void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
+void EngineCore::move_to_chunk_size(int64_t chunk_elems, bool retried) {
   torch::NoGradGuard no_grad;
   const int64_t before = store().chunk_elems();
   const int64_t waste_before = store().layout().waste_elems();
@@ -126,6 +126,7 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems) {
   r.model_data_bytes = store().total_chunk_bytes();
   r.model_data_bytes_per_param =
       static_cast<double>(r.model_data_bytes) / static_cast<double>(std::max<int64_t>(1, r.params));
+  if (!retried) return;  // the plan's size: its report says why
   r.chunk_size_retries += 1;
   TORCH_WARN(
       "patrickstar: \"default_chunk_size\": \"auto\": with chunks of ", before,

@@ -36,11 +36,28 @@ void EngineCore::decide_adam_placement() {
   }
   pipeline_->decide_placement(peak_non_model, usable_device_bytes(config_),
                               metrics_.registration().device_state_bytes);
+  plan_.note_placement_peak(peak_non_model);  // (the plan places other chunk sizes alike)
+}
+
+std::vector<int64_t> EngineCore::adam_side_chunks(int64_t index, bool device) const {
+  auto id_of = [&](ChunkKind kind) { return store().chunk_id(kind, index); };
+  std::vector<int64_t> ids;
+  if (device) {
+    ids.push_back(id_of(ChunkKind::kParam));
+    if (mixed()) ids.push_back(id_of(ChunkKind::kParamFp32));
+    ids.push_back(id_of(ChunkKind::kMomentum));
+    ids.push_back(id_of(ChunkKind::kVariance));
+    if (gradients_.space()) ids.push_back(id_of(ChunkKind::kGrad));
+    return ids;
+  }
+  for (ChunkKind kind : kAdamKinds) {
+    if (store().has_kind(kind)) ids.push_back(id_of(kind));
+  }
+  return ids;
 }
 
 EngineCore::StepMoment EngineCore::step_moment() {
   const int64_t n = store().chunks_per_kind();
-  auto id_of = [&](ChunkKind kind, int64_t i) { return store().chunk_id(kind, i); };
 
   // The step moment: chunks whose Adam runs on the device are accessed there. The warm-up runs
   // every update on the host (its chunk budget is the conservative one) but records the steady
@@ -67,11 +84,7 @@ EngineCore::StepMoment EngineCore::step_moment() {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
       if (!device_side[i] || !owns(i) || !updates[i]) continue;
-      ids.push_back(id_of(ChunkKind::kParam, i));
-      if (mixed()) ids.push_back(id_of(ChunkKind::kParamFp32, i));
-      ids.push_back(id_of(ChunkKind::kMomentum, i));
-      ids.push_back(id_of(ChunkKind::kVariance, i));
-      if (gradients_.space()) ids.push_back(id_of(ChunkKind::kGrad, i));
+      for (int64_t c : adam_side_chunks(i, /*device=*/true)) ids.push_back(c);
     }
     return ids;
   };
@@ -84,9 +97,7 @@ EngineCore::StepMoment EngineCore::step_moment() {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < n; ++i) {
       if (device_side[i] || !owns(i) || !updates[i]) continue;
-      for (ChunkKind kind : kAdamKinds) {
-        if (store().has_kind(kind)) ids.push_back(id_of(kind, i));
-      }
+      for (int64_t c : adam_side_chunks(i, /*device=*/false)) ids.push_back(c);
     }
     return ids;
   };
@@ -96,6 +107,7 @@ EngineCore::StepMoment EngineCore::step_moment() {
     if (store().tier(c) == Tier::kDevice) adam_host_d2h_bytes += store().chunk_bytes(c);
   }
   const int64_t m = recorder_->tick(MomentKind::kStep, "step");
+  note_plan_moment(m);
   for (int64_t c : device_chunks) recorder_->record_access(c);
   for (int64_t c : host_chunks(placement.on_device())) recorder_->record_host(c);
   scheduler_->at_moment(m, MomentKind::kStep, device_side_chunks(on_device), *mover_,
@@ -221,6 +233,7 @@ IterationReport EngineCore::step() {
   report_iteration(report, warmup);
   report.early_updates_allowed = early_allowed;
   pipeline_->end_trial_iteration(overlap_applied, report);
+  plan_after_step(report);
   metrics_.keep(report);
   // (After the report: its traffic and peaks are the old chunks'.)
   if (report.chunk_elems_retried > 0) move_to_chunk_size(report.chunk_elems_retried);

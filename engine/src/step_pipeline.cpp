@@ -196,7 +196,7 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
                           device_state_bytes) *
       config.mem_tracer.margin_use_ratio);
   // (The delayed update runs every Adam on its host thread.)
-  const bool hybrid = config.optimizer.use_hybrid_adam &&
+  const bool hybrid = config.optimizer.use_hybrid_adam && !adam_on_host_ &&
                       config.scheduler.policy != EvictionPolicy::kStatic && delayed_ == nullptr;
   const PlacementPlan plan =
       hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
@@ -323,6 +323,15 @@ void StepPipeline::set_overlap_step(bool on) {
   }
   overlap_.on = on;
   overlap_.automatic = false;
+}
+
+void StepPipeline::restore_overlap_mode() {
+  if (overlap_.thread == nullptr) return;
+  const OverlapMode mode = wiring_.config.overlap_step.mode;
+  set_overlap_step(mode != OverlapMode::kOff);
+  overlap_.automatic = mode == OverlapMode::kAuto;
+  overlap_.trial = OverlapTrial();
+  overlap_.last_step_end.reset();
 }
 
 void StepPipeline::set_record_spans(bool on) {

@@ -185,6 +185,15 @@ class StepPipeline {
   // in flight (it finishes with its own).
   void set_group_options(const std::vector<AdamOptions>& groups);
   void set_overlap_step(bool on);
+  // The config's "overlap_step" again ("auto": its trial from the start), after "plan": "auto"
+  // held the schedule and made no plan.
+  void restore_overlap_mode();
+  // "plan": "auto": every index's Adam on the host from the next placement on (decided again after
+  // the engine drops its trace), or the margin's placement again.
+  void set_adam_on_host(bool on) { adam_on_host_ = on; }
+  bool adam_on_host() const { return adam_on_host_; }
+  // Whether an optimizer thread for the overlapped step exists (no disk tier, no delayed update).
+  bool overlap_possible() const { return overlap_.thread != nullptr; }
   void set_record_spans(bool on);
   std::vector<CopySpan> optimizer_spans() const;
   HybridAdam& adam() { return *adam_; }
@@ -204,6 +213,8 @@ class StepPipeline {
     if (mixed) return kMixed;
     return kFp32;
   }
+  // The host's logical cores (read once).
+  static int host_cores();
   bool is_state_kind(ChunkKind kind) const {
     for (ChunkKind k : state_kinds(mixed_)) {
       if (k == kind) return true;
@@ -278,6 +289,7 @@ class StepPipeline {
     bool verify = false;     // grad() views were shown since the last step
     int64_t cancelled = 0;   // indices taken back since the last step
   } overlap_;
+  bool adam_on_host_ = false;  // "plan": "auto" chose the host for every index's Adam
   // The delayed update (null unless zero_optimization.delayed_param_update): its thread and
   // buffers, and the report of the update landed since the last step (for the step's report).
   std::unique_ptr<DelayedUpdate> delayed_;

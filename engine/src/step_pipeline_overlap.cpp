@@ -117,14 +117,12 @@ void StepPipeline::on_backward_moment(int64_t moment, bool retraced) {
   }
 }
 
-namespace {
 // The host's logical cores, read once: std::thread::hardware_concurrency() reads /sys on every call
 // (2.6 us on the 2-core Xeon), and a backward asks at each of its doors.
-int host_cores() {
+int StepPipeline::host_cores() {
   static const int cores = static_cast<int>(std::thread::hardware_concurrency());
   return cores;
 }
-}  // namespace
 
 bool StepPipeline::auto_overlap_may_run() const {
   // On the emulated device, where every core computes the thread would take compute's cores.

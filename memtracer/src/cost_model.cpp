@@ -26,7 +26,21 @@ GpuCostModel gpu_cost_model(const std::string& name) {
         "2-core machine (BENCHMARKS.md), a floor for a GPU host with more cores";
     return m;
   }
-  TORCH_CHECK(false, "unknown GPU cost model \"", name, "\"; known: h100");
+  if (name == "h200") {
+    GpuCostModel m = gpu_cost_model("h100");
+    m.name = "h200";
+    m.device_memory_bytes_per_s = 4.8e12;  // H200 SXM HBM3e (NVIDIA H200 datasheet)
+    m.h2d_bytes_per_s = 54.2e9;
+    m.d2h_bytes_per_s = 54.6e9;
+    m.sources =
+        "peak 989 TFLOP/s dense BF16 and memory 4.8 TB/s: NVIDIA's H200 SXM datasheet; compute "
+        "efficiency 0.5 of peak: an assumption; H2D 54.2 GB/s and D2H 54.6 GB/s: pinned copies "
+        "this project measured on an H200 (docs/gpu-runs/2026-11-26-h200.md); host Adam 1.75e9 "
+        "params/s: this project's CPU Adam in mixed precision on a 2-core machine (BENCHMARKS.md), "
+        "a floor for a GPU host with more cores";
+    return m;
+  }
+  TORCH_CHECK(false, "unknown GPU cost model \"", name, "\"; known: h100, h200");
 }
 
 namespace {

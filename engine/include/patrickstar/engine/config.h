@@ -202,6 +202,25 @@ struct DelayedUpdateConfig {
   int64_t warmup_steps = 10;
 };
 
+// "plan": "auto": the engine chooses the chunk size (with "default_chunk_size": "auto"), the step
+// schedule (serial or overlapped) and where each chunk index's Adam runs (the margin's indices on
+// the device, or every one on the host) from the
+// first scheduled iteration's trace and measured compute, with memtracer's cost model; it prints
+// every candidate's prediction, keeps it in Engine::plan() and IterationReport::plan_decision,
+// and after "plan_check_iterations" iterations on the plan compares the measured step with the
+// prediction: past "plan_tolerance" (a relative difference) it corrects the profile with the
+// measurement and plans once more (docs/design.md, "The plan"). "plan_profile": "measured" (copy
+// bandwidth and Adam rates measured here) or a GPU model's rates ("h100", "h200"). Exact only:
+// the delayed update is never a candidate. One process; not with the delayed update or the static
+// policy. "off" (the default): the config's own settings.
+enum class PlanMode : uint8_t { kOff, kAuto };
+struct PlanConfig {
+  PlanMode mode = PlanMode::kOff;
+  std::string profile = "measured";
+  int check_iterations = 3;
+  double tolerance = 0.25;
+};
+
 // "zero_optimization": {"frozen_parameters": "lean"}: what a parameter frozen at registration
 // (requires_grad false when initialize_engine takes the model) costs. "lean" (the default): frozen
 // parameters get chunk indices of their own holding their param chunk only (no fp32 master,
@@ -247,6 +266,7 @@ struct Config {
   OverlapStepConfig overlap_step;
   DelayedUpdateConfig delayed_update;
   ActivationConfig activation_checkpointing;
+  PlanConfig plan;
   Fp16Config fp16;
   bool bf16 = false;                         // "bf16": {"enabled": true}
   double gradient_clipping = 0.0;            // global L2 norm; 0 turns clipping off

@@ -203,6 +203,11 @@ class Engine final {
   // "auto"}, the candidates the cost model compared after it (IterationReport::
   // activation_plan_made marks that step). text() prints it.
   ActivationPlanReport activation_plan() const;
+  // "plan": "auto": every candidate setting the engine predicted after the first scheduled
+  // iteration, the one it chose and why, and its check against the measured step
+  // (IterationReport::plan_decision marks those steps); empty (planned false) before, or with
+  // "plan": "off". text() prints it; config_json() pins the choice in a config.
+  PlanReport plan() const;
   // Keeps the chunk timeline from now on (scheduler().moves() and moment_records(), the copy
   // thread's spans), or stops. Off by default: it grows with every iteration (ps_bench turns it on
   // for --trace, --plot and --predict).

@@ -77,6 +77,9 @@ struct IterationReport {
   // overlapped step"); else empty.
   bool early_updates_allowed = false;
   std::string overlap_step_decision;
+  // "plan": "auto": on the iteration where the engine planned, checked its plan or planned again,
+  // what it did (PlanReport::text() of Engine::plan() has every candidate); else empty.
+  std::string plan_decision;
   // The delayed update ("zero_optimization.delayed_param_update"), past its warm-up: this step's
   // update was handed to the optimizer thread and runs during the next iteration. skipped,
   // grad_norm and loss_scale are then those of the update written in since the last step (the
@@ -150,6 +153,49 @@ struct ActivationPlanReport {
   double predicted_step_seconds = 0;  // the chosen plan's
   // Lines for a log: the calls, the candidates and the choice.
   std::string text() const;
+};
+
+// "plan": "auto" (Engine::plan(); docs/design.md, "The plan"): one candidate setting and what the
+// cost model predicts for it on the measured trace.
+struct PlanCandidateReport {
+  std::string name;        // "chunks 3448832, serial, Adam margin (1 of 2 on the device)", ...
+  int64_t chunk_elems = 0;  // elements per chunk
+  std::string schedule;    // "serial" or "overlapped"
+  std::string adam;      // "margin" (the margin's indices on the device) or "host"
+  int64_t adam_device_indices = 0;  // chunk indices whose Adam runs on the device
+  bool fits = false;
+  std::string why_not;  // when it does not fit
+  double predicted_step_seconds = 0;
+  double compute_seconds = 0;       // with the serial step's host Adam
+  double host_adam_seconds = 0;     // wherever it runs
+  double exposed_copy_seconds = 0;  // compute waiting for copies
+  // Work on other threads (copies, the optimizer thread's updates) the prediction hides behind
+  // compute: the self-check's lever when the measured step is longer.
+  double beside_seconds = 0;
+  int64_t device_peak_bytes = 0;    // chunks and non-model bytes, the steady iteration's
+  int64_t h2d_bytes = 0;            // per iteration
+  int64_t d2h_bytes = 0;
+  double measured_step_seconds = 0;  // the chosen one's, once the check measured it
+};
+struct PlanReport {
+  bool planned = false;
+  std::string profile;  // the profile's figures and their sources
+  std::vector<PlanCandidateReport> candidates;
+  int chosen = -1;  // into candidates
+  std::string why;
+  double predicted_step_seconds = 0;  // the chosen candidate's
+  // The self-check: the median step over plan_check_iterations iterations on the plan, and
+  // whether its difference from the prediction passed the tolerance and the engine planned again.
+  double measured_step_seconds = 0;
+  bool checked = false;
+  bool replanned = false;
+  std::string check;  // the check's line
+  // Lines for a log: every candidate, the choice, the check.
+  std::string text() const;
+  // The chosen settings as a config document's keys ("plan": "off", "default_chunk_size" and the
+  // keys that pin the step schedule and the Adam placement),
+  // for --write-plan; empty before the plan.
+  std::string config_json() const;
 };
 
 // Model-data figures, fixed after registration.

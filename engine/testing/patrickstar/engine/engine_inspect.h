@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "patrickstar/chunk/chunk_store.h"
@@ -47,6 +48,14 @@ class EngineInspector {
   // with one process), and the communicator the engine uses.
   bool owns(int64_t chunk_index) const;
   const Communicator& communicator() const;
+  // "plan": "auto": the other chunk sizes the plan considers, and the trace it predicts for chunks
+  // of `chunk_elems` (for the engine's own size, after the warm-up: the scheduler's trace); nullopt
+  // where it has none.
+  std::vector<int64_t> plan_chunk_sizes() const;
+  std::optional<Trace> plan_trace_of(int64_t chunk_elems) const;
+  // Applies the plan's candidate `candidate` as if the engine had chosen it (between iterations;
+  // the one thing here that changes the engine: tests run every candidate through it).
+  static void apply_plan_candidate(Engine& engine, int candidate);
 
  private:
   const engine_detail::EngineImpl& core_;

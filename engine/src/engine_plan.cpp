@@ -1,0 +1,260 @@
+// "plan": "auto" (run_plan.h; docs/design.md, "The plan"): what the engine hands its RunPlanner
+// and what it does with the choice.
+#include "engine_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "patrickstar/memtracer/cost_model.h"
+
+#include "engine_internal.h"
+
+namespace patrickstar {
+using namespace engine_detail;  // NOLINT: this folder's private helpers
+
+void EngineCore::check_plan_config() const {
+  if (config_.plan.mode != PlanMode::kAuto) return;
+  TORCH_CHECK(dp_.one_process(), "patrickstar::Engine: \"plan\": \"auto\" plans one process; with ",
+              dp_.world(),
+              " ranks set the step schedule and the Adam placement in the config (\"plan\": "
+              "\"off\")");
+  TORCH_CHECK(!config_.delayed_update.enabled,
+              "patrickstar::Engine: \"plan\": \"auto\" plans only what gives the same training; "
+              "zero_optimization.delayed_param_update changes it (weights one update old), so the "
+              "two do not go together: turn one off");
+  TORCH_CHECK(config_.scheduler.policy != EvictionPolicy::kStatic,
+              "patrickstar::Engine: \"plan\": \"auto\" with the static policy: every param chunk "
+              "stays on the device and every Adam runs on the host, so there is nothing to plan; "
+              "use the \"opt\" or \"lru\" policy, or \"plan\": \"off\"");
+  if (config_.plan.profile != "measured") (void)named_plan_profile(config_.plan.profile);
+}
+
+RunPlanner::Mark EngineCore::plan_mark() const {
+  const RunningTotals t = running_totals();
+  return {std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
+          t.copy_wait_seconds, t.moves.h2d_bytes + t.moves.d2h_bytes};
+}
+
+PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
+  PlanInputs in;
+  in.scheduler = scheduler_->options();
+  in.compute_seconds = std::move(compute);
+  in.overlap_possible =
+      pipeline_->overlap_possible() && config_.overlap_step.mode != OverlapMode::kOff;
+  in.host_placement_possible = config_.optimizer.use_hybrid_adam;
+  in.async_moves = config_.scheduler.async_moves;
+  in.layouts.push_back(plan_layout_now());
+  for (int64_t size : plan_chunk_sizes()) {
+    if (std::optional<PlanLayout> other = plan_layout_of(size, in.layouts[0].trace)) {
+      in.layouts.push_back(std::move(*other));
+    }
+  }
+  return in;
+}
+
+PlanLayout EngineCore::plan_layout_now() const {
+  PlanLayout layout;
+  layout.chunk_elems = store().chunk_elems();
+  layout.trace = scheduler_->trace();
+  layout.chunks = scheduler_->chunks();
+  const AdamPlacement& placement = pipeline_->placement();
+  for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
+    if (!owns(i) || storage_.host_only()[static_cast<size_t>(i)] || !pipeline_->index_trains(i)) {
+      continue;
+    }
+    PlanIndex x;
+    const int64_t param = store().chunk_id(ChunkKind::kParam, i);
+    x.params = static_cast<double>(store().chunk(param).capacity_elems);
+    x.device_side = adam_side_chunks(i, /*device=*/true);
+    x.host_side = adam_side_chunks(i, /*device=*/false);
+    for (int64_t c : x.device_side) {
+      x.device_adam_bytes += store().chunk_bytes(c);
+      if (store().kind_of(c) != ChunkKind::kGrad) x.undo_bytes += store().chunk_bytes(c);
+    }
+    x.on_device = placement.decided() && placement.on_device()[static_cast<size_t>(i)];
+    x.device_only = placement.device_only(i);
+    x.own = {param};
+    if (store().has_kind(ChunkKind::kGrad)) x.own.push_back(store().chunk_id(ChunkKind::kGrad, i));
+    layout.indices.push_back(std::move(x));
+  }
+  find_ready_moments(layout);
+  return layout;
+}
+
+PlanProfile EngineCore::plan_profile(const PlanInputs& in, double adam_seconds,
+                                     double copy_bytes_per_s) const {
+  const bool cuda = config_.device.type == DeviceType::kCuda;
+  PlanProfile p;
+  if (config_.plan.profile != "measured") {
+    p = named_plan_profile(config_.plan.profile);
+  } else {
+    p.name = "measured";
+    double updated = 0;  // parameters the measured step updated, and of them on the host
+    double on_host = 0;
+    for (const PlanIndex& x : in.layouts.front().indices) {
+      updated += x.params;
+      if (!x.on_device && !x.device_only) on_host += x.params;
+    }
+    const GpuCostModel h100 = gpu_cost_model("h100");
+    // The emulated device runs the host kernel on its memory: one rate for both sides. On a GPU
+    // the device Adam runs on its stream, so the step's host time is the host Adam's.
+    const double counted = cuda ? on_host : updated;
+    const bool rate_measured = counted > 0 && adam_seconds > 0;
+    p.host_adam_params_per_s = rate_measured ? counted / adam_seconds : h100.host_adam_params_per_s;
+    if (cuda) {
+      p.device_memory_bytes_per_s = gpu_cost_model("h200").device_memory_bytes_per_s;
+    } else {
+      p.device_adam_params_per_s = p.host_adam_params_per_s;
+    }
+    p.h2d_bytes_per_s = p.d2h_bytes_per_s = copy_bytes_per_s > 0 ? copy_bytes_per_s : 10e9;
+    p.sources = absl::StrCat(
+        copy_bytes_per_s > 0 ? "copies: the best of 3 host-to-device copies of a chunk, the same "
+                               "rate assumed back"
+                             : "copies: 10 GB/s assumed (the host tier could not spare a block)",
+        "; Adam: ",
+        rate_measured ? "the measured step's parameters over its Adam time"
+                      : "the h100 model's host rate (the measured step updated none on the host)",
+        cuda ? "; the device Adam reads and writes its chunks once at the h200's memory bandwidth"
+             : "; the device Adam is the host kernel on the device's memory",
+        "; compute: each moment of the measured iteration, less its copy waits");
+  }
+  // On the emulated device the copy thread and the optimizer thread run beside compute only where
+  // LibTorch's compute threads leave a core free (a named profile is a GPU's: beside, always).
+  if (config_.plan.profile == "measured") {
+    p.beside_compute = cuda || StepPipeline::host_cores() > at::get_num_threads() ? 1 : 0;
+  }
+  return p;
+}
+
+void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
+  const bool overlap = pipeline_->overlap_possible();
+  const bool host = chosen.adam == "host";
+  const bool resize = chosen.chunk_elems != store().chunk_elems();
+  if (resize) {
+    // The model moves first (the size passed the host budget's check, as the retry's does); the
+    // optimizer thread's kept buffers are the old chunks' size: given back before.
+    if (overlap) pipeline_->set_overlap_step(false);
+    if (scheduler_->has_trace()) scheduler_->drop_trace();
+    move_to_chunk_size(chosen.chunk_elems, /*retried=*/false);
+  }
+  if (host != pipeline_->adam_on_host() || resize) {
+    pipeline_->set_adam_on_host(host);
+    // The step moment's accesses (and with a new size every moment's) change: the next iteration
+    // records the trace again (a warm-up), and the step after it decides the placement with the
+    // plan's.
+    pipeline_->on_retrace();
+    recorder_->rewarm();
+    if (scheduler_->has_trace()) scheduler_->drop_trace();
+  }
+  if (overlap) pipeline_->set_overlap_step(chosen.schedule == "overlapped");
+}
+
+void EngineCore::apply_plan_candidate(int candidate) {
+  std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
+  PlanReport& report = plan_.report();
+  TORCH_CHECK(
+      report.planned && candidate >= 0 && candidate < static_cast<int>(report.candidates.size()),
+      "apply_plan_candidate: no candidate ", candidate, " in the plan");
+  report.chosen = candidate;
+  report.predicted_step_seconds =
+      report.candidates[static_cast<size_t>(candidate)].predicted_step_seconds;
+  apply_plan(report.candidates[static_cast<size_t>(candidate)]);
+}
+
+std::optional<Trace> EngineCore::plan_trace_of(int64_t chunk_elems) const {
+  if (!scheduler_->has_trace()) return std::nullopt;
+  std::optional<PlanLayout> layout = plan_layout_of(chunk_elems, scheduler_->trace());
+  if (!layout) return std::nullopt;
+  return std::move(layout->trace);
+}
+
+void EngineCore::plan_after_step(IterationReport& report) {
+  if (!plan_.enabled()) return;
+  const RunPlanner::Mark now = plan_mark();
+  const bool usable = !report.skipped && !report.retraced && !report.warmup &&
+                      report.chunk_elems_retried == 0 && scheduler_->has_trace();
+  if (plan_.measuring()) {
+    std::vector<double> compute;
+    double bandwidth = 0;
+    double adam_seconds = 0;
+    if (usable) {
+      const Trace& trace = scheduler_->trace();
+      int64_t step = -1;
+      for (int64_t m = 0; m < trace.size(); ++m) {
+        if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
+      }
+      int64_t largest = 0;
+      for (const auto& [id, info] : scheduler_->chunks()) largest = std::max(largest, info.bytes);
+      bandwidth = measure_copy_bandwidth(
+          *storage_.device(), *storage_.host(), storage_.device()->device(),
+          std::clamp<int64_t>(largest, int64_t{1} << 20, int64_t{64} << 20));
+      // The update's own time: its copy waits (Adam's chunks moved home) are copies.
+      adam_seconds = std::max(0.0, report.adam_seconds - plan_.copy_wait_since(step, now));
+      compute = plan_.end_measuring(trace.size(), step, now, adam_seconds, bandwidth,
+                                    !config_.scheduler.async_moves);
+    } else {
+      plan_.end_measuring(-1, -1, now, 0, 0, false);  // measures nothing: the next one does
+    }
+    if (!compute.empty()) {
+      const PlanCandidateReport* chosen = nullptr;
+      try {
+        PlanInputs in = plan_inputs(std::move(compute));
+        chosen = plan_.plan(in, plan_profile(in, adam_seconds, bandwidth));
+      } catch (const c10::Error& e) {
+        plan_.give_up(e.what_without_backtrace());  // the step is done; training goes on
+      }
+      report.plan_decision = plan_.report().text();
+      if (chosen != nullptr) {
+        apply_plan(*chosen);
+      } else {
+        pipeline_->restore_overlap_mode();  // the config's settings, as the report says
+        TORCH_WARN("patrickstar: ", report.plan_decision);
+      }
+      return;
+    }
+  }
+  if (!plan_.planned()) {
+    // The iteration after one the scheduler ran is measured (after the warm-up, after a retrace).
+    if (scheduler_->has_trace() && report.chunk_elems_retried == 0) plan_.begin_measuring();
+    return;
+  }
+  if (report.chunk_elems_retried > 0 && plan_.checks() < 2) {
+    plan_.stop_checking(absl::StrCat(
+        "the warm-up with the plan's chunk size did not fit the device, and \"auto\" moved the "
+        "model into chunks of ",
+        report.chunk_elems_retried, " elements: the plan is not checked"));
+    report.plan_decision = absl::StrCat("plan check: ", plan_.report().check);
+    return;
+  }
+  check_plan(report, now);
+}
+
+void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now) {
+  const int checks = plan_.checks();
+  const bool counted = !report.skipped && !report.retraced && !report.warmup;
+  if (!plan_.end_iteration(counted, now.time - plan_.iteration_start().time)) {
+    if (plan_.checks() != checks) {
+      report.plan_decision = absl::StrCat("plan check: ", plan_.report().check);
+    }
+    return;
+  }
+  const std::string check = plan_.report().check;
+  const PlanCandidateReport* chosen = nullptr;
+  try {
+    // (The inputs planned once already: the same candidates fit.)
+    chosen = plan_.plan(plan_.inputs(), plan_.profile());
+  } catch (const c10::Error& e) {
+    plan_.give_up(e.what_without_backtrace());
+  }
+  plan_.report().check = check;
+  report.plan_decision = plan_.report().text();
+  if (chosen != nullptr) apply_plan(*chosen);
+}
+
+}  // namespace patrickstar

@@ -1,0 +1,184 @@
+// Private to engine/src: "plan": "auto" (docs/design.md, "The plan"). After the first scheduled
+// iteration the engine knows the trace of every moment, and that iteration measured what each
+// moment computes. The planner enumerates the settings that trace allows, predicts each one's step
+// with memtracer's cost model (its chunk moves by replaying the scheduler on the candidate's trace
+// at the device's budget), and keeps the fastest that fits the device. After a few iterations on
+// the plan it compares the measured step with the prediction; past the tolerance it corrects the
+// profile with what it measured and plans once more.
+//
+// The candidates, per chunk size, step schedule and Adam placement:
+// - the engine's chunk size, and with "default_chunk_size": "auto" the smallest of its grid and the
+//   least-waste size between (the model moves into the chosen size between iterations);
+// - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
+//   soon as its gradients are final; the same bits as serial);
+// - Adam on the device for the chunk indices the margin holds ("margin"), or on the host for all
+//   ("host": the device keeps only what forward and backward need).
+// The delayed update changes what training computes; it is never a candidate (exact only).
+//
+// Invariants:
+// - evaluate_plan() is a pure function of its inputs; RunPlanner holds what it measured and what
+//   it chose, and plans at most twice (the plan and one re-plan).
+// - A candidate that does not fit (the scheduler refuses its trace) is never chosen; the engine's
+//   own placement under the serial step always fits (it is the trace the engine runs).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "patrickstar/engine/config.h"
+#include "patrickstar/engine/reports.h"
+#include "patrickstar/memtracer/cost_model.h"
+#include "patrickstar/memtracer/scheduler.h"
+#include "patrickstar/memtracer/trace.h"
+
+namespace patrickstar::engine_detail {
+
+// What the machine does, as the plan assumes it.
+struct PlanProfile {
+  std::string name;  // "measured", or a named GPU model's rates for copies and Adam
+  double h2d_bytes_per_s = 0;
+  double d2h_bytes_per_s = 0;
+  double host_adam_params_per_s = 0;
+  // Device Adam: parameters per second (the emulated device runs the host kernel on its memory),
+  // or, when 0, its chunks' bytes read and written once at device_memory_bytes_per_s.
+  double device_adam_params_per_s = 0;
+  double device_memory_bytes_per_s = 0;
+  // The share of the work on other threads (the copy queue, the optimizer thread) that runs beside
+  // compute: 1 on a GPU; on the emulated device 1 where a core is free of compute threads, else 0
+  // (it takes compute's cores).
+  double beside_compute = 1;
+  // Every moment's measured compute is multiplied by this (the self-check's correction).
+  double compute_scale = 1;
+  std::string sources;  // where each figure comes from
+};
+
+// One chunk index that updates at the step.
+struct PlanIndex {
+  double params = 0;                 // elements its Adam updates
+  std::vector<int64_t> device_side;  // chunks its Adam reads on the device (step moment accesses)
+  std::vector<int64_t> host_side;    // chunks its Adam needs on the host
+  int64_t device_adam_bytes = 0;     // bytes of device_side
+  int64_t undo_bytes = 0;            // what the overlapped step copies to undo an update ahead
+  std::vector<int64_t> own = {};     // its param and gradient chunks (find_ready_moments)
+  int64_t ready_after = -1;          // its gradients are final after this moment
+  bool on_device = false;            // the engine's placement (the margin's)
+  bool device_only = false;          // states on the device for good: Adam there in every plan
+};
+
+// One chunk size: its trace (the chunks each moment accesses, the step moment's with the margin's
+// placement), its chunks and the indices that update.
+struct PlanLayout {
+  int64_t chunk_elems = 0;
+  Trace trace;
+  std::map<int64_t, ChunkInfo> chunks;
+  std::vector<PlanIndex> indices;
+};
+
+struct PlanInputs {
+  // The engine's size and scheduled trace first, then the other sizes "auto" allows (their traces
+  // made from the warm-up's per-moment tensors), in the order of preference on a tie.
+  std::vector<PlanLayout> layouts;
+  SchedulerOptions scheduler;
+  std::vector<double> compute_seconds;  // per moment: measured, the step moment without Adam
+  // An optimizer thread exists (no disk tier, no delayed update) and "overlap_step" is not false.
+  bool overlap_possible = false;
+  bool async_moves = true;        // copies on a queue beside compute (else inline: all exposed)
+  bool host_placement_possible = true;
+};
+
+// Each index's ready_after: the last moment before the (last) step moment whose accesses or host
+// chunks include one of its own chunks (the step moment less one when none does).
+void find_ready_moments(PlanLayout& layout);
+
+// Every candidate's prediction, in the order of preference on a tie (the engine's chunk size
+// first, serial before overlapped, margin before host), and the index of the chosen one (-1 when
+// none fits).
+struct PlanEvaluation {
+  std::vector<PlanCandidateReport> candidates;
+  int chosen = -1;
+  std::string why;
+};
+PlanEvaluation evaluate_plan(const PlanInputs& inputs, const PlanProfile& profile);
+
+// A named profile ("h100", "h200": memtracer's GPU cost models' copy and Adam rates); throws
+// c10::Error for another name.
+PlanProfile named_plan_profile(const std::string& name);
+
+// The planner's state over the run (EngineCore's plan component).
+class RunPlanner {
+ public:
+  explicit RunPlanner(const PlanConfig& config) : config_(config) {}
+  bool enabled() const { return config_.mode == PlanMode::kAuto; }
+  const PlanConfig& config() const { return config_; }
+
+  // The iteration measured for the plan (the first scheduled one): each moment's start, with the
+  // copy wait and the bytes moved so far.
+  bool measuring() const { return measuring_; }
+  struct Mark {
+    double time = 0;  // seconds on the steady clock
+    double copy_wait = 0;
+    int64_t moved_bytes = 0;
+  };
+  // The next iteration is measured, from its first moment to the end of its step (the engine's
+  // own iteration: what the trainer does between its step and its next forward is not planned).
+  void begin_measuring() {
+    measuring_ = true;
+    marks_.clear();
+  }
+  void note_moment(int64_t moment, const Mark& mark);
+  // The measured iteration's end (`mark` after its step; `adam_seconds` the step's update):
+  // each moment's compute, the step moment's without the update. Empty when the marks are not one
+  // per moment of `moments`.
+  // The copy wait from moment `moment`'s mark to `mark` (0 without one): what the step moment's
+  // update time holds of copies.
+  double copy_wait_since(int64_t moment, const Mark& mark) const {
+    if (!measuring_ || moment < 0 || moment >= static_cast<int64_t>(marks_.size())) return 0;
+    return mark.copy_wait - marks_[static_cast<size_t>(moment)].copy_wait;
+  }
+  std::vector<double> end_measuring(int64_t moments, int64_t step_moment, const Mark& mark,
+                                    double adam_seconds, double copy_bytes_per_s, bool sync_moves);
+
+  // Plans (the first time) or re-plans: keeps the evaluation; returns the chosen candidate, or
+  // null when none fits (the report says so; the engine keeps the config's settings).
+  const PlanCandidateReport* plan(const PlanInputs& inputs, const PlanProfile& profile);
+  // The plan could not be made (`why`): the report says so, and nothing is planned again.
+  void give_up(const std::string& why);
+  bool planned() const { return report_.planned; }
+  const PlanReport& report() const { return report_; }
+  PlanReport& report() { return report_; }
+  const PlanInputs& inputs() const { return inputs_; }
+  const PlanProfile& profile() const { return profile_; }
+
+  // An iteration on the plan ended, `seconds` from its first moment; `counted`: it ran the plan
+  // as planned (not retraced, skipped or clipped). Returns true when the check found the
+  // prediction off by more than the tolerance and the profile was corrected (the caller re-plans
+  // with profile()); the report holds the check's line either way.
+  bool end_iteration(bool counted, double seconds);
+  int checks() const { return checks_; }
+  // The peak of non-model bytes the engine's Adam placement was decided with (the margin's).
+  void note_placement_peak(int64_t bytes) { placement_peak_ = bytes; }
+  int64_t placement_peak() const { return placement_peak_; }
+  // The plan's size did not fit after all and the chunk-size retry moved the model (`why`): the
+  // check stops (its prediction was another size's).
+  void stop_checking(const std::string& why);
+  // The first moment of the iteration in progress (the check times iterations from there to the
+  // end of their step).
+  const Mark& iteration_start() const { return iteration_start_; }
+  void iteration_began(const Mark& mark) { iteration_start_ = mark; }
+
+ private:
+  PlanConfig config_;
+  bool measuring_ = false;
+  Mark iteration_start_;
+  std::vector<Mark> marks_;
+  int checks_ = 0;
+  int64_t placement_peak_ = 0;
+  PlanInputs inputs_;
+  PlanProfile profile_;
+  std::vector<double> samples_;
+  PlanReport report_;
+};
+
+}  // namespace patrickstar::engine_detail

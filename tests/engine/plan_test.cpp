@@ -1,0 +1,216 @@
+// "plan": "auto" in the engine: it plans after the first scheduled iteration, trains as plain
+// LibTorch does (every candidate gives the same training), keeps and prints its plan, checks it,
+// writes it as a config that loads, and refuses what it cannot plan.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "error_message.h"
+#include "gpt_training.h"
+
+namespace patrickstar::plan_test {
+
+using test::make_model;
+using test::tight_config;
+using test::train_step;
+using ::testing::HasSubstr;
+
+struct PlanRun {
+  std::vector<double> losses;
+  std::vector<std::string> decisions;  // IterationReport::plan_decision per step
+  PlanReport plan;
+};
+
+PlanRun train(const Config& config, int steps) {
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), config);
+  PlanRun run;
+  for (int s = 0; s < steps; ++s) {
+    double loss = 0;
+    const IterationReport r = train_step(engine, model, s, &loss);
+    run.losses.push_back(loss);
+    run.decisions.push_back(r.plan_decision);
+  }
+  run.plan = engine.plan();
+  return run;
+}
+
+TEST(PlanAuto, PlansAfterTheFirstScheduledIterationAndTrainsAsLibTorch) {
+  const int steps = 8;
+  const PlanRun planned =
+      train(tight_config(R"({"plan": "auto", "plan_check_iterations": 2})"), steps);
+  const PlanRun off = train(tight_config(), steps);
+  const std::vector<double> reference = test::train_plain(steps);
+  // Every candidate updates as the serial step does: the same bits as the config's own run.
+  EXPECT_EQ(planned.losses, off.losses);
+  EXPECT_LT(test::max_relative_difference(planned.losses, reference), 1e-6);
+
+  const PlanReport& plan = planned.plan;
+  ASSERT_TRUE(plan.planned);
+  ASSERT_GE(plan.chosen, 0);
+  ASSERT_LT(plan.chosen, static_cast<int>(plan.candidates.size()));
+  double best = 1e30;
+  for (const PlanCandidateReport& c : plan.candidates) {
+    if (c.fits) best = std::min(best, c.predicted_step_seconds);
+    EXPECT_TRUE(c.schedule == "serial" || c.schedule == "overlapped") << c.name;
+    EXPECT_TRUE(c.adam == "margin" || c.adam == "host") << c.name;
+  }
+  const PlanCandidateReport& chosen = plan.candidates[static_cast<size_t>(plan.chosen)];
+  EXPECT_TRUE(chosen.fits);
+  EXPECT_GT(chosen.predicted_step_seconds, 0);
+  EXPECT_LE(chosen.predicted_step_seconds, best * 1.01);
+  EXPECT_EQ(plan.predicted_step_seconds, chosen.predicted_step_seconds);
+  EXPECT_THAT(plan.profile, HasSubstr("\"measured"));  // (", corrected" after a re-plan)
+  // The device holds part of the model: every candidate moves chunks.
+  EXPECT_GT(chosen.h2d_bytes, 0);
+  EXPECT_GT(chosen.device_peak_bytes, 0);
+  EXPECT_LE(chosen.device_peak_bytes, tight_config().device.capacity_bytes);
+
+  // Step 0 is the warm-up, step 1 measured: its report carries the plan, with every candidate.
+  EXPECT_TRUE(planned.decisions[0].empty());
+  ASSERT_FALSE(planned.decisions[1].empty());
+  for (const PlanCandidateReport& c : plan.candidates) {
+    EXPECT_THAT(planned.decisions[1], HasSubstr(c.name));
+  }
+  EXPECT_THAT(planned.decisions[1], HasSubstr("chosen: " + chosen.name));
+  // Two iterations on the plan, then its check (the iteration after a re-placement is a warm-up
+  // and does not count).
+  EXPECT_TRUE(plan.checked);
+  EXPECT_GT(plan.measured_step_seconds, 0);
+  const int check_step = static_cast<int>(
+      std::find_if(planned.decisions.begin() + 2, planned.decisions.end(),
+                   [](const std::string& d) { return !d.empty(); }) -
+      planned.decisions.begin());
+  ASSERT_LT(check_step, steps);
+  EXPECT_THAT(planned.decisions[check_step], HasSubstr("median step"));
+
+  // The plan as a config: it loads and pins the choice.
+  const Config pinned = Config::from_string(plan.config_json());
+  EXPECT_EQ(pinned.plan.mode, PlanMode::kOff);
+  EXPECT_EQ(pinned.overlap_step.mode,
+            chosen.schedule == "overlapped" ? OverlapMode::kOn : OverlapMode::kOff);
+  EXPECT_EQ(pinned.optimizer.use_hybrid_adam, chosen.adam == "margin");
+  const PlanRun again = train(tight_config(nlohmann::json::parse(plan.config_json()).dump()), steps);
+  EXPECT_EQ(again.losses, off.losses);
+  EXPECT_FALSE(again.plan.planned);
+}
+
+// "default_chunk_size": "auto" with the plan: the device of tight_config() holds part of the model.
+Config auto_size_config() {
+  return tight_config(R"({"plan": "auto", "default_chunk_size": "auto"})");
+}
+
+std::vector<int64_t> sorted(std::vector<int64_t> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+TEST(PlanAuto, ThePredictedTraceOfTheEnginesOwnChunkSizeIsTheTraceItRuns) {
+  models::Gpt model = make_model(1);
+  Engine engine(model.ptr(), auto_size_config());
+  train_step(engine, model, 0);  // the warm-up: the trace, the placement, the per-moment tensors
+  const Trace& runs = inspect(engine).scheduler().trace();
+  const std::optional<Trace> predicted =
+      inspect(engine).plan_trace_of(engine.registration().chunk_elems);
+  ASSERT_TRUE(predicted.has_value());
+  ASSERT_EQ(predicted->size(), runs.size());
+  for (int64_t m = 0; m < runs.size(); ++m) {
+    const Moment& a = predicted->moments[static_cast<size_t>(m)];
+    const Moment& b = runs.moments[static_cast<size_t>(m)];
+    EXPECT_EQ(a.kind, b.kind) << m;
+    EXPECT_EQ(a.label, b.label) << m;
+    EXPECT_EQ(sorted(a.chunk_ids), sorted(b.chunk_ids)) << m << " " << b.label;
+    EXPECT_EQ(sorted(a.host_chunk_ids), sorted(b.host_chunk_ids)) << m << " " << b.label;
+    EXPECT_EQ(a.non_model_bytes, b.non_model_bytes) << m;
+  }
+  // The other sizes: smaller, each with a trace of the same moments.
+  const std::vector<int64_t> sizes = inspect(engine).plan_chunk_sizes();
+  ASSERT_FALSE(sizes.empty());
+  for (int64_t size : sizes) {
+    EXPECT_LT(size, engine.registration().chunk_elems);
+    const std::optional<Trace> other = inspect(engine).plan_trace_of(size);
+    ASSERT_TRUE(other.has_value()) << size;
+    EXPECT_EQ(other->size(), runs.size());
+  }
+}
+
+TEST(PlanAuto, EveryCandidateTheEngineConsidersTrainsAsLibTorch) {
+  const int steps = 8;
+  const PlanRun planned = train(auto_size_config(), steps);
+  ASSERT_TRUE(planned.plan.planned);
+  const std::vector<double> reference = test::train_plain(steps);
+  EXPECT_LT(test::max_relative_difference(planned.losses, reference), 1e-6);
+  std::set<int64_t> sizes;
+  for (const PlanCandidateReport& c : planned.plan.candidates) sizes.insert(c.chunk_elems);
+  EXPECT_GE(sizes.size(), 2u) << planned.plan.text();
+  // Each candidate applied after the plan (the model moved into its chunks, its Adam placed, its
+  // schedule set): the same training.
+  for (int c = 0; c < static_cast<int>(planned.plan.candidates.size()); ++c) {
+    const PlanCandidateReport& candidate = planned.plan.candidates[static_cast<size_t>(c)];
+    if (!candidate.fits) continue;
+    models::Gpt model = make_model(1);
+    Config config = auto_size_config();
+    config.plan.check_iterations = 1000;  // no check, no second plan: the candidate stays
+    Engine engine(model.ptr(), config);
+    std::vector<double> losses(steps);
+    IterationReport last;
+    for (int s = 0; s < steps; ++s) {
+      last = train_step(engine, model, s, &losses[static_cast<size_t>(s)]);
+      if (s == 1) {
+        // From the settings the engine measured with (its own size, serial, the margin's
+        // placement: candidate 0), whatever it chose on this machine, to the candidate.
+        EngineInspector::apply_plan_candidate(engine, 0);
+        EngineInspector::apply_plan_candidate(engine, c);
+      }
+    }
+    EXPECT_EQ(losses, planned.losses) << candidate.name;
+    EXPECT_EQ(engine.registration().chunk_elems, candidate.chunk_elems) << candidate.name;
+    EXPECT_EQ(last.early_updates_allowed, candidate.schedule == "overlapped") << candidate.name;
+    if (candidate.adam == "host") {
+      const std::vector<bool>& on_device = inspect(engine).adam_on_device();
+      EXPECT_EQ(std::count(on_device.begin(), on_device.end(), true), 0) << candidate.name;
+    }
+  }
+}
+
+TEST(PlanAuto, NamedProfilesPlanWithTheirRates) {
+  const PlanRun run = train(tight_config(R"({"plan": "auto", "plan_profile": "h200"})"), 3);
+  ASSERT_TRUE(run.plan.planned);
+  EXPECT_THAT(run.plan.profile, HasSubstr("\"h200\""));
+  EXPECT_THAT(run.plan.profile, HasSubstr("H200"));
+  EXPECT_FALSE(run.decisions[1].empty());
+}
+
+TEST(PlanAuto, RefusesWhatItCannotPlan) {
+  models::Gpt model = make_model(1);
+  EXPECT_THAT(test::error_of([&] {
+                Engine engine(model.ptr(),
+                              tight_config(R"({"plan": "auto", "zero_optimization":
+                                  {"delayed_param_update": true}})"));
+              }),
+              HasSubstr("delayed_param_update changes it"));
+  EXPECT_THAT(test::error_of([&] {
+                Engine engine(model.ptr(),
+                              tight_config(R"({"plan": "auto", "client":
+                                  {"scheduler": {"policy": "static"}}})"));
+              }),
+              HasSubstr("nothing to plan"));
+  EXPECT_THAT(test::error_of([] { Config::from_string(R"({"plan_profile": "a100"})"); }),
+              HasSubstr("one of \"measured\", \"h100\", \"h200\""));
+  EXPECT_THAT(test::error_of([] { Config::from_string(R"({"plan": "yes"})"); }),
+              HasSubstr("one of \"off\", \"auto\""));
+  EXPECT_THAT(test::error_of([] { Config::from_string(R"({"plan_tolerance": 0})"); }),
+              HasSubstr("plan_tolerance"));
+  // The model is untouched by a refusal: a new engine takes it.
+  Engine engine(model.ptr(), tight_config());
+  EXPECT_FALSE(engine.plan().planned);
+}
+
+}  // namespace patrickstar::plan_test

@@ -1,0 +1,284 @@
+// The plan's choice on hand-made traces ("plan": "auto"; engine/src/run_plan.h): every candidate
+// predicted with the cost model, the fastest that fits chosen, a candidate that does not fit never
+// chosen, the overlap worth nothing where compute takes every core, and the self-check that
+// corrects the profile once.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "run_plan.h"
+
+namespace patrickstar::engine_detail {
+namespace run_plan_test {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int kIndices = 4;
+
+// Four chunk indices (param chunk k, momentum 4 + 2k, variance 5 + 2k, 1 MiB each): a forward
+// moment per index (1 ms), a backward moment per index in reverse (3 ms), and the step, where
+// indices 0 and 1 update on the device (the margin's placement) and 2 and 3 on the host.
+PlanInputs four_indices(int64_t capacity) {
+  PlanInputs in;
+  PlanLayout l;
+  l.chunk_elems = kMiB / 4;
+  for (int k = 0; k < kIndices; ++k) {
+    Moment m;
+    m.kind = MomentKind::kPreForward;
+    m.label = "block" + std::to_string(k);
+    m.chunk_ids = {k};
+    m.non_model_bytes = kMiB / 4;
+    l.trace.moments.push_back(m);
+    in.compute_seconds.push_back(1e-3);
+  }
+  for (int k = kIndices - 1; k >= 0; --k) {
+    Moment m;
+    m.kind = MomentKind::kPreBackward;
+    m.label = "block" + std::to_string(k);
+    m.chunk_ids = {k};
+    m.non_model_bytes = kMiB / 4;
+    l.trace.moments.push_back(m);
+    in.compute_seconds.push_back(3e-3);
+  }
+  Moment step;
+  step.kind = MomentKind::kStep;
+  step.label = "step";
+  for (int k = 0; k < kIndices; ++k) {
+    PlanIndex x;
+    x.params = static_cast<double>(kMiB / 4);
+    x.device_side = {k, 4 + 2 * k, 5 + 2 * k};
+    x.host_side = x.device_side;
+    x.device_adam_bytes = 3 * kMiB;
+    x.undo_bytes = 3 * kMiB;
+    x.own = {k};
+    x.on_device = k < 2;
+    auto& ids = x.on_device ? step.chunk_ids : step.host_chunk_ids;
+    ids.insert(ids.end(), x.device_side.begin(), x.device_side.end());
+    l.indices.push_back(x);
+  }
+  l.trace.moments.push_back(step);
+  in.compute_seconds.push_back(0.5e-3);
+  for (int64_t id = 0; id < 3 * kIndices; ++id) l.chunks[id] = ChunkInfo{kMiB};
+  find_ready_moments(l);
+  for (int k = 0; k < kIndices; ++k) {
+    EXPECT_EQ(l.indices[static_cast<size_t>(k)].ready_after, kIndices + (kIndices - 1 - k))
+        << "index " << k << ": its backward moment";
+  }
+  in.layouts.push_back(l);
+  in.scheduler.capacity_bytes = capacity;
+  in.scheduler.overall_ratio = 1.0;
+  in.scheduler.warmup_ratio = 0.9;
+  in.overlap_possible = true;
+  return in;
+}
+
+PlanProfile profile(double beside) {
+  PlanProfile p;
+  p.name = "test";
+  p.h2d_bytes_per_s = p.d2h_bytes_per_s = 10e9;
+  p.host_adam_params_per_s = p.device_adam_params_per_s = 1e8;  // 2.6 ms per index
+  p.beside_compute = beside;
+  return p;
+}
+
+const PlanCandidateReport* find(const PlanEvaluation& e, const std::string& schedule,
+                                const std::string& adam) {
+  for (const PlanCandidateReport& c : e.candidates) {
+    if (c.schedule == schedule && c.adam == adam) return &c;
+  }
+  return nullptr;
+}
+
+TEST(RunPlan, EveryCandidateIsPredictedAndTheFastestThatFitsIsChosen) {
+  const PlanEvaluation e = evaluate_plan(four_indices(64 * kMiB), profile(1));
+  ASSERT_EQ(e.candidates.size(), 4u);
+  double best = 1e9;
+  for (const PlanCandidateReport& c : e.candidates) {
+    ASSERT_TRUE(c.fits) << c.name << ": " << c.why_not;
+    EXPECT_GT(c.predicted_step_seconds, 0) << c.name;
+    best = std::min(best, c.predicted_step_seconds);
+  }
+  ASSERT_GE(e.chosen, 0);
+  EXPECT_LE(e.candidates[e.chosen].predicted_step_seconds, best * 1.01);
+  // Compute alone is 16.5 ms; the serial step adds four updates of 2.6 ms.
+  const PlanCandidateReport* serial = find(e, "serial", "margin");
+  ASSERT_NE(serial, nullptr);
+  EXPECT_NEAR(serial->predicted_step_seconds, 16.5e-3 + 4 * 2.62144e-3, 0.5e-3);
+  EXPECT_EQ(serial->adam_device_indices, 2);
+  // The overlapped step hides the host's updates behind the last backward moments.
+  const PlanCandidateReport* overlapped = find(e, "overlapped", "margin");
+  ASSERT_NE(overlapped, nullptr);
+  EXPECT_LT(overlapped->predicted_step_seconds, serial->predicted_step_seconds - 2e-3);
+  EXPECT_EQ(e.candidates[e.chosen].schedule, "overlapped");
+  // Every Adam on the host sends the margin's two indices home at the step and back.
+  const PlanCandidateReport* host = find(e, "serial", "host");
+  ASSERT_NE(host, nullptr);
+  EXPECT_EQ(host->adam_device_indices, 0);
+  EXPECT_GT(host->d2h_bytes, serial->d2h_bytes);
+}
+
+TEST(RunPlan, WhereComputeTakesEveryCoreTheOverlapGainsNothingAndSerialStays) {
+  const PlanEvaluation e = evaluate_plan(four_indices(64 * kMiB), profile(0));
+  const PlanCandidateReport* serial = find(e, "serial", "margin");
+  const PlanCandidateReport* overlapped = find(e, "overlapped", "margin");
+  ASSERT_NE(serial, nullptr);
+  ASSERT_NE(overlapped, nullptr);
+  EXPECT_GE(overlapped->predicted_step_seconds, serial->predicted_step_seconds);
+  ASSERT_GE(e.chosen, 0);
+  EXPECT_EQ(e.candidates[e.chosen].schedule, "serial") << e.why;
+}
+
+TEST(RunPlan, ACandidateThatDoesNotFitIsNeverChosen) {
+  // 4 MiB: a forward or backward moment needs one chunk, the margin's step six.
+  const PlanEvaluation e = evaluate_plan(four_indices(4 * kMiB), profile(1));
+  const PlanCandidateReport* margin = find(e, "serial", "margin");
+  ASSERT_NE(margin, nullptr);
+  EXPECT_FALSE(margin->fits);
+  EXPECT_FALSE(margin->why_not.empty());
+  ASSERT_GE(e.chosen, 0) << e.why;
+  EXPECT_TRUE(e.candidates[e.chosen].fits);
+  EXPECT_EQ(e.candidates[e.chosen].adam, "host");
+  // Nothing fits a device smaller than a chunk and its moment's activations.
+  const PlanEvaluation none = evaluate_plan(four_indices(kMiB), profile(1));
+  EXPECT_EQ(none.chosen, -1);
+  EXPECT_EQ(none.why, "no candidate fits the device");
+}
+
+TEST(RunPlan, EveryChunkSizeIsACandidateAndTheEnginesOwnWinsATie) {
+  PlanInputs in = four_indices(64 * kMiB);
+  PlanLayout other = in.layouts[0];
+  other.chunk_elems = kMiB / 8;  // the same trace: the same predictions
+  in.layouts.push_back(other);
+  const PlanEvaluation tie = evaluate_plan(in, profile(1));
+  ASSERT_EQ(tie.candidates.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(tie.candidates[i].chunk_elems, i < 4 ? kMiB / 4 : kMiB / 8);
+    EXPECT_NEAR(tie.candidates[i].predicted_step_seconds,
+                tie.candidates[i % 4].predicted_step_seconds, 1e-12);
+  }
+  ASSERT_GE(tie.chosen, 0);
+  EXPECT_EQ(tie.candidates[tie.chosen].chunk_elems, kMiB / 4);
+  // Where the margin's step does not fit, the chosen candidate's config pins its size.
+  in.scheduler.capacity_bytes = 4 * kMiB + kMiB / 2;
+  const PlanEvaluation e = evaluate_plan(in, profile(1));
+  ASSERT_GE(e.chosen, 0) << e.why;
+  PlanReport report;
+  report.planned = true;
+  report.candidates = e.candidates;
+  report.chosen = e.chosen;
+  const std::string pinned = report.config_json();
+  EXPECT_NE(pinned.find("\"default_chunk_size\": " +
+                        std::to_string(e.candidates[e.chosen].chunk_elems)),
+            std::string::npos)
+      << pinned;
+}
+
+TEST(RunPlan, WithoutAnOptimizerThreadOrAMarginTheCandidatesShrink) {
+  PlanInputs in = four_indices(64 * kMiB);
+  in.overlap_possible = false;
+  EXPECT_EQ(evaluate_plan(in, profile(1)).candidates.size(), 2u);
+  in.host_placement_possible = false;
+  const PlanEvaluation one = evaluate_plan(in, profile(1));
+  ASSERT_EQ(one.candidates.size(), 1u);
+  EXPECT_EQ(one.chosen, 0);
+  in.compute_seconds.pop_back();
+  EXPECT_THROW(evaluate_plan(in, profile(1)), c10::Error);
+}
+
+TEST(RunPlanner, TheMeasuredComputeIsEachMomentLessItsCopyWaitsAndTheStepsAdam) {
+  PlanConfig config;
+  config.mode = PlanMode::kAuto;
+  RunPlanner planner(config);
+  planner.begin_measuring();
+  planner.note_moment(0, {10.5, 0.0, 0});
+  planner.note_moment(1, {11.0, 0.1, 0});
+  planner.note_moment(1, {11.5, 0.1, 0});  // a forward rewound: moment 1 again
+  planner.note_moment(2, {12.0, 0.2, 0});
+  const std::vector<double> c = planner.end_measuring(3, 2, {13.0, 0.2, 1000}, 0.25, 0, false);
+  ASSERT_EQ(c.size(), 3u);
+  EXPECT_NEAR(c[0], 1.0 - 0.1, 1e-9);
+  EXPECT_NEAR(c[1], 0.5 - 0.1, 1e-9);
+  EXPECT_NEAR(c[2], 1.0 - 0.25, 1e-9);
+  EXPECT_FALSE(planner.measuring());
+  // Synchronous moves: their bytes at the copy rate are not compute either.
+  planner.begin_measuring();
+  planner.note_moment(0, {0.0, 0.0, 0});
+  EXPECT_NEAR(planner.end_measuring(1, -1, {1.0, 0.0, 500}, 0, 1000, true)[0], 0.5, 1e-9);
+  // A moment skipped, or fewer moments than the trace: nothing measured.
+  planner.begin_measuring();
+  planner.note_moment(1, {0.0, 0.0, 0});
+  EXPECT_TRUE(planner.end_measuring(2, -1, {1.0, 0.0, 0}, 0, 0, false).empty());
+}
+
+TEST(RunPlanner, AStepWithinTheToleranceKeepsThePlan) {
+  PlanConfig config;
+  config.mode = PlanMode::kAuto;
+  config.check_iterations = 3;
+  RunPlanner planner(config);
+  const PlanCandidateReport chosen = *planner.plan(four_indices(64 * kMiB), profile(1));
+  EXPECT_TRUE(planner.planned());
+  EXPECT_FALSE(planner.end_iteration(true, chosen.predicted_step_seconds * 1.1));
+  EXPECT_FALSE(planner.end_iteration(false, 1.0)) << "not counted";
+  EXPECT_FALSE(planner.end_iteration(true, chosen.predicted_step_seconds * 1.2));
+  EXPECT_FALSE(planner.report().checked);
+  EXPECT_FALSE(planner.end_iteration(true, chosen.predicted_step_seconds * 1.15));
+  EXPECT_TRUE(planner.report().checked);
+  EXPECT_NEAR(planner.report().measured_step_seconds, chosen.predicted_step_seconds * 1.15, 1e-12);
+  EXPECT_NE(planner.report().check.find("the plan stands"), std::string::npos)
+      << planner.report().check;
+  EXPECT_FALSE(planner.end_iteration(true, 100.0)) << "checked once";
+  EXPECT_NE(planner.report().text().find("check: "), std::string::npos);
+}
+
+TEST(RunPlanner, AStepPastTheToleranceCorrectsTheProfileAndPlansOnceMore) {
+  PlanConfig config;
+  config.mode = PlanMode::kAuto;
+  config.check_iterations = 2;
+  RunPlanner planner(config);
+  const PlanCandidateReport first = *planner.plan(four_indices(64 * kMiB), profile(1));
+  ASSERT_EQ(first.schedule, "overlapped");
+  // The overlap hid nothing here (compute took the cores): the step is the serial one's.
+  const double serial = planner.report().candidates[0].predicted_step_seconds;
+  ASSERT_GT(serial, first.predicted_step_seconds * 1.25);
+  EXPECT_FALSE(planner.end_iteration(true, serial));
+  EXPECT_TRUE(planner.end_iteration(true, serial));
+  EXPECT_NE(planner.report().check.find("planned again"), std::string::npos)
+      << planner.report().check;
+  EXPECT_LT(planner.profile().beside_compute, 1.0);
+  const PlanCandidateReport second = *planner.plan(planner.inputs(), planner.profile());
+  EXPECT_TRUE(planner.report().replanned);
+  // The corrected profile predicts what the first choice measured, and the plan takes the fastest
+  // under it: another candidate.
+  for (const PlanCandidateReport& c : planner.report().candidates) {
+    if (c.name == first.name) {
+      EXPECT_NEAR(c.predicted_step_seconds, serial, serial * 1e-6);
+    }
+  }
+  EXPECT_NE(second.name, first.name) << planner.report().text();
+  EXPECT_LT(second.predicted_step_seconds, serial);
+  // Once only: a second check past the tolerance keeps the plan.
+  EXPECT_FALSE(planner.end_iteration(true, 3 * serial));
+  EXPECT_FALSE(planner.end_iteration(true, 3 * serial));
+  EXPECT_NE(planner.report().check.find("the plan stays"), std::string::npos)
+      << planner.report().check;
+  EXPECT_FALSE(planner.end_iteration(true, 3 * serial));
+}
+
+TEST(RunPlanner, PlansNothingWhereNoCandidateFits) {
+  PlanConfig config;
+  config.mode = PlanMode::kAuto;
+  RunPlanner planner(config);
+  EXPECT_EQ(planner.plan(four_indices(kMiB), profile(1)), nullptr);
+  EXPECT_TRUE(planner.planned());
+  EXPECT_EQ(planner.report().chosen, -1);
+  EXPECT_NE(planner.report().text().find("no plan: no candidate fits the device"),
+            std::string::npos)
+      << planner.report().text();
+  EXPECT_FALSE(planner.end_iteration(true, 1.0));
+  EXPECT_THROW(named_plan_profile("a100"), c10::Error);
+  EXPECT_GT(named_plan_profile("h200").h2d_bytes_per_s, 0);
+}
+
+}  // namespace run_plan_test
+}  // namespace patrickstar::engine_detail
