@@ -196,7 +196,12 @@ ps::Config build_config() {
     j["optimizer"]["params"]["weight_decay"] = 0.1;
     j["optimizer"]["params"]["no_decay"] = {"bias", "norm", "embedding"};
   }
-  if (absl::GetFlag(FLAGS_plan) || absl::GetFlag(FLAGS_compare_plan)) j["plan"] = "auto";
+  const bool planning = absl::GetFlag(FLAGS_plan) || absl::GetFlag(FLAGS_compare_plan);
+  if (planning) j["plan"] = "auto";
+  TORCH_CHECK(planning || absl::GetFlag(FLAGS_plan_profile).empty(),
+              "--plan-profile: give --plan or --compare-plan (without them nothing plans)");
+  TORCH_CHECK(absl::GetFlag(FLAGS_write_plan).empty() || absl::GetFlag(FLAGS_plan),
+              "--write-plan: give --plan (the plan of the run it writes)");
   if (!absl::GetFlag(FLAGS_plan_profile).empty()) {
     j["plan_profile"] = absl::GetFlag(FLAGS_plan_profile);
   }

@@ -19,7 +19,17 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::check_plan_config() const {
-  if (config_.plan.mode != PlanMode::kAuto) return;
+  if (config_.plan.mode != PlanMode::kAuto) {
+    const PlanConfig defaults;
+    if (config_.plan.profile != defaults.profile ||
+        config_.plan.check_iterations != defaults.check_iterations ||
+        config_.plan.tolerance != defaults.tolerance) {
+      TORCH_WARN(
+          "patrickstar: plan_profile, plan_check_iterations and plan_tolerance have no "
+          "effect without \"plan\": \"auto\"");
+    }
+    return;
+  }
   TORCH_CHECK(dp_.one_process(), "patrickstar::Engine: \"plan\": \"auto\" plans one process; with ",
               dp_.world(),
               " ranks set the step schedule and the Adam placement in the config (\"plan\": "
@@ -33,6 +43,12 @@ void EngineCore::check_plan_config() const {
               "stays on the device and every Adam runs on the host, so there is nothing to plan; "
               "use the \"opt\" or \"lru\" policy, or \"plan\": \"off\"");
   if (config_.plan.profile != "measured") (void)named_plan_profile(config_.plan.profile);
+  if (config_.overlap_step.mode == OverlapMode::kOn) {
+    TORCH_WARN(
+        "patrickstar: \"plan\": \"auto\" chooses between the serial and the overlapped "
+        "step; zero_optimization.overlap_step true makes the overlapped one a candidate, not "
+        "the setting (false leaves it out)");
+  }
 }
 
 RunPlanner::Mark EngineCore::plan_mark() const {
@@ -185,10 +201,7 @@ void EngineCore::plan_after_step(IterationReport& report) {
     double adam_seconds = 0;
     if (usable) {
       const Trace& trace = scheduler_->trace();
-      int64_t step = -1;
-      for (int64_t m = 0; m < trace.size(); ++m) {
-        if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
-      }
+      const int64_t step = step_moment_of(trace);
       int64_t largest = 0;
       for (const auto& [id, info] : scheduler_->chunks()) largest = std::max(largest, info.bytes);
       bandwidth = measure_copy_bandwidth(

@@ -100,9 +100,9 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
   int64_t state_bytes = 0;
   for (ChunkKind kind : state_kinds()) state_bytes += bytes(kind);
   const int64_t resident = n * (bytes(ChunkKind::kParam) + (grads ? bytes(ChunkKind::kGrad) : 0));
-  const int64_t margin = static_cast<int64_t>(
-      static_cast<double>(usable_device_bytes(config_) - peak_non_model - resident) *
-      config_.mem_tracer.margin_use_ratio);
+  const int64_t margin =
+      adam_margin_bytes(usable_device_bytes(config_), peak_non_model, resident,
+                        /*device_state_bytes=*/0, config_.mem_tracer.margin_use_ratio);
   const std::vector<int64_t> each(static_cast<size_t>(n), state_bytes);
   const PlacementPlan placed =
       config_.optimizer.use_hybrid_adam ? plan_placement(each, margin) : all_on_host(each);

@@ -56,14 +56,6 @@ std::string PlanReport::config_json() const {
 namespace engine_detail {
 namespace {
 
-int64_t step_moment_of(const Trace& trace) {
-  int64_t step = -1;
-  for (int64_t m = 0; m < trace.size(); ++m) {
-    if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
-  }
-  return step;
-}
-
 bool adam_on_device(const PlanIndex& index, bool host) {
   return index.device_only || (!host && index.on_device);
 }
@@ -190,6 +182,14 @@ std::vector<Variant> variants_of(const PlanInputs& in, const PlanLayout& layout)
 }
 
 }  // namespace
+
+int64_t step_moment_of(const Trace& trace) {
+  int64_t step = -1;
+  for (int64_t m = 0; m < trace.size(); ++m) {
+    if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
+  }
+  return step;
+}
 
 void find_ready_moments(PlanLayout& layout) {
   const int64_t step = step_moment_of(layout.trace);

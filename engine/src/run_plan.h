@@ -88,6 +88,9 @@ struct PlanInputs {
   bool host_placement_possible = true;
 };
 
+// The trace's (last) step moment, or -1.
+int64_t step_moment_of(const Trace& trace);
+
 // Each index's ready_after: the last moment before the (last) step moment whose accesses or host
 // chunks include one of its own chunks (the step moment less one when none does).
 void find_ready_moments(PlanLayout& layout);

@@ -191,10 +191,9 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
   // The margin: what the device keeps free even at the peak of activations with every parameter
   // chunk resident. Optimizer states placed there never need to move.
   // (States placed on the device at registration stay there: their bytes are not spare.)
-  const int64_t margin = static_cast<int64_t>(
-      static_cast<double>(usable_device_bytes - peak_non_model - resident_model_bytes -
-                          device_state_bytes) *
-      config.mem_tracer.margin_use_ratio);
+  const int64_t margin =
+      adam_margin_bytes(usable_device_bytes, peak_non_model, resident_model_bytes,
+                        device_state_bytes, config.mem_tracer.margin_use_ratio);
   // (The delayed update runs every Adam on its host thread.)
   const bool hybrid = config.optimizer.use_hybrid_adam && !adam_on_host_ &&
                       config.scheduler.policy != EvictionPolicy::kStatic && delayed_ == nullptr;

@@ -109,6 +109,18 @@ struct StepInputs {
   std::function<void()> staged;  // a disk tier's states are staged (the host's peak)
 };
 
+// The margin hybrid Adam may fill with optimizer states: what the device keeps free at the peak of
+// non-model bytes with every param (and gradient) chunk resident and the states placed there for
+// good, times "margin_use_ratio" (StepPipeline::decide_placement; the plan places other chunk sizes
+// with it).
+inline int64_t adam_margin_bytes(int64_t usable_device_bytes, int64_t peak_non_model,
+                                 int64_t resident_model_bytes, int64_t device_state_bytes,
+                                 double margin_use_ratio) {
+  return static_cast<int64_t>(static_cast<double>(usable_device_bytes - peak_non_model -
+                                                  resident_model_bytes - device_state_bytes) *
+                              margin_use_ratio);
+}
+
 class StepPipeline {
  public:
   explicit StepPipeline(PipelineWiring wiring);

@@ -213,4 +213,40 @@ TEST(PlanAuto, RefusesWhatItCannotPlan) {
   EXPECT_FALSE(engine.plan().planned);
 }
 
+// LibTorch warnings (TORCH_WARN) on this thread while it lives.
+class Warnings : public c10::WarningHandler {
+ public:
+  Warnings() : guard_(this) {}
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  bool any(const std::string& text) const {
+    return std::any_of(messages.begin(), messages.end(),
+                       [&](const std::string& m) { return m.find(text) != std::string::npos; });
+  }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+
+TEST(PlanAuto, KeysThatDoNothingSaySo) {
+  models::Gpt model = make_model(1);
+  {
+    Warnings warnings;
+    Engine engine(model.ptr(), tight_config(R"({"plan_profile": "h200"})"));
+    EXPECT_TRUE(warnings.any("have no effect without \"plan\": \"auto\""))
+        << warnings.messages.size();
+  }
+  {
+    Warnings warnings;
+    Engine engine(model.ptr(), tight_config(R"({"plan": "auto", "zero_optimization":
+                                                   {"overlap_step": true}})"));
+    EXPECT_TRUE(warnings.any("makes the overlapped one a candidate, not the setting"));
+  }
+  {
+    Warnings warnings;
+    Engine engine(model.ptr(), tight_config(R"({"plan": "auto"})"));
+    EXPECT_FALSE(warnings.any("plan")) << "the defaults say nothing";
+  }
+}
+
 }  // namespace patrickstar::plan_test
