@@ -109,12 +109,23 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
   const double planned = median(modes[0].times);
   out["plan"] = plan_json(plan);
   std::printf(
-      "\nmedian steps over rounds %lld..%lld; predicted: the planning engine's cost model\n",
+      "\nmedian steps over steps %lld..%lld (turns of 3 steps per engine, each turn's first left "
+      "out); predicted: the planning engine's cost model\n",
       static_cast<long long>(first_steady + 1), static_cast<long long>(steps));
   std::printf("%-62s %12s %12s %10s %10s\n", "candidate", "predicted s", "measured s", "meas/pred",
               "x best");
   double spread_min = 0, spread_max = 0;
   bool same_losses = true;
+  // The losses each engine must match: the planning engine's for the candidates of its kind (exact,
+  // or the delayed update where the config allows it and the plan chose it), else the first
+  // trained candidate's of the other kind.
+  const bool plan_delayed = chosen.schedule == "delayed";
+  const std::vector<double>* other_kind = nullptr;
+  for (size_t i = 1; i < modes.size() && other_kind == nullptr; ++i) {
+    if (modes[i].trained && (modes[i].schedule == "delayed") != plan_delayed) {
+      other_kind = &modes[i].losses;
+    }
+  }
   nlohmann::json rows = nlohmann::json::array();
   for (size_t i = 1; i < modes.size(); ++i) {
     const PlanModeResult& m = modes[i];
@@ -137,7 +148,8 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
       spread_min = spread_min == 0 ? ratio : std::min(spread_min, ratio);
       spread_max = std::max(spread_max, ratio);
     }
-    same_losses = same_losses && m.losses == modes[0].losses;
+    const bool same_kind = (m.schedule == "delayed") == plan_delayed;
+    same_losses = same_losses && m.losses == (same_kind ? modes[0].losses : *other_kind);
     std::printf("%-62s %12.5f %12.5f %10.3f %10.3f\n", m.name.c_str(), predicted, measured, ratio,
                 measured / best);
     row["measured_step_s"] = measured;
@@ -152,7 +164,8 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
               to_best);
   std::printf(
       "plan within 5%% of the best measured candidate (%s): %s; measured over predicted "
-      "from %.3f to %.3f; every engine's losses equal the planning one's: %s\n",
+      "from %.3f to %.3f; every engine's losses equal the planning one's (the other kind's, exact "
+      "or delayed, each other's): %s\n",
       best_name.c_str(), to_best <= 1.05 ? "yes" : "NO", spread_min, spread_max,
       same_losses ? "yes" : "NO");
   if (!plan.check.empty()) std::printf("the plan's own check: %s\n", plan.check.c_str());
@@ -172,16 +185,17 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
 template <class Spec>
 int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, int64_t steps,
                  uint64_t seed) {
-  TORCH_CHECK(steps >= 7, "--compare-plan needs --steps >= 7 (the warm-up, the measured iteration, "
-              "a second warm-up where the plan moves Adam or the model, and steady rounds; 16 or "
+  TORCH_CHECK(steps >= 7,
+              "--compare-plan needs --steps >= 7 (the warm-up, the measured iteration, "
+              "a second warm-up where the plan moves Adam or the model, and steady steps; 16 or "
               "more leave the first 6 out)");
-  std::printf("compare-plan: %s, %lld parameters, %s, batch %lld, seq %lld, %lld rounds, device "
-              "%s, %d intra-op threads\n",
-              spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
-              std::string(ps::to_string(base.precision())).c_str(), static_cast<long long>(batch),
-              static_cast<long long>(seq), static_cast<long long>(steps),
-              mib(static_cast<double>(base.device.capacity_bytes)).c_str(),
-              torch::get_num_threads());
+  std::printf(
+      "compare-plan: %s, %lld parameters, %s, batch %lld, seq %lld, %lld steps per engine, device "
+      "%s, %d intra-op threads\n",
+      spec.name.c_str(), static_cast<long long>(spec.parameter_count()),
+      std::string(ps::to_string(base.precision())).c_str(), static_cast<long long>(batch),
+      static_cast<long long>(seq), static_cast<long long>(steps),
+      mib(static_cast<double>(base.device.capacity_bytes)).c_str(), torch::get_num_threads());
   std::fflush(stdout);
   // The candidates: a first engine's plan (then gone), so that every engine starts together.
   const ps::PlanReport considered = first_plan(base, spec, batch, seq, seed);
@@ -206,29 +220,40 @@ int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, 
   // After the warm-ups: the planning engine's (and a second one where the plan moves Adam or the
   // model), and the ones where "auto" moves the model into smaller chunks first.
   const int64_t first_steady = steps >= 16 ? 6 : 4;
-  for (int64_t r = 0; r < steps; ++r) {
-    auto data = batch_of(spec, base, batch, seq, seed + 1 + static_cast<uint64_t>(r));
+  // Each engine trains kBlock consecutive steps per turn, the order of the engines rotating per
+  // turn: a delayed update's thread then runs beside its own engine's next forward and backward,
+  // as in training. After its turn the update in flight is waited for, untimed (set_lr(lr()) waits
+  // and writes nothing), so that no engine's time carries another's thread. A turn's first step
+  // (caches cold, a predecessor's update found done) is left out, with the steps before
+  // first_steady.
+  constexpr int64_t kBlock = 3;
+  for (int64_t turn = 0; turn * kBlock < steps; ++turn) {
     for (size_t k = 0; k < modes.size(); ++k) {
-      Mode& m = modes[(static_cast<size_t>(r) + k) % modes.size()];
-      if (!m.engine) continue;
-      auto& [model, optimizer] = *m.engine;
-      try {
-        const auto start = Clock::now();
-        const auto [loss, report] = train_step(model, optimizer, data.tokens, data.targets);
-        finish_device_work(base);
-        const double t = seconds_since(start);
-        m.r.losses.push_back(loss.template item<double>());
-        if (r >= first_steady) m.r.times.push_back(t);
-        if (&m == &modes[0] && !report.plan_decision.empty()) {
-          std::printf("round %lld, the planning engine:\n    %s\n", static_cast<long long>(r + 1),
-                      report.plan_decision.c_str());
+      Mode& m = modes[(static_cast<size_t>(turn) + k) % modes.size()];
+      for (int64_t b = 0; b < kBlock && turn * kBlock + b < steps && m.engine; ++b) {
+        const int64_t s = turn * kBlock + b;
+        auto data = batch_of(spec, base, batch, seq, seed + 1 + static_cast<uint64_t>(s));
+        auto& [model, optimizer] = *m.engine;
+        try {
+          const auto start = Clock::now();
+          const auto [loss, report] = train_step(model, optimizer, data.tokens, data.targets);
+          finish_device_work(base);
+          const double t = seconds_since(start);
+          m.r.losses.push_back(loss.template item<double>());
+          if (s >= first_steady && b > 0) m.r.times.push_back(t);
+          if (&m == &modes[0] && !report.plan_decision.empty()) {
+            std::printf("step %lld, the planning engine:\n    %s\n", static_cast<long long>(s + 1),
+                        report.plan_decision.c_str());
+          }
+        } catch (const std::exception& e) {
+          m.r.refused = first_line(e.what());
+          m.engine.reset();
         }
-      } catch (const std::exception& e) {
-        m.r.refused = first_line(e.what());
-        m.engine.reset();
       }
+      if (m.engine) m.engine->first.engine().set_lr(m.engine->first.engine().lr());
     }
-    std::printf("round %lld/%lld done\n", static_cast<long long>(r + 1),
+    std::printf("steps %lld/%lld done\n",
+                static_cast<long long>(std::min(steps, (turn + 1) * kBlock)),
                 static_cast<long long>(steps));
     std::fflush(stdout);
   }
@@ -245,8 +270,8 @@ int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, 
                         {"dtype", std::string(ps::to_string(base.precision()))},
                         {"batch", batch},
                         {"seq", seq},
-                        {"rounds", steps},
-                        {"steady_rounds", steps - first_steady},
+                        {"steps", steps},
+                        {"first_steady_step", first_steady + 1},
                         {"device_capacity_bytes", base.device.capacity_bytes},
                         {"intra_op_threads", torch::get_num_threads()}};
   report_comparison(plan, results, first_steady, steps, out);

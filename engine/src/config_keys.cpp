@@ -208,7 +208,8 @@ constexpr ConfigKey kKeys[] = {
        return json(c.frozen_parameters == FrozenParameters::kLean ? "lean" : "full_state");
      }},
     {"zero_optimization.delayed_param_update", "true or false", "false",
-     "the delayed parameter update (one step stale), opt-in", kUsed,
+     "the delayed parameter update (one step stale), opt-in; under \"plan\": \"auto\" a candidate",
+     kUsed,
      [](const json& v, const ValueReader& r, Config& c) { r.boolean(v, c.delayed_update.enabled); },
      [](const Config& c) { return json(c.delayed_update.enabled); }},
     {"zero_optimization.delayed_param_update_warmup_steps", "a whole number of steps, 0 or more",

@@ -73,6 +73,13 @@ void DelayedUpdate::done() {
   error_ = nullptr;
 }
 
+void DelayedUpdate::release_kept() {
+  TORCH_CHECK(!pending_,
+              "patrickstar: internal: the delayed update's buffers given back while "
+              "its update is in flight");
+  kept_.clear();
+}
+
 int64_t DelayedUpdate::buffer_bytes() const {
   int64_t bytes = 0;
   for (const at::Tensor& t : kept_) {

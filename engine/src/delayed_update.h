@@ -64,6 +64,9 @@ class DelayedUpdate {
   // The update in flight (valid while pending()).
   const DelayedJob& job() const { return job_; }
   int64_t buffer_bytes() const;
+  // The buffers kept for the next update go back to the host tier (none pending: the update in
+  // flight was taken). The next update allocates its own.
+  void release_kept();
   double take_busy_seconds();    // the thread's seconds on updates taken since the last call
   double take_waited_seconds();  // the training thread's seconds in join() since the last call
 

@@ -101,8 +101,11 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
     }
     TORCH_CHECK(false, kRegistrationFailed, agreed, kNoRankRegistered);
   }
-  // "plan": "auto" decides the step schedule: no trial of its own.
-  if (plan_.enabled() && pipeline_->overlap_possible()) pipeline_->set_overlap_step(false);
+  // "plan": "auto" decides the step schedule: no trial of its own, no delayed update before it.
+  if (plan_.enabled()) {
+    if (pipeline_->overlap_possible()) pipeline_->set_overlap_step(false);
+    if (pipeline_->delayed_possible()) pipeline_->set_delayed_update(false);
+  }
   // From now on the doors of the model's modules find this engine.
   for (const auto& [module, name] : params_.module_names()) register_module_handler(*module, this);
 }

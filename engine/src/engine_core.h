@@ -149,7 +149,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   void checkpoint_recompute_done(int64_t call, double seconds) override;
   ActivationPlanReport activation_plan() const;
   PlanReport plan() const { return plan_.report(); }
-  // Tests (EngineInspector): applies the plan's candidate `candidate` as if chosen; the trace the
+  // Tests (EngineInspector): applies the plan's candidate `candidate` as if chosen (-1: as if none
+  // fitted, the config's settings); the trace the
   // plan predicts for chunks of `chunk_elems` (nullopt without a trace or the warm-up's needs), and
   // the sizes it considers.
   void apply_plan_candidate(int candidate);
@@ -364,6 +365,11 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   engine_detail::PlanProfile plan_profile(const engine_detail::PlanInputs& inputs,
                                           double adam_seconds, double copy_bytes_per_s) const;
   void apply_plan(const PlanCandidateReport& chosen);
+  // No plan: the config's step schedule (with the delayed update allowed, the delayed update,
+  // whose all-host placement is then decided again after a new trace).
+  void keep_config_schedule();
+  // The delayed update's copies in the host tier (zero_optimization.delayed_param_update).
+  int64_t delayed_copy_bytes() const;
   // Tells the scheduler the last moment's compute is over (its prefetch point).
   void close_moment();
   // Keeps the breakdown of this moment when it is the highest device or host use so far.

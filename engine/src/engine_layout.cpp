@@ -82,6 +82,9 @@ void EngineCore::move_to_chunk_size(int64_t chunk_elems, bool retried) {
   const int64_t before = store().chunk_elems();
   const int64_t waste_before = store().layout().waste_elems();
   const int64_t overdrafts = scheduler_->current_stats().overdrafts;
+  // The delayed update in flight (under "plan": "auto") writes its weights into the old chunks
+  // first; the moves below then copy what it made.
+  pipeline_->land_delayed_now();
   store().finish_copies();
   std::string reason;  // why the warm-up's trace did not fit, for the warning
   retry_.take_chosen(&reason);

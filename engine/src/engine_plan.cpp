@@ -34,10 +34,6 @@ void EngineCore::check_plan_config() const {
               dp_.world(),
               " ranks set the step schedule and the Adam placement in the config (\"plan\": "
               "\"off\")");
-  TORCH_CHECK(!config_.delayed_update.enabled,
-              "patrickstar::Engine: \"plan\": \"auto\" plans only what gives the same training; "
-              "zero_optimization.delayed_param_update changes it (weights one update old), so the "
-              "two do not go together: turn one off");
   TORCH_CHECK(config_.scheduler.policy != EvictionPolicy::kStatic,
               "patrickstar::Engine: \"plan\": \"auto\" with the static policy: every param chunk "
               "stays on the device and every Adam runs on the host, so there is nothing to plan; "
@@ -46,7 +42,8 @@ void EngineCore::check_plan_config() const {
   if (config_.overlap_step.mode == OverlapMode::kOn) {
     TORCH_WARN(
         "patrickstar: \"plan\": \"auto\" chooses between the serial and the overlapped "
-        "step; zero_optimization.overlap_step true makes the overlapped one a candidate, not "
+        "step (and the delayed update, where the config allows it); "
+        "zero_optimization.overlap_step true makes the overlapped one a candidate, not "
         "the setting (false leaves it out)");
   }
 }
@@ -64,6 +61,12 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   in.overlap_possible =
       pipeline_->overlap_possible() && config_.overlap_step.mode != OverlapMode::kOff;
   in.host_placement_possible = config_.optimizer.use_hybrid_adam;
+  // The delayed update (allowed by the config), per parameter: fp32 copies the gradient and the
+  // weight at the hand-over and writes the weight back at the landing (4 + 4 + 4 bytes); mixed
+  // precision copies the gradient (fp32 with a gradient space: 4; else the half slot's 2, whose
+  // half weight is then rounded back, 2) and writes the half weight at the landing (2).
+  in.delayed_possible = pipeline_->delayed_possible();
+  in.delayed_bytes_per_param = mixed() ? 6 : 12;
   in.async_moves = config_.scheduler.async_moves;
   in.layouts.push_back(plan_layout_now());
   for (int64_t size : plan_chunk_sizes()) {
@@ -168,12 +171,34 @@ void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
     recorder_->rewarm();
     if (scheduler_->has_trace()) scheduler_->drop_trace();
   }
-  if (overlap) pipeline_->set_overlap_step(chosen.schedule == "overlapped");
+  // One optimizer thread on at a time: the one going off first.
+  const bool delayed = pipeline_->delayed_possible();
+  if (overlap && chosen.schedule != "overlapped") pipeline_->set_overlap_step(false);
+  if (delayed && chosen.schedule != "delayed") pipeline_->set_delayed_update(false);
+  if (overlap && chosen.schedule == "overlapped") pipeline_->set_overlap_step(true);
+  if (delayed && chosen.schedule == "delayed") pipeline_->set_delayed_update(true);
+}
+
+void EngineCore::keep_config_schedule() {
+  pipeline_->restore_overlap_mode();  // with the delayed update allowed: it alone, on
+  if (pipeline_->delayed_possible()) {
+    // Its Adam runs on the host: the placement, decided with it off, is decided again (the next
+    // iteration records the trace again, as after a plan that moves Adam).
+    pipeline_->on_retrace();
+    recorder_->rewarm();
+    if (scheduler_->has_trace()) scheduler_->drop_trace();
+  }
 }
 
 void EngineCore::apply_plan_candidate(int candidate) {
   std::lock_guard<engine_detail::EntryGate> lock(entry_gate_);
   PlanReport& report = plan_.report();
+  if (candidate == -1 && report.planned) {
+    report.chosen = -1;
+    report.predicted_step_seconds = 0;
+    keep_config_schedule();
+    return;
+  }
   TORCH_CHECK(
       report.planned && candidate >= 0 && candidate < static_cast<int>(report.candidates.size()),
       "apply_plan_candidate: no candidate ", candidate, " in the plan");
@@ -226,7 +251,7 @@ void EngineCore::plan_after_step(IterationReport& report) {
       if (chosen != nullptr) {
         apply_plan(*chosen);
       } else {
-        pipeline_->restore_overlap_mode();  // the config's settings, as the report says
+        keep_config_schedule();  // the config's settings, as the report says
         TORCH_WARN("patrickstar: ", report.plan_decision);
       }
       return;
@@ -250,7 +275,13 @@ void EngineCore::plan_after_step(IterationReport& report) {
 
 void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now) {
   const int checks = plan_.checks();
-  const bool counted = !report.skipped && !report.retraced && !report.warmup;
+  // An iteration under a delayed plan counts once its step hands its update over and the step
+  // before did too (an update in flight ran beside it and was landed: the steady state).
+  const PlanReport& plan = plan_.report();
+  const bool delayed_plan =
+      plan.chosen >= 0 && plan.candidates[static_cast<size_t>(plan.chosen)].schedule == "delayed";
+  const bool counted = !report.skipped && !report.retraced && !report.warmup &&
+                       (!delayed_plan || plan_.steady_hand_over(report.update_delayed));
   if (!plan_.end_iteration(counted, now.time - plan_.iteration_start().time)) {
     if (plan_.checks() != checks) {
       report.plan_decision = absl::StrCat("plan check: ", plan_.report().check);

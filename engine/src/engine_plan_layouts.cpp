@@ -128,6 +128,14 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
     side.insert(side.end(), ids.begin(), ids.end());
     out.indices.push_back(std::move(x));
   }
+  // The delayed update's copies beside this size's chunks (at registration they fit the engine's
+  // own size).
+  if (pipeline_->delayed_possible() &&
+      storage_.host()->capacity_bytes() != MemoryTier::kUnlimited) {
+    int64_t total = 0;
+    for (const auto& [c, info] : out.chunks) total += info.bytes;
+    out.delayed_fits = total + delayed_copy_bytes() <= storage_.host()->capacity_bytes();
+  }
   find_ready_moments(out);
   return out;
 }

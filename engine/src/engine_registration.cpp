@@ -464,12 +464,23 @@ void EngineCore::attach_model(const Registration& reg) {
   }
 }
 
+int64_t EngineCore::delayed_copy_bytes() const {
+  // Of the gradients, in fp32 also of the weights (a lean parameter never has a gradient to copy).
+  int64_t elements = 0;
+  for (const Param& p : params_) {
+    if (!lean_param(p.id)) elements += store().layout().numel(p.id);
+  }
+  return elements * (!mixed() ? 8 : gradients_.space() ? 6 : 2);
+}
+
 void EngineCore::build_scheduling() {
   // "auto" retries a warm-up whose trace does not fit with a smaller chunk size
   // (engine_layout.cpp), where moving the model between layouts is simple: one process, no disk
-  // tier's files, no delayed update's buffers, no states on the device for good.
+  // tier's files, no states on the device for good, and no delayed update unless "plan": "auto"
+  // holds it (the move lands the update in flight first; its buffers follow the runs' sizes).
   retry_.arm(config_.chunk_size_auto && dp_.one_process() && storage_.disk() == nullptr &&
-             !config_.delayed_update.enabled && metrics_.registration().device_state_bytes == 0 &&
+             (!config_.delayed_update.enabled || plan_.enabled()) &&
+             metrics_.registration().device_state_bytes == 0 &&
              config_.scheduler.policy != EvictionPolicy::kStatic);
   // One clock for the scheduler's moves, the copy thread's spans (chunks().copy_queue()'s
   // set_record_spans; none on CUDA) and the optimizer thread's, so that a trace shows them on one
@@ -488,19 +499,15 @@ void EngineCore::build_scheduling() {
         memory, {numel}, [host](void* p) { host->deallocate(p); },
         at::TensorOptions().dtype(dtype));
   };
+  int64_t delayed_bytes = 0;  // the delayed update's copies (host tier, beyond the chunks)
   if (config_.delayed_update.enabled) {
     TORCH_CHECK(dp_.one_process(),
                 "patrickstar: zero_optimization.delayed_param_update runs in one "
                 "process; this is data parallel over ",
                 dp_.world(), " processes");
-    // Its copies (of the gradients; in fp32 also of the weights) take what the host holds beyond
-    // every chunk: evictions to the host must always find room. (A lean parameter never has a
-    // gradient to copy.)
-    int64_t elements = 0;
-    for (const Param& p : params_) {
-      if (!lean_param(p.id)) elements += store().layout().numel(p.id);
-    }
-    const int64_t copies = elements * (!mixed() ? 8 : gradients_.space() ? 6 : 2);
+    // Its copies take what the host holds beyond every chunk: evictions to the host must always
+    // find room.
+    const int64_t copies = delayed_copy_bytes();
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
       const int64_t room = host->capacity_bytes() - store().total_chunk_bytes();
       TORCH_CHECK(copies <= room,
@@ -512,14 +519,18 @@ void EngineCore::build_scheduling() {
                   "host_capacity_bytes or turn the delayed update off");
     }
     pipeline_->build_thread(StepPipeline::Thread::kDelayed, 0, host_blocks, clock_);
-  } else if (!config_.offload_optimizer.nvme) {
+    delayed_bytes = copies;
+  }
+  // "plan": "auto" with the delayed update allowed chooses between it and the overlapped step:
+  // both threads, one of them on.
+  if ((!config_.delayed_update.enabled || plan_.enabled()) && !config_.offload_optimizer.nvme) {
     // The overlapped step's optimizer thread (started by its first job): no disk tier. The undo
     // buffers take only what the chunks never need: with a host capacity, what it holds beyond
     // every chunk (evictions to the host must always find room).
     int64_t max_bytes = config_.overlap_step.max_bytes;
     if (host->capacity_bytes() != MemoryTier::kUnlimited) {
-      max_bytes =
-          std::clamp<int64_t>(host->capacity_bytes() - store().total_chunk_bytes(), 0, max_bytes);
+      max_bytes = std::clamp<int64_t>(
+          host->capacity_bytes() - store().total_chunk_bytes() - delayed_bytes, 0, max_bytes);
     }
     pipeline_->build_thread(StepPipeline::Thread::kOverlap, max_bytes, host_blocks, clock_);
   }

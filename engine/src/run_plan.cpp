@@ -45,11 +45,12 @@ std::string PlanReport::text() const {
 std::string PlanReport::config_json() const {
   if (chosen < 0) return "";
   const PlanCandidateReport& c = candidates[static_cast<size_t>(chosen)];
-  const nlohmann::json j = {
-      {"plan", "off"},
-      {"default_chunk_size", c.chunk_elems},
-      {"zero_optimization", {{"overlap_step", c.schedule == "overlapped"}}},
-      {"optimizer", {{"params", {{"use_hybrid_adam", c.adam == "margin"}}}}}};
+  const nlohmann::json j = {{"plan", "off"},
+                            {"default_chunk_size", c.chunk_elems},
+                            {"zero_optimization",
+                             {{"overlap_step", c.schedule == "overlapped"},
+                              {"delayed_param_update", c.schedule == "delayed"}}},
+                            {"optimizer", {{"params", {{"use_hybrid_adam", c.adam == "margin"}}}}}};
   return j.dump(2);
 }
 
@@ -106,7 +107,9 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
                                      const PlanProfile& profile, const Variant& v) {
   PlanCandidateReport c;
   c.chunk_elems = layout.chunk_elems;
-  c.schedule = v.schedule == StepSchedule::kSerial ? "serial" : "overlapped";
+  c.schedule = v.schedule == StepSchedule::kSerial       ? "serial"
+               : v.schedule == StepSchedule::kOverlapped ? "overlapped"
+                                                         : "delayed";
   c.adam = v.host ? "host" : "margin";
   const int64_t step = step_moment_of(layout.trace);
   const Trace trace = candidate_trace(layout, v.host, step);
@@ -122,6 +125,15 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
       continue;
     }
     if (step >= 0) costs[static_cast<size_t>(step)].host_adam_params += index.params;
+    if (v.schedule == StepSchedule::kDelayed) {
+      // The training thread copies at the hand-over and the landing (at the copy rate back).
+      if (step >= 0) {
+        costs[static_cast<size_t>(step)].flops +=
+            index.params * in.delayed_bytes_per_param / profile.d2h_bytes_per_s;
+      }
+      updates.push_back({index.params, index.ready_after, index.host_side});
+      continue;
+    }
     // The overlapped step also copies what it updates ahead, to undo it (at the host's copy rate).
     const double undo_params = static_cast<double>(index.undo_bytes) / profile.d2h_bytes_per_s *
                                profile.host_adam_params_per_s;
@@ -151,7 +163,8 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
     // What the timeline runs beside compute; the share of it that takes compute's cores instead
     // adds to the step.
     const double copies = std::max(0.0, p.h2d_seconds + p.d2h_seconds - p.exposed_copy_seconds);
-    const double thread = v.schedule == StepSchedule::kOverlapped
+    // (The step's wait for the optimizer thread is in the step already.)
+    const double thread = v.schedule != StepSchedule::kSerial
                               ? std::max(0.0, p.host_adam_seconds - p.adam_wait_seconds)
                               : 0.0;
     const double beside = in.async_moves ? profile.beside_compute : 0.0;
@@ -178,6 +191,13 @@ std::vector<Variant> variants_of(const PlanInputs& in, const PlanLayout& layout)
   if (host) variants.push_back({StepSchedule::kSerial, true});
   if (in.overlap_possible && any_host) variants.push_back({StepSchedule::kOverlapped, false});
   if (in.overlap_possible && host) variants.push_back({StepSchedule::kOverlapped, true});
+  // The delayed update runs every Adam on the host: not where some index's states live on the
+  // device for good.
+  const bool device_only = std::any_of(layout.indices.begin(), layout.indices.end(),
+                                       [](const PlanIndex& x) { return x.device_only; });
+  if (in.delayed_possible && layout.delayed_fits && !device_only && !layout.indices.empty()) {
+    variants.push_back({StepSchedule::kDelayed, true});
+  }
   return variants;
 }
 
@@ -256,7 +276,8 @@ PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
   out.why = chosen.predicted_step_seconds > best
                 ? absl::StrFormat(
                       "predicted step %.4g s, within 1%% of the fastest (%.4g s) and first in the "
-                      "order of preference (the engine's own chunk size, serial, the margin)%s",
+                      "order of preference (the engine's own chunk size, serial, overlapped, "
+                      "delayed, the margin)%s",
                       chosen.predicted_step_seconds, best, next)
                 : absl::StrFormat("the fastest predicted step, %.4g s%s",
                                   chosen.predicted_step_seconds, next);

@@ -12,8 +12,10 @@
 // - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
 //   soon as its gradients are final; the same bits as serial);
 // - Adam on the device for the chunk indices the margin holds ("margin"), or on the host for all
-//   ("host": the device keeps only what forward and backward need).
-// The delayed update changes what training computes; it is never a candidate (exact only).
+//   ("host": the device keeps only what forward and backward need);
+// - "delayed" (every Adam on the host, on the delayed update's thread during the next iteration),
+//   only where the config allows it (zero_optimization.delayed_param_update: true): it changes what
+//   training computes (the weights are one update old), so it is never a candidate otherwise.
 //
 // Invariants:
 // - evaluate_plan() is a pure function of its inputs; RunPlanner holds what it measured and what
@@ -74,6 +76,8 @@ struct PlanLayout {
   Trace trace;
   std::map<int64_t, ChunkInfo> chunks;
   std::vector<PlanIndex> indices;
+  // The delayed update's copies fit the host beside this size's chunks (where it is allowed).
+  bool delayed_fits = true;
 };
 
 struct PlanInputs {
@@ -82,8 +86,14 @@ struct PlanInputs {
   std::vector<PlanLayout> layouts;
   SchedulerOptions scheduler;
   std::vector<double> compute_seconds;  // per moment: measured, the step moment without Adam
-  // An optimizer thread exists (no disk tier, no delayed update) and "overlap_step" is not false.
+  // An optimizer thread exists (no disk tier) and "overlap_step" is not false.
   bool overlap_possible = false;
+  // The config allows the delayed update (its thread exists): what its hand-over and landing copy
+  // on the training thread per parameter updated (the gradient's copy, in fp32 the weight's, the
+  // weights written back), at the profile's copy rate back (a GPU profile's PCIe rate is
+  // optimistic for host copies).
+  bool delayed_possible = false;
+  double delayed_bytes_per_param = 0;
   bool async_moves = true;        // copies on a queue beside compute (else inline: all exposed)
   bool host_placement_possible = true;
 };
@@ -96,8 +106,8 @@ int64_t step_moment_of(const Trace& trace);
 void find_ready_moments(PlanLayout& layout);
 
 // Every candidate's prediction, in the order of preference on a tie (the engine's chunk size
-// first, serial before overlapped, margin before host), and the index of the chosen one (-1 when
-// none fits).
+// first, serial before overlapped before delayed, margin before host), and the index of the chosen
+// one (-1 when none fits).
 struct PlanEvaluation {
   std::vector<PlanCandidateReport> candidates;
   int chosen = -1;
@@ -160,6 +170,13 @@ class RunPlanner {
   // with profile()); the report holds the check's line either way.
   bool end_iteration(bool counted, double seconds);
   int checks() const { return checks_; }
+  // Under a delayed plan: whether this iteration (`handed_over`: its step handed its update over)
+  // is a steady one, the step before having handed over too.
+  bool steady_hand_over(bool handed_over) {
+    const bool steady = handed_over && last_handed_over_;
+    last_handed_over_ = handed_over;
+    return steady;
+  }
   // The peak of non-model bytes the engine's Adam placement was decided with (the margin's).
   void note_placement_peak(int64_t bytes) { placement_peak_ = bytes; }
   int64_t placement_peak() const { return placement_peak_; }
@@ -177,6 +194,7 @@ class RunPlanner {
   Mark iteration_start_;
   std::vector<Mark> marks_;
   int checks_ = 0;
+  bool last_handed_over_ = false;
   int64_t placement_peak_ = 0;
   PlanInputs inputs_;
   PlanProfile profile_;

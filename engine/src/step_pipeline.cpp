@@ -25,11 +25,13 @@ void StepPipeline::build_thread(Thread thread, int64_t overlap_max_bytes,
                                 std::function<int64_t()> clock) {
   if (thread == Thread::kDelayed) {
     delayed_ = std::make_unique<DelayedUpdate>(std::move(host_blocks));
+    delayed_on_ = true;
   } else if (thread == Thread::kOverlap) {
     overlap_.thread = std::make_unique<StepOverlap>(overlap_max_bytes, std::move(host_blocks));
     overlap_.thread->set_clock(std::move(clock));
-    overlap_.on = wiring_.config.overlap_step.mode != OverlapMode::kOff;
-    overlap_.automatic = wiring_.config.overlap_step.mode == OverlapMode::kAuto;
+    // (Built beside the delayed update only under "plan": "auto": off while that is on.)
+    overlap_.on = wiring_.config.overlap_step.mode != OverlapMode::kOff && !delayed_on_;
+    overlap_.automatic = wiring_.config.overlap_step.mode == OverlapMode::kAuto && !delayed_on_;
   }
 }
 
@@ -129,12 +131,12 @@ void StepPipeline::on_backward_end(bool views_shown) {
 }
 
 void StepPipeline::before_chunk_move(ChunkId id) {
-  if (delayed_ != nullptr) {
-    // A move waits for the update in flight where it reads or writes the chunk (the states).
-    if (delayed_->pending() && is_state_kind(store().kind_of(id))) delayed_->join();
-  } else if (overlap_.thread != nullptr) {
-    overlap_.thread->quiesce(store().index_of(id));
+  // A move waits for the delayed update in flight where it reads or writes the chunk (the
+  // states), and for the optimizer thread where it updates the chunk's index ahead.
+  if (delayed_ != nullptr && delayed_->pending() && is_state_kind(store().kind_of(id))) {
+    delayed_->join();
   }
+  if (overlap_.thread != nullptr) overlap_.thread->quiesce(store().index_of(id));
 }
 
 // --- the step ---
@@ -172,7 +174,7 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
       continue;
     }
     if (placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
-      TORCH_CHECK(delayed_ == nullptr,
+      TORCH_CHECK(!delayed_on_,
                   "patrickstar: zero_optimization.delayed_param_update runs "
                   "every Adam on the host, but the host budget could not hold the optimizer states "
                   "of chunk index ",
@@ -196,7 +198,7 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
                         device_state_bytes, config.mem_tracer.margin_use_ratio);
   // (The delayed update runs every Adam on its host thread.)
   const bool hybrid = config.optimizer.use_hybrid_adam && !adam_on_host_ &&
-                      config.scheduler.policy != EvictionPolicy::kStatic && delayed_ == nullptr;
+                      config.scheduler.policy != EvictionPolicy::kStatic && !delayed_on_;
   const PlacementPlan plan =
       hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
   std::vector<bool> on_device(static_cast<size_t>(n), false);
@@ -218,9 +220,14 @@ void StepPipeline::begin_step() {
   land_delayed_update(/*even_mid_iteration=*/false);
 }
 
+void StepPipeline::land_delayed_now() {
+  if (delayed_ == nullptr) return;
+  land_delayed_update(/*even_mid_iteration=*/true);
+  delayed_->release_kept();
+}
+
 bool StepPipeline::delayed_due(int64_t iteration, bool has_trace) const {
-  return delayed_ != nullptr && iteration >= wiring_.config.delayed_update.warmup_steps &&
-         has_trace;
+  return delayed_on_ && iteration >= wiring_.config.delayed_update.warmup_steps && has_trace;
 }
 
 void StepPipeline::update(const StepInputs& inputs, IterationReport& report) {
@@ -290,7 +297,7 @@ void StepPipeline::after_step(IterationReport& report) {
   if (overlap_.thread != nullptr) {
     overlap_.thread->clear();  // every update ahead was committed or undone by the step
     report.early_updates_cancelled = overlap_.cancelled;
-    report.optimizer_thread_seconds = overlap_.thread->take_busy_seconds();
+    report.optimizer_thread_seconds += overlap_.thread->take_busy_seconds();
     report.early_update_buffer_bytes = overlap_.thread->buffer_bytes();
   }
   overlap_.cancelled = 0;
@@ -316,6 +323,9 @@ void StepPipeline::set_overlap_step(bool on) {
                 ") ",
                 delayed_ != nullptr ? "updates run during the next iteration"
                                     : "every update runs at the step");
+    TORCH_CHECK(!delayed_on_,
+                "patrickstar: set_overlap_step(true) while the delayed update is on: turn it off "
+                "first (set_delayed_update(false))");
   } else if (overlap_.thread != nullptr) {
     cancel_early_updates();
     overlap_.thread->release_kept();  // its undo buffers go back to the host tier
@@ -324,7 +334,25 @@ void StepPipeline::set_overlap_step(bool on) {
   overlap_.automatic = false;
 }
 
+void StepPipeline::set_delayed_update(bool on) {
+  TORCH_CHECK(!on || delayed_ != nullptr,
+              "patrickstar: set_delayed_update(true): zero_optimization.delayed_param_update is "
+              "off, so the engine has no delayed update's thread");
+  TORCH_CHECK(!on || !overlap_.on,
+              "patrickstar: set_delayed_update(true) while the overlapped step is on: turn it off "
+              "first (set_overlap_step(false))");
+  // Off: the update in flight lands now (between iterations: the next forward reads its weights),
+  // so that the overlapped step, if it comes next, never updates ahead beside it.
+  if (!on) land_delayed_now();
+  delayed_on_ = on;
+}
+
 void StepPipeline::restore_overlap_mode() {
+  if (delayed_ != nullptr) {  // the config's delayed update: no overlapped step beside it
+    set_overlap_step(false);
+    delayed_on_ = true;
+    return;
+  }
   if (overlap_.thread == nullptr) return;
   const OverlapMode mode = wiring_.config.overlap_step.mode;
   set_overlap_step(mode != OverlapMode::kOff);

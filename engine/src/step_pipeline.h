@@ -173,6 +173,9 @@ class StepPipeline {
                         int64_t device_state_bytes);
   // Lands the delayed update in flight (its weights are written before this step's views).
   void begin_step();
+  // Lands the delayed update in flight whatever the phase, and gives its kept buffers back (the
+  // model moves into other chunks: the next hand-over's runs have other sizes).
+  void land_delayed_now();
   // Whether this step hands its update over to the delayed update (past its warm-up).
   bool delayed_due(int64_t iteration, bool has_trace) const;
   // Updates every run of this rank's indices with a gradient; fills the report's update figures
@@ -197,14 +200,24 @@ class StepPipeline {
   // in flight (it finishes with its own).
   void set_group_options(const std::vector<AdamOptions>& groups);
   void set_overlap_step(bool on);
-  // The config's "overlap_step" again ("auto": its trial from the start), after "plan": "auto"
-  // held the schedule and made no plan.
+  // "plan": "auto" with zero_optimization.delayed_param_update: whether the steps past its
+  // warm-up hand their update to the delayed update's thread (every Adam then on the host). The
+  // overlapped step must be off to turn it on, and the other way round. Between iterations: off
+  // lands the update in flight and gives its buffers back to the host tier.
+  void set_delayed_update(bool on);
+  bool delayed_update_on() const { return delayed_on_; }
+  // Whether the delayed update's thread exists (the config enables it).
+  bool delayed_possible() const { return delayed_ != nullptr; }
+  // The config's "overlap_step" again ("auto": its trial from the start), or with
+  // delayed_param_update the delayed update alone, after "plan": "auto" held the schedule and
+  // made no plan.
   void restore_overlap_mode();
   // "plan": "auto": every index's Adam on the host from the next placement on (decided again after
   // the engine drops its trace), or the margin's placement again.
   void set_adam_on_host(bool on) { adam_on_host_ = on; }
   bool adam_on_host() const { return adam_on_host_; }
-  // Whether an optimizer thread for the overlapped step exists (no disk tier, no delayed update).
+  // Whether an optimizer thread for the overlapped step exists (no disk tier; with the delayed
+  // update only under "plan": "auto", which runs one of the two).
   bool overlap_possible() const { return overlap_.thread != nullptr; }
   void set_record_spans(bool on);
   std::vector<CopySpan> optimizer_spans() const;
@@ -306,6 +319,7 @@ class StepPipeline {
   // buffers, and the report of the update landed since the last step (for the step's report).
   std::unique_ptr<DelayedUpdate> delayed_;
   std::optional<StepReport> delayed_taken_;
+  bool delayed_on_ = false;  // the steps past its warm-up hand over (the thread exists)
 };
 
 }  // namespace patrickstar::engine_detail

@@ -230,8 +230,10 @@ class Replay {
     }
     double start = std::max(compute_free_, inputs);
     waits.exposed += start - compute_free_;
-    if (schedule_ == StepSchedule::kOverlapped && m == step_moment_ && optimizer_free_ > start) {
-      waits.adam_wait += optimizer_free_ - start;  // the step waits for the last host update
+    // Overlapped: the step waits for this iteration's last host update; delayed: for the last
+    // iteration's (one update in flight: the step lands it before it hands over its own).
+    if (schedule_ != StepSchedule::kSerial && m == step_moment_ && optimizer_free_ > start) {
+      waits.adam_wait += optimizer_free_ - start;
       start = optimizer_free_;
     }
     compute_free_ = start + compute_seconds_[m];

@@ -216,6 +216,29 @@ TEST(ActivationOffload, AutoKeepsEveryBlockWhereTheModelFitsAndPlansEveryCallWhe
   EXPECT_LE(max_relative_difference(moves.losses, plain), 1e-5);
 }
 
+TEST(ActivationOffload, AutoActivationsThenTheRunPlanTrainAsLibTorch) {
+  // "auto" activations plan after the warm-up and record the trace again; "plan": "auto" then
+  // measures a scheduled iteration under that activation plan and plans the step on its trace.
+  constexpr int kSteps = 8;
+  Gpt model = make_six();
+  Engine engine(model.ptr(), moving("auto", R"("plan": "auto")"));
+  std::vector<double> losses;
+  int activations_planned = -1;
+  int run_planned = -1;
+  for (int s = 0; s < kSteps; ++s) {
+    double loss = 0;
+    const IterationReport r = train_step(engine, model, s, &loss);
+    losses.push_back(loss);
+    if (r.activation_plan_made && activations_planned < 0) activations_planned = s;
+    if (r.plan_decision.find("chosen: ") != std::string::npos && run_planned < 0) run_planned = s;
+  }
+  ASSERT_EQ(activations_planned, 0);
+  ASSERT_GT(run_planned, activations_planned) << engine.plan().text();
+  ASSERT_TRUE(engine.activation_plan().planned);
+  ASSERT_GE(engine.plan().chosen, 0) << engine.plan().text();
+  EXPECT_LE(max_relative_difference(losses, train_plain(kSteps, make_six())), 1e-5);
+}
+
 bool trains(const std::string& policy, int64_t capacity, int steps = 3) {
   Config config = tight_config(with_policy(policy));
   config.device.capacity_bytes = capacity;

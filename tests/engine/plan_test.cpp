@@ -1,6 +1,7 @@
 // "plan": "auto" in the engine: it plans after the first scheduled iteration, trains as plain
-// LibTorch does (every candidate gives the same training), keeps and prints its plan, checks it,
-// writes it as a config that loads, and refuses what it cannot plan.
+// LibTorch does (every exact candidate gives the same training; the delayed update, where the
+// config allows it, trains as the config's own), keeps and prints its plan, checks it, writes it as
+// a config that loads, and refuses what it cannot plan.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -180,6 +181,133 @@ TEST(PlanAuto, EveryCandidateTheEngineConsidersTrainsAsLibTorch) {
   }
 }
 
+// zero_optimization.delayed_param_update under the plan: allowed, not on; with "auto" chunk sizes.
+// Without the plan: the delayed update from its fourth step (at the engine's fixed size).
+Config delayed_config(bool plan) {
+  return tight_config(plan ? R"({"plan": "auto", "plan_check_iterations": 1000,
+                                 "default_chunk_size": "auto", "zero_optimization":
+                                 {"delayed_param_update": true,
+                                  "delayed_param_update_warmup_steps": 4}})"
+                           : R"({"zero_optimization": {"delayed_param_update": true,
+                                  "delayed_param_update_warmup_steps": 4}})");
+}
+
+TEST(PlanAuto, WhereTheConfigAllowsTheDelayedUpdateItIsACandidateThatTrainsAsTheConfigsOwn) {
+  const int steps = 8;
+  const PlanRun exact = train(tight_config(), steps);
+  const PlanRun stale = train(delayed_config(false), steps);
+  ASSERT_NE(exact.losses, stale.losses) << "the delayed update changes training";
+  // The plan's own choice trains as that choice's reference does.
+  const PlanRun planned = train(delayed_config(true), steps);
+  ASSERT_TRUE(planned.plan.planned);
+  ASSERT_GE(planned.plan.chosen, 0) << planned.plan.text();
+  // A delayed candidate at every chunk size the plan considers (the model moves between sizes with
+  // the delayed update's thread there, and lands its update in flight first).
+  int delayed = -1;
+  std::set<int64_t> sizes, delayed_sizes;
+  for (int c = 0; c < static_cast<int>(planned.plan.candidates.size()); ++c) {
+    const PlanCandidateReport& candidate = planned.plan.candidates[static_cast<size_t>(c)];
+    sizes.insert(candidate.chunk_elems);
+    if (candidate.schedule != "delayed") continue;
+    if (delayed < 0) delayed = c;
+    delayed_sizes.insert(candidate.chunk_elems);
+    EXPECT_EQ(candidate.adam, "host") << candidate.name;
+  }
+  ASSERT_GE(delayed, 0) << planned.plan.text();
+  EXPECT_GE(sizes.size(), 2u) << planned.plan.text();
+  EXPECT_EQ(delayed_sizes, sizes) << planned.plan.text();
+  const bool chose_delayed =
+      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)].schedule == "delayed";
+  EXPECT_EQ(planned.losses, chose_delayed ? stale.losses : exact.losses) << planned.plan.text();
+  // Each candidate applied after the plan: the delayed one trains as the config's delayed update
+  // (from its warm-up steps on), every other one as the exact step.
+  for (int c = 0; c < static_cast<int>(planned.plan.candidates.size()); ++c) {
+    const PlanCandidateReport& candidate = planned.plan.candidates[static_cast<size_t>(c)];
+    if (!candidate.fits) continue;
+    models::Gpt model = make_model(1);
+    Engine engine(model.ptr(), delayed_config(true));
+    std::vector<double> losses(steps);
+    std::vector<bool> handed_over(steps);
+    for (int s = 0; s < steps; ++s) {
+      const IterationReport r = train_step(engine, model, s, &losses[static_cast<size_t>(s)]);
+      handed_over[static_cast<size_t>(s)] = r.update_delayed;
+      if (s == 1) {
+        EngineInspector::apply_plan_candidate(engine, 0);
+        EngineInspector::apply_plan_candidate(engine, c);
+      }
+    }
+    const bool is_delayed = candidate.schedule == "delayed";
+    EXPECT_EQ(losses, is_delayed ? stale.losses : exact.losses) << candidate.name;
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_EQ(handed_over[static_cast<size_t>(s)], is_delayed && s >= 4)
+          << candidate.name << ", step " << s;
+    }
+  }
+  // No plan (as where no candidate fits): the config's delayed update, every Adam on the host (the
+  // margin's placement, decided with it off, is decided again), training as the config's own.
+  {
+    Config roomy = delayed_config(true);  // a device with a margin: some Adam there
+    roomy.device.capacity_bytes = int64_t{1} << 30;
+    models::Gpt model = make_model(1);
+    Engine engine(model.ptr(), roomy);
+    std::vector<double> losses(steps);
+    for (int s = 0; s < steps; ++s) {
+      const IterationReport r = train_step(engine, model, s, &losses[static_cast<size_t>(s)]);
+      if (s == 1) {
+        ASSERT_GT(engine.plan().candidates.at(0).adam_device_indices, 0) << "a margin to undo";
+        EngineInspector::apply_plan_candidate(engine, 0);
+        EngineInspector::apply_plan_candidate(engine, -1);
+      }
+      if (s >= 4) {
+        EXPECT_TRUE(r.update_delayed) << "step " << s;
+        EXPECT_EQ(r.adam.chunks_device, 0) << "step " << s;
+      }
+    }
+    EXPECT_EQ(losses, stale.losses);
+    EXPECT_EQ(engine.plan().chosen, -1);
+  }
+  // An update in flight when a re-plan moves the model into another size: it lands first, and its
+  // weights are in the new chunks (as the config's delayed update has them after the same steps).
+  int other = -1;
+  for (int c = 0; c < static_cast<int>(planned.plan.candidates.size()); ++c) {
+    const PlanCandidateReport& candidate = planned.plan.candidates[static_cast<size_t>(c)];
+    if (candidate.schedule == "delayed" && candidate.fits &&
+        candidate.chunk_elems !=
+            planned.plan.candidates[static_cast<size_t>(delayed)].chunk_elems) {
+      other = c;
+    }
+  }
+  ASSERT_GE(other, 0) << planned.plan.text();
+  auto weights_after_six = [&](const Config& config, bool plan) {
+    models::Gpt model = make_model(1);
+    Engine engine(model.ptr(), config);
+    for (int s = 0; s < 6; ++s) {
+      const IterationReport r = train_step(engine, model, s);
+      if (plan && s == 1) {
+        EngineInspector::apply_plan_candidate(engine, 0);
+        EngineInspector::apply_plan_candidate(engine, delayed);
+      }
+      if (plan && s == 5) {
+        EXPECT_TRUE(r.update_delayed) << "an update is in flight";
+        EngineInspector::apply_plan_candidate(engine, other);
+      }
+    }
+    return engine.fp32_state_dict();
+  };
+  const auto moved = weights_after_six(delayed_config(true), true);
+  const auto reference = weights_after_six(delayed_config(false), false);
+  ASSERT_EQ(moved.size(), reference.size());
+  for (size_t i = 0; i < moved.size(); ++i) {
+    EXPECT_TRUE(torch::equal(moved[i].second, reference[i].second)) << moved[i].first;
+  }
+  // The pinned plan says which: the delayed update on or off.
+  PlanReport pinned = planned.plan;
+  pinned.chosen = delayed;
+  EXPECT_TRUE(Config::from_string(pinned.config_json()).delayed_update.enabled);
+  pinned.chosen = delayed == 0 ? 1 : 0;
+  EXPECT_FALSE(Config::from_string(pinned.config_json()).delayed_update.enabled);
+}
+
 TEST(PlanAuto, NamedProfilesPlanWithTheirRates) {
   const PlanRun run = train(tight_config(R"({"plan": "auto", "plan_profile": "h200"})"), 3);
   ASSERT_TRUE(run.plan.planned);
@@ -190,12 +318,6 @@ TEST(PlanAuto, NamedProfilesPlanWithTheirRates) {
 
 TEST(PlanAuto, RefusesWhatItCannotPlan) {
   models::Gpt model = make_model(1);
-  EXPECT_THAT(test::error_of([&] {
-                Engine engine(model.ptr(),
-                              tight_config(R"({"plan": "auto", "zero_optimization":
-                                  {"delayed_param_update": true}})"));
-              }),
-              HasSubstr("delayed_param_update changes it"));
   EXPECT_THAT(test::error_of([&] {
                 Engine engine(model.ptr(),
                               tight_config(R"({"plan": "auto", "client":

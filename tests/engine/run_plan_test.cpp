@@ -1,7 +1,7 @@
 // The plan's choice on hand-made traces ("plan": "auto"; engine/src/run_plan.h): every candidate
 // predicted with the cost model, the fastest that fits chosen, a candidate that does not fit never
-// chosen, the overlap worth nothing where compute takes every core, and the self-check that
-// corrects the profile once.
+// chosen, the overlap worth nothing where compute takes every core, the delayed update a candidate
+// only where allowed, and the self-check that corrects the profile once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -172,6 +172,59 @@ TEST(RunPlan, EveryChunkSizeIsACandidateAndTheEnginesOwnWinsATie) {
                         std::to_string(e.candidates[e.chosen].chunk_elems)),
             std::string::npos)
       << pinned;
+}
+
+TEST(RunPlan, TheDelayedUpdateIsACandidateOnlyWhereAllowedAndHidesTheHostAdamWithAFreeCore) {
+  PlanInputs in = four_indices(64 * kMiB);
+  const PlanEvaluation exact = evaluate_plan(in, profile(1));
+  for (const PlanCandidateReport& c : exact.candidates) EXPECT_NE(c.schedule, "delayed") << c.name;
+  in.delayed_possible = true;
+  in.delayed_bytes_per_param = 12;  // fp32
+  const PlanEvaluation e = evaluate_plan(in, profile(1));
+  ASSERT_EQ(e.candidates.size(), 5u);
+  const PlanCandidateReport* delayed = find(e, "delayed", "host");
+  ASSERT_NE(delayed, nullptr);
+  ASSERT_TRUE(delayed->fits) << delayed->why_not;
+  EXPECT_EQ(delayed->adam_device_indices, 0);
+  EXPECT_EQ(&e.candidates.back(), delayed);  // last in the order of preference
+  // Compute is 16.5 ms, the four host updates 10.5 ms on the thread during the next iteration; the
+  // step moment copies 12 bytes per parameter (1.26 ms at 10 GB/s), and every param chunk goes
+  // home for the step and comes back (1 MiB, 0.1 ms a copy: at most all eight exposed).
+  const double copies = 4 * (kMiB / 4) * 12.0 / 10e9;
+  EXPECT_EQ(delayed->h2d_bytes, 4 * kMiB);
+  EXPECT_EQ(delayed->d2h_bytes, 4 * kMiB);
+  EXPECT_GT(delayed->predicted_step_seconds, 16.5e-3 + copies - 1e-9);
+  EXPECT_LT(delayed->predicted_step_seconds, 16.5e-3 + copies + 8 * 0.105e-3);
+  EXPECT_NEAR(delayed->host_adam_seconds, 4 * 2.62144e-3, 1e-6);
+  const PlanCandidateReport* overlapped = find(e, "overlapped", "margin");
+  ASSERT_NE(overlapped, nullptr);
+  EXPECT_LT(delayed->predicted_step_seconds, overlapped->predicted_step_seconds * 0.99);
+  ASSERT_GE(e.chosen, 0);
+  EXPECT_EQ(e.candidates[e.chosen].schedule, "delayed") << e.why;
+  PlanReport report;
+  report.planned = true;
+  report.candidates = e.candidates;
+  report.chosen = e.chosen;
+  EXPECT_NE(report.config_json().find("\"delayed_param_update\": true"), std::string::npos)
+      << report.config_json();
+  // Where compute takes every core the thread's work adds to the step: the serial step stays.
+  const PlanEvaluation busy = evaluate_plan(in, profile(0));
+  const PlanCandidateReport* busy_delayed = find(busy, "delayed", "host");
+  ASSERT_NE(busy_delayed, nullptr);
+  EXPECT_GT(busy_delayed->predicted_step_seconds, 16.5e-3 + copies + 4 * 2.6e-3);
+  ASSERT_GE(busy.chosen, 0);
+  EXPECT_EQ(busy.candidates[busy.chosen].schedule, "serial") << busy.why;
+  // An update slower than the iteration sets the pace: the next step waits for it.
+  PlanProfile slow = profile(1);
+  slow.host_adam_params_per_s = slow.device_adam_params_per_s = 2e7;  // 52 ms in all
+  const PlanEvaluation slow_plan = evaluate_plan(in, slow);
+  const PlanCandidateReport* paced = find(slow_plan, "delayed", "host");
+  ASSERT_NE(paced, nullptr);
+  EXPECT_GT(paced->predicted_step_seconds, 4 * (kMiB / 4) / 2e7);
+  // Not where an index's states live on the device for good (its Adam runs there in every plan).
+  in.layouts[0].indices[0].device_only = true;
+  const PlanEvaluation pinned = evaluate_plan(in, profile(1));
+  for (const PlanCandidateReport& c : pinned.candidates) EXPECT_NE(c.schedule, "delayed") << c.name;
 }
 
 TEST(RunPlan, WithoutAnOptimizerThreadOrAMarginTheCandidatesShrink) {

@@ -205,6 +205,12 @@ TEST(CostModel, ADelayedUpdateLongerThanTheIterationSetsItsPace) {
   EXPECT_NEAR(delayed.step_seconds, 10 * kMs, 1e-12);
   const Prediction serial = predict_iteration(trace, costs, moves, kChunks, unit_model());
   EXPECT_NEAR(serial.step_seconds, 14 * kMs, 1e-12);  // load 1, compute 2, eviction 1, Adam 10
+  // With no move to wait for, the next step does: it lands the update in flight before handing
+  // over its own (one in flight).
+  const Prediction resident = predict_iteration(trace, costs, {}, kChunks, unit_model(),
+                                                StepSchedule::kDelayed, {update(1e7, 1, {0})});
+  EXPECT_NEAR(resident.step_seconds, 10 * kMs, 1e-12);
+  EXPECT_NEAR(resident.adam_wait_seconds, 8 * kMs, 1e-12);
 }
 
 TEST(CostModel, DeviceBytesCountAtTheMemoryBandwidthAndTheH100FiguresAreStated) {

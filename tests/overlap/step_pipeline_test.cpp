@@ -93,8 +93,11 @@ struct Rig {
   std::unique_ptr<StoreMover> mover;
   std::unique_ptr<StepPipeline> pipeline;  // last: it goes first, its thread with it
 
-  explicit Rig(uint64_t seed) {
+  // `with_delayed`: the delayed update's thread too, built before the optimizer thread (as the
+  // engine builds both under "plan": "auto" with zero_optimization.delayed_param_update).
+  explicit Rig(uint64_t seed, bool with_delayed = false) {
     config.overlap_step.mode = OverlapMode::kOn;
+    config.delayed_update.enabled = with_delayed;
     build_store(seed);
     for (TensorId id = 0; id < kTensors; ++id) {
       tensors.push_back(at::empty({0}).requires_grad_());  // trainable
@@ -123,6 +126,12 @@ struct Rig {
     pipeline = std::make_unique<StepPipeline>(std::move(wiring));
     pipeline->placement().init(store().chunk_count(), kIndices);
     pipeline->placement().decide(std::vector<bool>(kIndices, false));
+    auto host_blocks = [](int64_t numel, at::ScalarType dtype) {
+      return at::empty({numel}, at::dtype(dtype));
+    };
+    if (with_delayed) {
+      pipeline->build_thread(StepPipeline::Thread::kDelayed, 0, host_blocks, [] { return 0; });
+    }
     pipeline->build_thread(
         StepPipeline::Thread::kOverlap, int64_t{1} << 30,
         [](int64_t numel, at::ScalarType dtype) { return at::empty({numel}, at::dtype(dtype)); },
@@ -213,14 +222,18 @@ struct Rig {
 
   // The step as the engine makes it (every Adam on the host), then the next iteration's gradients
   // and Adam step counts.
-  IterationReport step(uint64_t next_seed) {
+  IterationReport step(uint64_t next_seed, bool delayed = false) {
     pipeline->begin_step();
     StepInputs inputs;
     inputs.on_device.assign(kIndices, false);
+    inputs.delayed = delayed;
     IterationReport report;
     pipeline->update(inputs, report);
     pipeline->after_step(report);
-    for (const Param& p : params) params.add_adam_steps(p.id, 1);
+    // (The delayed update advanced the counts at its hand-over.)
+    if (!delayed) {
+      for (const Param& p : params) params.add_adam_steps(p.id, 1);
+    }
     torch::manual_seed(next_seed);
     for (int64_t i = 0; i < kIndices; ++i) {
       at::Tensor grad = store().chunk_view(store().chunk_id(ChunkKind::kGrad, i));
@@ -285,6 +298,58 @@ TEST(StepPipeline, TheStepCommitsTheUpdatesMadeAheadBitForBitTheSerialStep) {
     EXPECT_EQ(expected.early_updates_committed, 0);
     EXPECT_EQ(report.grad_norm, expected.grad_norm);
     EXPECT_TRUE(same_values(ahead.committed(), serial.committed())) << "iteration " << iteration;
+  }
+}
+
+TEST(StepPipeline, WithBothThreadsOneRunsAtATimeAndEachGivesTheSerialValues) {
+  Rig both(4, /*with_delayed=*/true), serial(4);
+  // As "plan": "auto" holds them before its plan: neither on.
+  both.pipeline->set_overlap_step(false);
+  both.pipeline->set_delayed_update(false);
+  EXPECT_TRUE(both.pipeline->delayed_possible());
+  EXPECT_TRUE(both.pipeline->overlap_possible());
+  EXPECT_FALSE(both.pipeline->delayed_due(/*iteration=*/100, /*has_trace=*/true));
+  // One on at a time: turning the other on is refused, and changes nothing.
+  both.pipeline->set_delayed_update(true);
+  EXPECT_TRUE(both.pipeline->delayed_due(100, true));
+  EXPECT_THROW(both.pipeline->set_overlap_step(true), c10::Error);
+  both.pipeline->set_delayed_update(false);
+  both.pipeline->set_overlap_step(true);
+  EXPECT_THROW(both.pipeline->set_delayed_update(true), c10::Error);
+  EXPECT_FALSE(both.pipeline->delayed_update_on());
+  // Without a forward reading the weights, the delayed update's values are the serial step's,
+  // written in when an access lands it; then the overlapped step after it (turning the delayed
+  // update off lands the update in flight: the thread never updates ahead beside it).
+  both.pipeline->set_overlap_step(false);
+  both.pipeline->set_delayed_update(true);
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    const IterationReport report = both.step(40 + iteration, /*delayed=*/true);
+    serial.step(40 + iteration);
+    EXPECT_TRUE(report.update_delayed);
+    EXPECT_TRUE(same_values(both.committed(), serial.committed())) << "iteration " << iteration;
+  }
+  const IterationReport handed = both.step(50, /*delayed=*/true);
+  serial.step(50);
+  EXPECT_TRUE(handed.update_delayed);
+  both.pipeline->set_delayed_update(false);
+  {
+    // The chunks themselves (no access, which would land it): the weights the update made.
+    std::vector<at::Tensor> chunks;
+    for (TensorId id = 0; id < kTensors; ++id) {
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kMomentum, ChunkKind::kVariance}) {
+        chunks.push_back(both.store().view(id, kind).clone());
+      }
+    }
+    EXPECT_TRUE(same_values(chunks, serial.committed())) << "landed when turned off";
+  }
+  both.pipeline->set_overlap_step(true);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    both.backward_until(kLastBackward);
+    const IterationReport report = both.step(60 + iteration);
+    serial.step(60 + iteration);
+    EXPECT_FALSE(report.update_delayed);
+    EXPECT_EQ(report.early_updates_committed, kIndices - 1) << "iteration " << iteration;
+    EXPECT_TRUE(same_values(both.committed(), serial.committed())) << "iteration " << iteration;
   }
 }
 

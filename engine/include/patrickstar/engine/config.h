@@ -203,16 +203,17 @@ struct DelayedUpdateConfig {
 };
 
 // "plan": "auto": the engine chooses the chunk size (with "default_chunk_size": "auto"), the step
-// schedule (serial or overlapped) and where each chunk index's Adam runs (the margin's indices on
-// the device, or every one on the host) from the
+// schedule (serial, overlapped, or where zero_optimization.delayed_param_update allows it the
+// delayed update) and where each chunk index's Adam runs (the margin's indices on the device, or
+// every one on the host) from the
 // first scheduled iteration's trace and measured compute, with memtracer's cost model; it prints
 // every candidate's prediction, keeps it in Engine::plan() and IterationReport::plan_decision,
 // and after "plan_check_iterations" iterations on the plan compares the measured step with the
 // prediction: past "plan_tolerance" (a relative difference) it corrects the profile with the
 // measurement and plans once more (docs/design.md, "The plan"). "plan_profile": "measured" (copy
-// bandwidth and Adam rates measured here) or a GPU model's rates ("h100", "h200"). Exact only:
-// the delayed update is never a candidate. One process; not with the delayed update or the static
-// policy. "off" (the default): the config's own settings.
+// bandwidth and Adam rates measured here) or a GPU model's rates ("h100", "h200"). Exact only
+// unless the config allows the delayed update (then a candidate, not the setting). One process;
+// not with the static policy. "off" (the default): the config's own settings.
 enum class PlanMode : uint8_t { kOff, kAuto };
 struct PlanConfig {
   PlanMode mode = PlanMode::kOff;

@@ -166,7 +166,8 @@ class Engine final {
   // The overlapped step ("zero_optimization.overlap_step", "auto" by default) on (whatever the
   // cores) or off from the next backward; off undoes what the backward in progress updated ahead.
   // Not with a disk tier or the delayed update (there every update runs at the step, or in the next
-  // iteration, and turning it on is an error).
+  // iteration, and turning it on is an error; under "plan": "auto" with the delayed update allowed,
+  // an error only while the plan has the delayed update on).
   void set_overlap_step(bool on);
 
   // fp32 weights by parameter name (the master copy), as new tensors.

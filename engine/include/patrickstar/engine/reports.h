@@ -160,7 +160,7 @@ struct ActivationPlanReport {
 struct PlanCandidateReport {
   std::string name;        // "chunks 3448832, serial, Adam margin (1 of 2 on the device)", ...
   int64_t chunk_elems = 0;  // elements per chunk
-  std::string schedule;    // "serial" or "overlapped"
+  std::string schedule;     // "serial", "overlapped" or "delayed"
   std::string adam;      // "margin" (the margin's indices on the device) or "host"
   int64_t adam_device_indices = 0;  // chunk indices whose Adam runs on the device
   bool fits = false;

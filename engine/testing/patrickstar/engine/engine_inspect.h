@@ -54,7 +54,8 @@ class EngineInspector {
   std::vector<int64_t> plan_chunk_sizes() const;
   std::optional<Trace> plan_trace_of(int64_t chunk_elems) const;
   // Applies the plan's candidate `candidate` as if the engine had chosen it (between iterations;
-  // the one thing here that changes the engine: tests run every candidate through it).
+  // the one thing here that changes the engine: tests run every candidate through it); -1: as if
+  // none fitted (the config's own settings).
   static void apply_plan_candidate(Engine& engine, int candidate);
 
  private:

@@ -66,7 +66,9 @@ enum class StepSchedule {
   kOverlapped,
   // ZeRO-Offload's delayed parameter update: iteration t's host updates start after its step
   // moment and run while iteration t+1 computes; a chunk's load in iteration t+2 waits for them
-  // (iteration t+1 computes with weights one update old). Assumes the host keeps a second
+  // (iteration t+1 computes with weights one update old), and so does iteration t+1's step moment
+  // (one update in flight: the engine's step lands it before handing over its own). Assumes the
+  // host keeps a second
   // gradient buffer, so the next step's gradients do not wait for the update reading the last.
   kDelayed,
 };
@@ -84,7 +86,8 @@ struct Prediction {
   double step_seconds = 0;          // one steady iteration, end to end
   double compute_seconds = 0;       // the moments' compute, summed (serial: with the host Adam)
   double host_adam_seconds = 0;     // the host Adam's work per iteration, wherever it runs
-  double adam_wait_seconds = 0;     // overlapped: the step moment waiting for the optimizer thread
+  double adam_wait_seconds =
+      0;  // overlapped, delayed: the step moment waiting for the optimizer thread
   double h2d_seconds = 0;           // the copy queue busy with loads
   double d2h_seconds = 0;           // and with evictions
   double exposed_copy_seconds = 0;  // compute waiting for copies, per iteration
