@@ -13,6 +13,15 @@
 
 namespace patrickstar::engine_detail {
 
+// Where the step runs the Adam of the indices the states kept on the device for good leave open:
+// - kMargin: on the device for those whose states fit the margin (what the device keeps free at
+//   the peak of activations with every param chunk there): those states never move;
+// - kHost: on the host for all;
+// - kStreamed: the margin's, plus those whose param, gradient and states fit what the device has
+//   free at the step (activations gone): their states come to the device for the update and leave
+//   when the next forward needs the room ("optimizer.params.stream_states", or the plan's choice).
+enum class AdamSite { kMargin, kHost, kStreamed };
+
 class AdamPlacement {
  public:
   // `chunks`: chunk ids of every kind; `indices`: chunk indices. Everything on the host, undecided.

@@ -294,6 +294,32 @@ void check_overlap_step(const Config& c, std::vector<std::string>& errors) {
   }
 }
 
+void check_stream_states(const Config& c, std::vector<std::string>& errors) {
+  if (!c.optimizer.stream_states) return;
+  const std::string key = "$.optimizer.params.stream_states: true";
+  if (!c.optimizer.use_hybrid_adam) {
+    errors.push_back(key +
+                     " with $.optimizer.params.use_hybrid_adam: false: the states stream "
+                     "to hybrid Adam's device side, which is off");
+  }
+  if (c.scheduler.policy == EvictionPolicy::kStatic) {
+    errors.push_back(key +
+                     " with the static policy, which runs every Adam on the host (use "
+                     "\"opt\" or \"lru\")");
+  }
+  if (c.offload_optimizer.nvme) {
+    errors.push_back(key +
+                     " with the disk tier ($.zero_optimization.offload_optimizer.device "
+                     "\"nvme\"): the states stream between the host and the device, not the disk");
+  }
+  if (c.delayed_update.enabled && c.plan.mode != PlanMode::kAuto) {
+    errors.push_back(key +
+                     " with $.zero_optimization.delayed_param_update: true, which runs every "
+                     "Adam on the host; set one of them (or \"plan\": \"auto\", which "
+                     "chooses)");
+  }
+}
+
 void check_copy_delay(const Config& c, std::vector<std::string>& errors) {
   if (c.device.type == DeviceType::kCuda && c.scheduler.copy_delay_max_us > 0) {
     errors.push_back(absl::StrCat(
@@ -315,6 +341,7 @@ Config Config::from_json(const json& document) {
   check_delayed_update(c, errors);
   check_bf16_states(c, errors);
   check_overlap_step(c, errors);
+  check_stream_states(c, errors);
   check_copy_delay(c, errors);
   if (c.strict && !unknown.empty()) errors.insert(errors.end(), unknown.begin(), unknown.end());
   TORCH_CHECK(errors.empty(), "invalid patrickstar config (", errors.size(), " problem",

@@ -341,6 +341,12 @@ constexpr ConfigKey kKeys[] = {
        r.boolean(v, c.optimizer.use_hybrid_adam);
      },
      [](const Config& c) { return json(c.optimizer.use_hybrid_adam); }},
+    {"optimizer.params.stream_states", "true or false", "false",
+     "also the step's free device memory for hybrid Adam, states streamed", kUsed,
+     [](const json& v, const ValueReader& r, Config& c) {
+       r.boolean(v, c.optimizer.stream_states);
+     },
+     [](const Config& c) { return json(c.optimizer.stream_states); }},
     {"optimizer.params.state_dtype", "one of \"fp32\", \"bf16\"", "\"fp32\"",
      "how Adam's momentum and variance are stored", kUsed,
      [](const json& v, const ValueReader& r, Config& c) {

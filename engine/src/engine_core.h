@@ -368,6 +368,9 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // No plan: the config's step schedule (with the delayed update allowed, the delayed update,
   // whose all-host placement is then decided again after a new trace).
   void keep_config_schedule();
+  // The next iteration records the trace again (a warm-up), and its step decides the Adam placement
+  // again.
+  void record_trace_again();
   // The delayed update's copies in the host tier (zero_optimization.delayed_param_update).
   int64_t delayed_copy_bytes() const;
   // Tells the scheduler the last moment's compute is over (its prefetch point).

@@ -19,6 +19,11 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::check_plan_config() const {
+  // (The streamed placement is the plan's candidate, and a setting of its own.)
+  TORCH_CHECK(!config_.optimizer.stream_states || dp_.one_process(),
+              "patrickstar::Engine: optimizer.params.stream_states streams one process's states "
+              "for now; with ",
+              dp_.world(), " ranks leave it false");
   if (config_.plan.mode != PlanMode::kAuto) {
     const PlanConfig defaults;
     if (config_.plan.profile != defaults.profile ||
@@ -61,6 +66,8 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   in.overlap_possible =
       pipeline_->overlap_possible() && config_.overlap_step.mode != OverlapMode::kOff;
   in.host_placement_possible = config_.optimizer.use_hybrid_adam;
+  // (The disk tier keeps the states of the host's share on disk: none stream.)
+  in.streamed_possible = config_.optimizer.use_hybrid_adam && storage_.disk() == nullptr;
   // The delayed update (allowed by the config), per parameter: fp32 copies the gradient and the
   // weight at the hand-over and writes the weight back at the landing (4 + 4 + 4 bytes); mixed
   // precision copies the gradient (fp32 with a gradient space: 4; else the half slot's 2, whose
@@ -83,6 +90,15 @@ PlanLayout EngineCore::plan_layout_now() const {
   layout.trace = scheduler_->trace();
   layout.chunks = scheduler_->chunks();
   const AdamPlacement& placement = pipeline_->placement();
+  // The margin's and the streamed placement from the figures the engine's was decided with (and
+  // the step's non-model bytes this trace measured), whichever one the engine runs.
+  PlacementFigures figures;
+  figures.peak_non_model = plan_.placement_peak();
+  figures.step_non_model = step_non_model_of(layout.trace);
+  figures.usable_device_bytes = usable_device_bytes(config_);
+  figures.device_state_bytes = metrics_.registration().device_state_bytes;
+  const std::vector<bool> margin = pipeline_->placement_for(AdamSite::kMargin, figures);
+  const std::vector<bool> streamed = pipeline_->placement_for(AdamSite::kStreamed, figures);
   for (int64_t i = 0; i < store().chunks_per_kind(); ++i) {
     if (!owns(i) || storage_.host_only()[static_cast<size_t>(i)] || !pipeline_->index_trains(i)) {
       continue;
@@ -96,7 +112,9 @@ PlanLayout EngineCore::plan_layout_now() const {
       x.device_adam_bytes += store().chunk_bytes(c);
       if (store().kind_of(c) != ChunkKind::kGrad) x.undo_bytes += store().chunk_bytes(c);
     }
-    x.on_device = placement.decided() && placement.on_device()[static_cast<size_t>(i)];
+    x.on_device = margin[static_cast<size_t>(i)];
+    x.streamed = streamed[static_cast<size_t>(i)];
+    x.ran_on_device = placement.decided() && placement.on_device()[static_cast<size_t>(i)];
     x.device_only = placement.device_only(i);
     x.own = {param};
     if (store().has_kind(ChunkKind::kGrad)) x.own.push_back(store().chunk_id(ChunkKind::kGrad, i));
@@ -118,7 +136,7 @@ PlanProfile EngineCore::plan_profile(const PlanInputs& in, double adam_seconds,
     double on_host = 0;
     for (const PlanIndex& x : in.layouts.front().indices) {
       updated += x.params;
-      if (!x.on_device && !x.device_only) on_host += x.params;
+      if (!x.ran_on_device && !x.device_only) on_host += x.params;
     }
     const GpuCostModel h100 = gpu_cost_model("h100");
     // The emulated device runs the host kernel on its memory: one rate for both sides. On a GPU
@@ -153,7 +171,9 @@ PlanProfile EngineCore::plan_profile(const PlanInputs& in, double adam_seconds,
 
 void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
   const bool overlap = pipeline_->overlap_possible();
-  const bool host = chosen.adam == "host";
+  const AdamSite site = chosen.adam == "host"       ? AdamSite::kHost
+                        : chosen.adam == "streamed" ? AdamSite::kStreamed
+                                                    : AdamSite::kMargin;
   const bool resize = chosen.chunk_elems != store().chunk_elems();
   if (resize) {
     // The model moves first (the size passed the host budget's check, as the retry's does); the
@@ -162,14 +182,12 @@ void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
     if (scheduler_->has_trace()) scheduler_->drop_trace();
     move_to_chunk_size(chosen.chunk_elems, /*retried=*/false);
   }
-  if (host != pipeline_->adam_on_host() || resize) {
-    pipeline_->set_adam_on_host(host);
+  if (site != pipeline_->adam_site() || resize) {
+    pipeline_->set_adam_site(site);
     // The step moment's accesses (and with a new size every moment's) change: the next iteration
     // records the trace again (a warm-up), and the step after it decides the placement with the
     // plan's.
-    pipeline_->on_retrace();
-    recorder_->rewarm();
-    if (scheduler_->has_trace()) scheduler_->drop_trace();
+    record_trace_again();
   }
   // One optimizer thread on at a time: the one going off first.
   const bool delayed = pipeline_->delayed_possible();
@@ -179,14 +197,22 @@ void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
   if (delayed && chosen.schedule == "delayed") pipeline_->set_delayed_update(true);
 }
 
+void EngineCore::record_trace_again() {
+  pipeline_->on_retrace();
+  recorder_->rewarm();
+  if (scheduler_->has_trace()) scheduler_->drop_trace();
+}
+
 void EngineCore::keep_config_schedule() {
   pipeline_->restore_overlap_mode();  // with the delayed update allowed: it alone, on
-  if (pipeline_->delayed_possible()) {
-    // Its Adam runs on the host: the placement, decided with it off, is decided again (the next
-    // iteration records the trace again, as after a plan that moves Adam).
-    pipeline_->on_retrace();
-    recorder_->rewarm();
-    if (scheduler_->has_trace()) scheduler_->drop_trace();
+  const AdamSite config_site =
+      config_.optimizer.stream_states ? AdamSite::kStreamed : AdamSite::kMargin;
+  const bool site_changed = pipeline_->adam_site() != config_site;
+  pipeline_->set_adam_site(config_site);
+  if (pipeline_->delayed_possible() || site_changed) {
+    // The delayed update runs its Adam on the host: the placement, decided with it off, is decided
+    // again (the next iteration records the trace again, as after a plan that moves Adam).
+    record_trace_again();
   }
 }
 

@@ -52,14 +52,16 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
     return -1;
   };
   auto id = [&](ChunkKind kind, int64_t index) { return slot(kind) * n + index; };
-  auto bytes = [&](ChunkKind kind) {
-    return chunk_elems * chunk_element_bytes(kinds[static_cast<size_t>(slot(kind))].dtype);
+  // (A group's last chunk is cut to what it holds.)
+  auto bytes = [&](ChunkKind kind, int64_t index) {
+    return layout.chunk_capacity(index) *
+           chunk_element_bytes(kinds[static_cast<size_t>(slot(kind))].dtype);
   };
   PlanLayout out;
   out.chunk_elems = chunk_elems;
   for (size_t k = 0; k < kinds.size(); ++k) {
     for (int64_t i = 0; i < n; ++i) {
-      out.chunks[static_cast<int64_t>(k) * n + i] = ChunkInfo{bytes(kinds[k].kind)};
+      out.chunks[static_cast<int64_t>(k) * n + i] = ChunkInfo{bytes(kinds[k].kind, i)};
     }
   }
   const bool grads = gradients_.space();
@@ -97,19 +99,32 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
   // device keeps free at the peak of non-model bytes it used with every param (and gradient) chunk
   // there.
   const int64_t peak_non_model = plan_.placement_peak();
-  int64_t state_bytes = 0;
-  for (ChunkKind kind : state_kinds()) state_bytes += bytes(kind);
-  const int64_t resident = n * (bytes(ChunkKind::kParam) + (grads ? bytes(ChunkKind::kGrad) : 0));
+  std::vector<int64_t> state(static_cast<size_t>(n), 0);        // per index: its states' bytes
+  std::vector<int64_t> device_side(static_cast<size_t>(n), 0);  // and with its param and gradient
+  int64_t resident = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (ChunkKind kind : state_kinds()) state[static_cast<size_t>(i)] += bytes(kind, i);
+    const int64_t model = bytes(ChunkKind::kParam, i) + (grads ? bytes(ChunkKind::kGrad, i) : 0);
+    device_side[static_cast<size_t>(i)] = state[static_cast<size_t>(i)] + model;
+    resident += model;
+  }
   const int64_t margin =
       adam_margin_bytes(usable_device_bytes(config_), peak_non_model, resident,
                         /*device_state_bytes=*/0, config_.mem_tracer.margin_use_ratio);
-  const std::vector<int64_t> each(static_cast<size_t>(n), state_bytes);
-  const PlacementPlan placed =
-      config_.optimizer.use_hybrid_adam ? plan_placement(each, margin) : all_on_host(each);
+  const bool hybrid = config_.optimizer.use_hybrid_adam;
+  const PlacementPlan placed = hybrid ? plan_placement(state, margin) : all_on_host(state);
+  // The streamed placement: the margin's, and what the step's free device memory holds of the
+  // rest with their params and gradients.
+  const std::vector<bool> streamed =
+      hybrid ? streamed_placement(
+                   device_side, placed.on_device, std::vector<bool>(static_cast<size_t>(n), true),
+                   streamed_budget_bytes(usable_device_bytes(config_), step_non_model_of(trace),
+                                         config_.mem_tracer.margin_use_ratio))
+             : placed.on_device;
   Moment& at_step = out.trace.moments[static_cast<size_t>(step)];
   for (int64_t i = 0; i < n; ++i) {
     PlanIndex x;
-    x.params = static_cast<double>(chunk_elems);
+    x.params = static_cast<double>(layout.chunk_capacity(i));
     x.device_side = {id(ChunkKind::kParam, i)};
     if (mixed()) x.device_side.push_back(id(ChunkKind::kParamFp32, i));
     x.device_side.push_back(id(ChunkKind::kMomentum, i));
@@ -121,11 +136,12 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
       if (slot(kind) >= 0) x.host_side.push_back(id(kind, i));
     }
     x.on_device = placed.on_device[static_cast<size_t>(i)];
+    x.streamed = streamed[static_cast<size_t>(i)];
     x.own = {id(ChunkKind::kParam, i)};
     if (grads) x.own.push_back(id(ChunkKind::kGrad, i));
-    std::vector<int64_t>& side = x.on_device ? at_step.chunk_ids : at_step.host_chunk_ids;
+    std::vector<int64_t>& where = x.on_device ? at_step.chunk_ids : at_step.host_chunk_ids;
     const std::vector<int64_t>& ids = x.on_device ? x.device_side : x.host_side;
-    side.insert(side.end(), ids.begin(), ids.end());
+    where.insert(where.end(), ids.begin(), ids.end());
     out.indices.push_back(std::move(x));
   }
   // The delayed update's copies beside this size's chunks (at registration they fit the engine's

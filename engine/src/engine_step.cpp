@@ -30,13 +30,26 @@ PipelineWiring EngineCore::pipeline_wiring() {
 }
 
 void EngineCore::decide_adam_placement() {
-  int64_t peak_non_model = probe_->peak_bytes();
+  PlacementFigures f;
+  f.peak_non_model = probe_->peak_bytes();
   for (const Moment& m : recorder_->current_trace().moments) {
-    peak_non_model = std::max(peak_non_model, m.non_model_bytes);
+    f.peak_non_model = std::max(f.peak_non_model, m.non_model_bytes);
   }
-  pipeline_->decide_placement(peak_non_model, usable_device_bytes(config_),
-                              metrics_.registration().device_state_bytes);
-  plan_.note_placement_peak(peak_non_model);  // (the plan places other chunk sizes alike)
+  // At the step, as the scheduler counts it (step_non_model_of): the interval since the last
+  // moment (what the step moment records), the next one (the first moment's, as this iteration's
+  // was), and the step's own temporaries where a scheduled trace measured them.
+  f.step_non_model = probe_->peak_bytes();
+  if (!recorder_->current_trace().moments.empty()) {
+    f.step_non_model =
+        std::max(f.step_non_model, recorder_->current_trace().moments.front().non_model_bytes);
+  }
+  if (scheduler_->has_trace()) {
+    f.step_non_model = std::max(f.step_non_model, step_non_model_of(scheduler_->trace()));
+  }
+  f.usable_device_bytes = usable_device_bytes(config_);
+  f.device_state_bytes = metrics_.registration().device_state_bytes;
+  pipeline_->decide_placement(f);
+  plan_.note_placement_peak(f.peak_non_model);  // (the plan places other chunk sizes alike)
 }
 
 std::vector<int64_t> EngineCore::adam_side_chunks(int64_t index, bool device) const {

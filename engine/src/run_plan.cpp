@@ -45,39 +45,54 @@ std::string PlanReport::text() const {
 std::string PlanReport::config_json() const {
   if (chosen < 0) return "";
   const PlanCandidateReport& c = candidates[static_cast<size_t>(chosen)];
-  const nlohmann::json j = {{"plan", "off"},
-                            {"default_chunk_size", c.chunk_elems},
-                            {"zero_optimization",
-                             {{"overlap_step", c.schedule == "overlapped"},
-                              {"delayed_param_update", c.schedule == "delayed"}}},
-                            {"optimizer", {{"params", {{"use_hybrid_adam", c.adam == "margin"}}}}}};
+  const nlohmann::json j = {
+      {"plan", "off"},
+      {"default_chunk_size", c.chunk_elems},
+      {"zero_optimization",
+       {{"overlap_step", c.schedule == "overlapped"},
+        {"delayed_param_update", c.schedule == "delayed"}}},
+      {"optimizer",
+       {{"params",
+         {{"use_hybrid_adam", c.adam != "host"}, {"stream_states", c.adam == "streamed"}}}}}};
   return j.dump(2);
 }
 
 namespace engine_detail {
 namespace {
 
-bool adam_on_device(const PlanIndex& index, bool host) {
-  return index.device_only || (!host && index.on_device);
+enum class Site { kMargin, kHost, kStreamed };
+
+bool adam_on_device(const PlanIndex& index, Site site) {
+  return index.device_only || (site == Site::kMargin && index.on_device) ||
+         (site == Site::kStreamed && (index.on_device || index.streamed));
 }
 
-// The layout's trace with every index's Adam where `host` puts it.
-Trace candidate_trace(const PlanLayout& in, bool host, int64_t step) {
-  Trace t = in.trace;
-  if (!host || step < 0) return t;
-  Moment& moment = t.moments[static_cast<size_t>(step)];
-  std::set<int64_t> leave;
-  for (const PlanIndex& index : in.indices) {
-    if (adam_on_device(index, true) || !index.on_device) continue;
-    leave.insert(index.device_side.begin(), index.device_side.end());
-    for (int64_t c : index.host_side) {
-      if (std::find(moment.host_chunk_ids.begin(), moment.host_chunk_ids.end(), c) ==
-          moment.host_chunk_ids.end()) {
-        moment.host_chunk_ids.push_back(c);
-      }
-    }
+void add_once(std::vector<int64_t>& ids, const std::vector<int64_t>& add) {
+  for (int64_t c : add) {
+    if (std::find(ids.begin(), ids.end(), c) == ids.end()) ids.push_back(c);
   }
-  std::erase_if(moment.chunk_ids, [&](int64_t c) { return leave.count(c) > 0; });
+}
+
+// The layout's trace with every index's Adam where `site` puts it: an index whose step moment
+// shows the other side moves over (its device side accessed, or its host side on the host).
+Trace candidate_trace(const PlanLayout& in, Site site, int64_t step) {
+  Trace t = in.trace;
+  if (step < 0) return t;
+  Moment& moment = t.moments[static_cast<size_t>(step)];
+  for (const PlanIndex& index : in.indices) {
+    const bool device = adam_on_device(index, site);
+    const std::vector<int64_t>& side = device ? index.device_side : index.host_side;
+    const std::vector<int64_t>& there = device ? moment.chunk_ids : moment.host_chunk_ids;
+    const bool shown = std::all_of(side.begin(), side.end(), [&](int64_t c) {
+      return std::find(there.begin(), there.end(), c) != there.end();
+    });
+    if (shown) continue;
+    std::set<int64_t> all(index.device_side.begin(), index.device_side.end());
+    all.insert(index.host_side.begin(), index.host_side.end());
+    std::erase_if(moment.chunk_ids, [&](int64_t c) { return all.count(c) > 0; });
+    std::erase_if(moment.host_chunk_ids, [&](int64_t c) { return all.count(c) > 0; });
+    add_once(device ? moment.chunk_ids : moment.host_chunk_ids, side);
+  }
   return t;
 }
 
@@ -100,7 +115,7 @@ GpuCostModel cost_model_of(const PlanProfile& profile) {
 
 struct Variant {
   StepSchedule schedule;
-  bool host;
+  Site site;
 };
 
 PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& layout,
@@ -110,16 +125,16 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
   c.schedule = v.schedule == StepSchedule::kSerial       ? "serial"
                : v.schedule == StepSchedule::kOverlapped ? "overlapped"
                                                          : "delayed";
-  c.adam = v.host ? "host" : "margin";
+  c.adam = v.site == Site::kHost ? "host" : v.site == Site::kStreamed ? "streamed" : "margin";
   const int64_t step = step_moment_of(layout.trace);
-  const Trace trace = candidate_trace(layout, v.host, step);
+  const Trace trace = candidate_trace(layout, v.site, step);
   std::vector<MomentCost> costs(static_cast<size_t>(trace.size()));
   for (size_t m = 0; m < costs.size(); ++m) {
     costs[m].flops = in.compute_seconds[m] * profile.compute_scale;
   }
   std::vector<HostUpdate> updates;
   for (const PlanIndex& index : layout.indices) {
-    if (adam_on_device(index, v.host)) {
+    if (adam_on_device(index, v.site)) {
       ++c.adam_device_indices;
       if (step >= 0) costs[static_cast<size_t>(step)].flops += device_adam_seconds(index, profile);
       continue;
@@ -180,23 +195,34 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
 
 // The schedules and placements `layout` allows.
 std::vector<Variant> variants_of(const PlanInputs& in, const PlanLayout& layout) {
-  bool margin_differs = false;  // some index runs its Adam on the device by the margin's choice
-  bool any_host = false;        // under the margin's placement
+  bool margin_differs = false;    // some index runs its Adam on the device by the margin's choice
+  bool streamed_differs = false;  // some more by the streamed placement's
+  bool any_host = false;          // under the margin's placement
+  bool any_host_streamed = false;
   for (const PlanIndex& index : layout.indices) {
     margin_differs = margin_differs || (index.on_device && !index.device_only);
-    any_host = any_host || !adam_on_device(index, false);
+    streamed_differs =
+        streamed_differs || (index.streamed && !adam_on_device(index, Site::kMargin));
+    any_host = any_host || !adam_on_device(index, Site::kMargin);
+    any_host_streamed = any_host_streamed || !adam_on_device(index, Site::kStreamed);
   }
-  std::vector<Variant> variants = {{StepSchedule::kSerial, false}};
+  std::vector<Variant> variants = {{StepSchedule::kSerial, Site::kMargin}};
   const bool host = in.host_placement_possible && margin_differs;
-  if (host) variants.push_back({StepSchedule::kSerial, true});
-  if (in.overlap_possible && any_host) variants.push_back({StepSchedule::kOverlapped, false});
-  if (in.overlap_possible && host) variants.push_back({StepSchedule::kOverlapped, true});
+  const bool streamed = in.streamed_possible && streamed_differs;
+  if (host) variants.push_back({StepSchedule::kSerial, Site::kHost});
+  if (streamed) variants.push_back({StepSchedule::kSerial, Site::kStreamed});
+  if (in.overlap_possible && any_host)
+    variants.push_back({StepSchedule::kOverlapped, Site::kMargin});
+  if (in.overlap_possible && host) variants.push_back({StepSchedule::kOverlapped, Site::kHost});
+  if (in.overlap_possible && streamed && any_host_streamed) {
+    variants.push_back({StepSchedule::kOverlapped, Site::kStreamed});
+  }
   // The delayed update runs every Adam on the host: not where some index's states live on the
   // device for good.
   const bool device_only = std::any_of(layout.indices.begin(), layout.indices.end(),
                                        [](const PlanIndex& x) { return x.device_only; });
   if (in.delayed_possible && layout.delayed_fits && !device_only && !layout.indices.empty()) {
-    variants.push_back({StepSchedule::kDelayed, true});
+    variants.push_back({StepSchedule::kDelayed, Site::kHost});
   }
   return variants;
 }
@@ -209,6 +235,13 @@ int64_t step_moment_of(const Trace& trace) {
     if (trace.moments[static_cast<size_t>(m)].kind == MomentKind::kStep) step = m;
   }
   return step;
+}
+
+int64_t step_non_model_of(const Trace& trace) {
+  const int64_t step = step_moment_of(trace);
+  if (step < 0) return 0;
+  return std::max(trace.moments[static_cast<size_t>(step)].non_model_bytes,
+                  trace.next_non_model_bytes(step));
 }
 
 void find_ready_moments(PlanLayout& layout) {
@@ -277,7 +310,7 @@ PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
                 ? absl::StrFormat(
                       "predicted step %.4g s, within 1%% of the fastest (%.4g s) and first in the "
                       "order of preference (the engine's own chunk size, serial, overlapped, "
-                      "delayed, the margin)%s",
+                      "delayed, the margin, the host)%s",
                       chosen.predicted_step_seconds, best, next)
                 : absl::StrFormat("the fastest predicted step, %.4g s%s",
                                   chosen.predicted_step_seconds, next);

@@ -11,8 +11,11 @@
 //   least-waste size between (the model moves into the chosen size between iterations);
 // - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
 //   soon as its gradients are final; the same bits as serial);
-// - Adam on the device for the chunk indices the margin holds ("margin"), or on the host for all
-//   ("host": the device keeps only what forward and backward need);
+// - Adam on the device for the chunk indices the margin holds ("margin"), on the host for all
+//   ("host": the device keeps only what forward and backward need), or on the device also for
+//   the indices whose param, gradient and states fit the step's free device memory ("streamed":
+//   their states come in for the step and leave in the next forward, as the scheduler's replay
+//   says);
 // - "delayed" (every Adam on the host, on the delayed update's thread during the next iteration),
 //   only where the config allows it (zero_optimization.delayed_param_update: true): it changes what
 //   training computes (the weights are one update old), so it is never a candidate otherwise.
@@ -65,12 +68,15 @@ struct PlanIndex {
   int64_t undo_bytes = 0;            // what the overlapped step copies to undo an update ahead
   std::vector<int64_t> own = {};     // its param and gradient chunks (find_ready_moments)
   int64_t ready_after = -1;          // its gradients are final after this moment
-  bool on_device = false;            // the engine's placement (the margin's)
+  bool on_device = false;            // on the device under the margin's placement
+  bool streamed = false;             // on the device under the streamed placement
+  bool ran_on_device = false;        // in the measured step (the engine's placement then)
   bool device_only = false;          // states on the device for good: Adam there in every plan
 };
 
-// One chunk size: its trace (the chunks each moment accesses, the step moment's with the margin's
-// placement), its chunks and the indices that update.
+// One chunk size: its trace (the chunks each moment accesses, the step moment's with the
+// placement the engine ran: the candidates move indices between its two sides), its chunks and the
+// indices that update.
 struct PlanLayout {
   int64_t chunk_elems = 0;
   Trace trace;
@@ -96,18 +102,24 @@ struct PlanInputs {
   double delayed_bytes_per_param = 0;
   bool async_moves = true;        // copies on a queue beside compute (else inline: all exposed)
   bool host_placement_possible = true;
+  // The streamed placement is a candidate (hybrid Adam, no disk tier) where it puts more indices
+  // on the device than the margin's.
+  bool streamed_possible = false;
 };
 
 // The trace's (last) step moment, or -1.
 int64_t step_moment_of(const Trace& trace);
+// The non-model bytes at the trace's step: its moment's interval and the tail after it (0 without
+// a step moment).
+int64_t step_non_model_of(const Trace& trace);
 
 // Each index's ready_after: the last moment before the (last) step moment whose accesses or host
 // chunks include one of its own chunks (the step moment less one when none does).
 void find_ready_moments(PlanLayout& layout);
 
 // Every candidate's prediction, in the order of preference on a tie (the engine's chunk size
-// first, serial before overlapped before delayed, margin before host), and the index of the chosen
-// one (-1 when none fits).
+// first, serial before overlapped before delayed, margin before host before streamed), and the
+// index of the chosen one (-1 when none fits).
 struct PlanEvaluation {
   std::vector<PlanCandidateReport> candidates;
   int chosen = -1;

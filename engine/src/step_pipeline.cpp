@@ -16,7 +16,28 @@
 namespace patrickstar::engine_detail {
 
 StepPipeline::StepPipeline(PipelineWiring wiring)
-    : wiring_(std::move(wiring)), mixed_(wiring_.mixed) {}
+    : wiring_(std::move(wiring)),
+      mixed_(wiring_.mixed),
+      adam_site_(wiring_.config.optimizer.stream_states ? AdamSite::kStreamed : AdamSite::kMargin) {
+}
+
+std::vector<bool> streamed_placement(const std::vector<int64_t>& device_side_bytes,
+                                     std::vector<bool> on_device,
+                                     const std::vector<bool>& candidate, int64_t budget) {
+  TORCH_CHECK(device_side_bytes.size() == on_device.size() && candidate.size() == on_device.size(),
+              "streamed_placement: ", device_side_bytes.size(), " sizes, ", on_device.size(),
+              " placements and ", candidate.size(), " candidates");
+  int64_t left = budget;
+  for (size_t i = 0; i < on_device.size(); ++i) {
+    if (on_device[i]) left -= device_side_bytes[i];
+  }
+  for (size_t i = 0; i < on_device.size(); ++i) {
+    if (on_device[i] || !candidate[i] || device_side_bytes[i] > left) continue;
+    on_device[i] = true;
+    left -= device_side_bytes[i];
+  }
+  return on_device;
+}
 
 StepPipeline::~StepPipeline() = default;
 
@@ -155,8 +176,7 @@ bool StepPipeline::index_trains(int64_t index) const {
   return false;
 }
 
-void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_device_bytes,
-                                    int64_t device_state_bytes) {
+std::vector<bool> StepPipeline::placement_for(AdamSite site, const PlacementFigures& f) const {
   const Config& config = wiring_.config;
   const int64_t n = store().chunks_per_kind();
   auto resident = [&](ChunkKind kind, int64_t i) {
@@ -166,6 +186,10 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
   std::vector<int64_t> candidates;
   std::vector<int64_t> candidate_bytes;  // their optimizer states', per candidate
   int64_t resident_model_bytes = 0;      // chunks the forward and backward need on the device
+  // Per index, what its Adam reads on the device (param, gradient, states: the streamed budget's
+  // share), and whether it may update there.
+  std::vector<int64_t> device_side(static_cast<size_t>(n), 0);
+  std::vector<bool> may(static_cast<size_t>(n), false);
   for (int64_t i = 0; i < n; ++i) {
     // Data parallel: this rank's chunks only.
     if (wiring_.storage.host_only()[i] || !wiring_.owns(i)) continue;
@@ -173,6 +197,10 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
       resident_model_bytes += resident(ChunkKind::kParam, i);
       continue;
     }
+    int64_t model = resident(ChunkKind::kParam, i);
+    if (grad_space_) model += resident(ChunkKind::kGrad, i);
+    device_side[static_cast<size_t>(i)] = model + state_bytes(i);
+    resident_model_bytes += model;
     if (placement_.device_only(i)) {  // its Adam runs on the device whatever the margin
       TORCH_CHECK(!delayed_on_,
                   "patrickstar: zero_optimization.delayed_param_update runs "
@@ -181,29 +209,39 @@ void StepPipeline::decide_placement(int64_t peak_non_model, int64_t usable_devic
                   i,
                   ", which live on the device; give the host more memory or "
                   "turn the delayed update off");
-      resident_model_bytes += resident(ChunkKind::kParam, i);
-      if (grad_space_) resident_model_bytes += resident(ChunkKind::kGrad, i);
       continue;
     }
+    may[static_cast<size_t>(i)] = true;
     candidates.push_back(i);
     candidate_bytes.push_back(state_bytes(i));
-    resident_model_bytes += resident(ChunkKind::kParam, i);
-    if (grad_space_) resident_model_bytes += resident(ChunkKind::kGrad, i);
   }
   // The margin: what the device keeps free even at the peak of activations with every parameter
   // chunk resident. Optimizer states placed there never need to move.
   // (States placed on the device at registration stay there: their bytes are not spare.)
   const int64_t margin =
-      adam_margin_bytes(usable_device_bytes, peak_non_model, resident_model_bytes,
-                        device_state_bytes, config.mem_tracer.margin_use_ratio);
+      adam_margin_bytes(f.usable_device_bytes, f.peak_non_model, resident_model_bytes,
+                        f.device_state_bytes, config.mem_tracer.margin_use_ratio);
   // (The delayed update runs every Adam on its host thread.)
-  const bool hybrid = config.optimizer.use_hybrid_adam && !adam_on_host_ &&
+  const bool hybrid = config.optimizer.use_hybrid_adam && site != AdamSite::kHost &&
                       config.scheduler.policy != EvictionPolicy::kStatic && !delayed_on_;
   const PlacementPlan plan =
       hybrid ? plan_placement(candidate_bytes, margin) : all_on_host(candidate_bytes);
   std::vector<bool> on_device(static_cast<size_t>(n), false);
   for (size_t k = 0; k < candidates.size(); ++k) on_device[candidates[k]] = plan.on_device[k];
-  placement_.decide(std::move(on_device));  // with the device-only indices
+  for (int64_t i = 0; i < n; ++i) {
+    if (placement_.device_only(i)) on_device[static_cast<size_t>(i)] = true;
+  }
+  if (hybrid && site == AdamSite::kStreamed) {
+    on_device = streamed_placement(device_side, std::move(on_device), may,
+                                   streamed_budget_bytes(f.usable_device_bytes, f.step_non_model,
+                                                         config.mem_tracer.margin_use_ratio));
+  }
+  return on_device;
+}
+
+void StepPipeline::decide_placement(const PlacementFigures& figures) {
+  const int64_t n = store().chunks_per_kind();
+  placement_.decide(placement_for(adam_site_, figures));  // with the device-only indices
   // The disk tier keeps the states of the indices still on disk; those of the device Adam come home
   // for good (host first, then the scheduler takes them to the device at the step). An index home
   // from an earlier placement stays in memory even where this one runs its Adam on the host.

@@ -121,6 +121,30 @@ inline int64_t adam_margin_bytes(int64_t usable_device_bytes, int64_t peak_non_m
                               margin_use_ratio);
 }
 
+// What the step has for the streamed placement (AdamSite::kStreamed): the usable device less the
+// non-model bytes live at the step, times "margin_use_ratio". The device sides (param, gradient,
+// states) of every index whose Adam runs on the device must fit it at once.
+inline int64_t streamed_budget_bytes(int64_t usable_device_bytes, int64_t step_non_model,
+                                     double margin_use_ratio) {
+  return static_cast<int64_t>(static_cast<double>(usable_device_bytes - step_non_model) *
+                              margin_use_ratio);
+}
+
+// The streamed placement: `on_device` (the margin's and the device-only indices, whose device
+// sides are taken from `budget` first), plus, in index order, every `candidate` index whose device
+// side fits what is left (first fit). One entry per index in each vector.
+std::vector<bool> streamed_placement(const std::vector<int64_t>& device_side_bytes,
+                                     std::vector<bool> on_device,
+                                     const std::vector<bool>& candidate, int64_t budget);
+
+// The figures a placement is decided from.
+struct PlacementFigures {
+  int64_t peak_non_model = 0;  // the trace's peak (the margin)
+  int64_t step_non_model = 0;  // live at the step (the streamed placement)
+  int64_t usable_device_bytes = 0;
+  int64_t device_state_bytes = 0;  // states on the device for good
+};
+
 class StepPipeline {
  public:
   explicit StepPipeline(PipelineWiring wiring);
@@ -168,9 +192,12 @@ class StepPipeline {
   void before_chunk_move(ChunkId id);
 
   // --- the step ---
-  // Decides where each index's Adam runs, from the peak of non-model bytes the trace measured.
-  void decide_placement(int64_t peak_non_model, int64_t usable_device_bytes,
-                        int64_t device_state_bytes);
+  // Decides where each index's Adam runs (adam_site()), from the peak of non-model bytes the trace
+  // measured (and, streamed, what is live at the step).
+  void decide_placement(const PlacementFigures& figures);
+  // The placement `site` would decide from `figures` (per chunk index, the device-only indices
+  // included).
+  std::vector<bool> placement_for(AdamSite site, const PlacementFigures& figures) const;
   // Lands the delayed update in flight (its weights are written before this step's views).
   void begin_step();
   // Lands the delayed update in flight whatever the phase, and gives its kept buffers back (the
@@ -212,10 +239,10 @@ class StepPipeline {
   // delayed_param_update the delayed update alone, after "plan": "auto" held the schedule and
   // made no plan.
   void restore_overlap_mode();
-  // "plan": "auto": every index's Adam on the host from the next placement on (decided again after
-  // the engine drops its trace), or the margin's placement again.
-  void set_adam_on_host(bool on) { adam_on_host_ = on; }
-  bool adam_on_host() const { return adam_on_host_; }
+  // Where the next placement puts Adam (decided again after the engine drops its trace): the
+  // config's ("stream_states": streamed, else the margin), or the plan's choice.
+  void set_adam_site(AdamSite site) { adam_site_ = site; }
+  AdamSite adam_site() const { return adam_site_; }
   // Whether an optimizer thread for the overlapped step exists (no disk tier; with the delayed
   // update only under "plan": "auto", which runs one of the two).
   bool overlap_possible() const { return overlap_.thread != nullptr; }
@@ -314,7 +341,7 @@ class StepPipeline {
     bool verify = false;     // grad() views were shown since the last step
     int64_t cancelled = 0;   // indices taken back since the last step
   } overlap_;
-  bool adam_on_host_ = false;  // "plan": "auto" chose the host for every index's Adam
+  AdamSite adam_site_ = AdamSite::kMargin;  // set at construction from the config
   // The delayed update (null unless zero_optimization.delayed_param_update): its thread and
   // buffers, and the report of the update landed since the last step (for the step's report).
   std::unique_ptr<DelayedUpdate> delayed_;

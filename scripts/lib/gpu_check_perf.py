@@ -182,3 +182,51 @@ def host_adam_hidden(ctx):
             figures["%s_b%d" % (mode[2:], batch)] = measured
             lines.append("batch %d %s %.2f" % (batch, key, measured[key]))
     return "failed" if failed else "passed", "; ".join(lines), figures, None
+
+
+# The plan on a GPU (issue 61): GPT2small bf16 at cuda:4GiB ("plan": "auto", every candidate it
+# considers trained pinned beside it, --compare-plan), at batch 8 and at the batch where --predict
+# says GPU compute matches the host Adam. Reported: the plan's choice, its measured step over the
+# best candidate's, measured over predicted, and whether it chose an overlapped step that measured
+# slower than the serial one of the same size and placement.
+def plan_compare(ctx):
+    base = HIDDEN_DRY if ctx.dry_run else HIDDEN_GPU
+    first = 2 if ctx.dry_run else 8
+    batches = [first]
+    out = ctx.log_path("plan-predict-b%d.json" % first)
+    rc = ctx.command("plan-predict-b%d" % first, [ctx.bins["ps_bench"]] + base + [
+        "--batch", str(first), "--steps", "4", "--predict", "h100", "--json", out])
+    if rc == 0:
+        with open(out) as f:
+            matched = json.load(f).get("prediction", {}).get("matched_batch", {}).get("batch")
+        if matched and matched != first:
+            batches.append(min(int(matched), 4 * first if ctx.dry_run else 64))
+    figures, lines, failed = {}, [], False
+    for batch in batches:
+        if ctx.step_ends - time.time() < 60:
+            break
+        out = ctx.log_path("compare-plan-b%d.json" % batch)
+        rc = ctx.command("compare-plan-b%d" % batch, [ctx.bins["ps_bench"]] + base + [
+            "--batch", str(batch), "--steps", "8" if ctx.dry_run else "20", "--compare-plan",
+            "--json", out])
+        if rc != 0:
+            lines.append("batch %d: exit %s" % (batch, rc))
+            failed = True
+            continue
+        with open(out) as f:
+            j = json.load(f)
+        chosen = j["plan"]["chosen"]
+        measured = {c["name"]: c.get("measured_step_s", 0) for c in j["candidates"]}
+        serial_twin = chosen.replace(", overlapped,", ", serial,")
+        slower_overlap = (", overlapped," in chosen and serial_twin in measured
+                          and measured.get(chosen, 0) > measured[serial_twin])
+        figures["b%d" % batch] = {
+            "chosen": chosen, "plan_to_best": j["plan_to_best"], "best": j["best_candidate"],
+            "measured_over_predicted": [j["measured_over_predicted_min"],
+                                        j["measured_over_predicted_max"]],
+            "losses_equal": j["losses_equal"], "overlapped_chosen_where_slower": slower_overlap}
+        failed = failed or not j["losses_equal"]
+        lines.append("batch %d: chose %s, %.3fx the best (%s)%s" % (
+            batch, chosen, j["plan_to_best"], j["best_candidate"],
+            "; the overlapped step chosen where it measured slower" if slower_overlap else ""))
+    return "failed" if failed else "passed", "; ".join(lines), figures, None

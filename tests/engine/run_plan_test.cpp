@@ -1,7 +1,8 @@
 // The plan's choice on hand-made traces ("plan": "auto"; engine/src/run_plan.h): every candidate
 // predicted with the cost model, the fastest that fits chosen, a candidate that does not fit never
 // chosen, the overlap worth nothing where compute takes every core, the delayed update a candidate
-// only where allowed, and the self-check that corrects the profile once.
+// only where allowed, the streamed placement where it places more, and the self-check that
+// corrects the profile once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -225,6 +226,73 @@ TEST(RunPlan, TheDelayedUpdateIsACandidateOnlyWhereAllowedAndHidesTheHostAdamWit
   in.layouts[0].indices[0].device_only = true;
   const PlanEvaluation pinned = evaluate_plan(in, profile(1));
   for (const PlanCandidateReport& c : pinned.candidates) EXPECT_NE(c.schedule, "delayed") << c.name;
+}
+
+TEST(RunPlan, TheStreamedPlacementIsACandidateWhereItPlacesMoreAndWinsWhereTheHostAdamIsSlow) {
+  PlanInputs in = four_indices(64 * kMiB);
+  EXPECT_EQ(find(evaluate_plan(in, profile(1)), "serial", "streamed"), nullptr)
+      << "the same placement as the margin's";
+  // The step's room holds every index's device side.
+  for (PlanIndex& x : in.layouts[0].indices) x.streamed = true;
+  EXPECT_EQ(find(evaluate_plan(in, profile(1)), "serial", "streamed"), nullptr)
+      << "not possible (a disk tier, no hybrid Adam)";
+  in.streamed_possible = true;
+  const PlanEvaluation same = evaluate_plan(in, profile(1));
+  ASSERT_EQ(same.candidates.size(), 5u);
+  const PlanCandidateReport* streamed = find(same, "serial", "streamed");
+  const PlanCandidateReport* margin = find(same, "serial", "margin");
+  ASSERT_NE(streamed, nullptr);
+  ASSERT_NE(margin, nullptr);
+  EXPECT_EQ(find(same, "overlapped", "streamed"), nullptr) << "no host Adam for the thread";
+  ASSERT_TRUE(streamed->fits) << streamed->why_not;
+  EXPECT_EQ(streamed->adam_device_indices, 4);
+  EXPECT_EQ(streamed->host_adam_seconds, 0);
+  // The device holds everything: the margin's host indices 2 and 3 send their param chunks home
+  // for the step and fetch them back; streamed, nothing moves.
+  EXPECT_EQ(margin->d2h_bytes, 2 * kMiB);
+  EXPECT_EQ(streamed->d2h_bytes, 0);
+  EXPECT_EQ(streamed->h2d_bytes, 0);
+  // The same Adam on either side (the emulated device): the same step less the host copies, and
+  // the overlapped step, which hides the host's share behind backward, is chosen.
+  EXPECT_LT(streamed->predicted_step_seconds, margin->predicted_step_seconds);
+  ASSERT_GE(same.chosen, 0);
+  EXPECT_EQ(same.candidates[same.chosen].schedule, "overlapped") << same.why;
+  // A device Adam a hundred times the host's (a GPU): the streamed placement, pinned by its keys.
+  PlanProfile gpu = profile(1);
+  gpu.device_adam_params_per_s = 1e10;
+  const PlanEvaluation fast = evaluate_plan(in, gpu);
+  ASSERT_GE(fast.chosen, 0);
+  EXPECT_EQ(fast.candidates[fast.chosen].adam, "streamed") << fast.why;
+  PlanReport report;
+  report.planned = true;
+  report.candidates = fast.candidates;
+  report.chosen = fast.chosen;
+  const Config pinned = Config::from_string(report.config_json());
+  EXPECT_TRUE(pinned.optimizer.use_hybrid_adam);
+  EXPECT_TRUE(pinned.optimizer.stream_states);
+  report.chosen = 0;  // the margin's
+  EXPECT_FALSE(Config::from_string(report.config_json()).optimizer.stream_states);
+  // A device with room for the margin's step (six chunks) but not for twelve: the streamed
+  // candidate does not fit and is never chosen.
+  in.scheduler.capacity_bytes = 8 * kMiB;
+  const PlanEvaluation tight = evaluate_plan(in, gpu);
+  const PlanCandidateReport* refused = find(tight, "serial", "streamed");
+  ASSERT_NE(refused, nullptr);
+  EXPECT_FALSE(refused->fits);
+  ASSERT_GE(tight.chosen, 0);
+  EXPECT_NE(tight.candidates[tight.chosen].adam, "streamed");
+  // Room for one more index at the step (nine chunks of twelve): its states come in for the step
+  // and leave for the next forward's chunks, and the last index's Adam stays on the host.
+  in.scheduler.capacity_bytes = 10 * kMiB;
+  for (int k = 0; k < kIndices; ++k) in.layouts[0].indices[static_cast<size_t>(k)].streamed = k < 3;
+  const PlanEvaluation one_more = evaluate_plan(in, gpu);
+  const PlanCandidateReport* partial = find(one_more, "serial", "streamed");
+  ASSERT_NE(partial, nullptr);
+  ASSERT_TRUE(partial->fits) << partial->why_not;
+  EXPECT_EQ(partial->adam_device_indices, 3);
+  EXPECT_NEAR(partial->host_adam_seconds, 2.62144e-3, 1e-6);
+  EXPECT_GT(partial->h2d_bytes, 0);
+  EXPECT_NE(find(one_more, "overlapped", "streamed"), nullptr) << "index 3 on the host";
 }
 
 TEST(RunPlan, WithoutAnOptimizerThreadOrAMarginTheCandidatesShrink) {

@@ -76,6 +76,13 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool use_hybrid_adam = true;  // Adam on the device for the chunks that fit there, host for the rest
+  // "stream_states": hybrid Adam also updates on the device the chunk indices past the margin whose
+  // param, gradient and states fit what the device has free at the step (the activations gone):
+  // their states come to the device for the update and go back when the next forward needs the
+  // room. Faster where the host Adam is slower than the copies (a GPU with fast copies); the same
+  // bits as on the host. Needs use_hybrid_adam, the opt or lru policy and no disk tier; "plan":
+  // "auto" considers it whatever this says.
+  bool stream_states = false;
   // "state_dtype": "fp32" | "bf16". bf16 stores momentum and variance in 2 bytes each (mixed
   // precision: 10 bytes of model data per parameter instead of 14; fp32: 12 instead of 16); the
   // fp32 master stays, the update runs in fp32 and the stored moments are rounded to nearest even

@@ -161,7 +161,9 @@ struct PlanCandidateReport {
   std::string name;        // "chunks 3448832, serial, Adam margin (1 of 2 on the device)", ...
   int64_t chunk_elems = 0;  // elements per chunk
   std::string schedule;     // "serial", "overlapped" or "delayed"
-  std::string adam;      // "margin" (the margin's indices on the device) or "host"
+  // "margin" (the margin's indices on the device), "host", or "streamed" (also the indices the
+  // step's free device memory holds, their states brought in for the update)
+  std::string adam;
   int64_t adam_device_indices = 0;  // chunk indices whose Adam runs on the device
   bool fits = false;
   std::string why_not;  // when it does not fit
