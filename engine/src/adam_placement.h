@@ -50,6 +50,10 @@ class AdamPlacement {
     decided_ = true;
   }
   void forget() { decided_ = false; }  // a retrace: decided again at the next step
+  // The non-model bytes at the step of the last trace recorded whole (its tail, the step's own
+  // temporaries, is known only at the iteration's end): the streamed placement decides with them.
+  void note_step_non_model(int64_t bytes) { step_non_model_ = bytes; }
+  int64_t noted_step_non_model() const { return step_non_model_; }
   bool decided() const { return decided_; }
   const std::vector<bool>& on_device() const { return on_device_; }
   // The indices whose Adam runs on the device in this step (the warm-up: the device-only ones).
@@ -62,6 +66,7 @@ class AdamPlacement {
   std::vector<bool> device_only_;      // per chunk index
   std::vector<bool> on_device_;        // per chunk index, the decided placement
   bool decided_ = false;
+  int64_t step_non_model_ = 0;
 };
 
 }  // namespace patrickstar::engine_detail

@@ -37,14 +37,11 @@ void EngineCore::decide_adam_placement() {
   }
   // At the step, as the scheduler counts it (step_non_model_of): the interval since the last
   // moment (what the step moment records), the next one (the first moment's, as this iteration's
-  // was), and the step's own temporaries where a scheduled trace measured them.
-  f.step_non_model = probe_->peak_bytes();
+  // was), and the step's own temporaries as the last whole trace measured them (report_iteration).
+  f.step_non_model = std::max(probe_->peak_bytes(), pipeline_->placement().noted_step_non_model());
   if (!recorder_->current_trace().moments.empty()) {
     f.step_non_model =
         std::max(f.step_non_model, recorder_->current_trace().moments.front().non_model_bytes);
-  }
-  if (scheduler_->has_trace()) {
-    f.step_non_model = std::max(f.step_non_model, step_non_model_of(scheduler_->trace()));
   }
   f.usable_device_bytes = usable_device_bytes(config_);
   f.device_state_bytes = metrics_.registration().device_state_bytes;
@@ -375,14 +372,18 @@ void EngineCore::report_iteration(IterationReport& report, bool warmup) {
     recorder_->rewarm();
     if (scheduler_->has_trace()) scheduler_->drop_trace();
   } else if (warmup && retry_.chosen() == 0) {
+    // (With its tail now: what the next placement decides with.)
+    pipeline_->placement().note_step_non_model(step_non_model_of(recorder_->warmup_trace()));
     try {
       scheduler_->set_trace(recorder_->warmup_trace(), mover_.get());
     } catch (const c10::Error& e) {
       // Only the step's own temporaries (measured after the check above) can get here. The step
-      // is done; the next iteration records again.
+      // is done; the next iteration records again, and its step decides the placement again
+      // with them.
       TORCH_WARN("patrickstar: the trace of iteration ", tracker_.iteration(),
                  " does not fit the device, so the next iteration records a new one: ",
                  e.what_without_backtrace());
+      pipeline_->on_retrace();
       recorder_->rewarm();
     }
   }

@@ -79,14 +79,18 @@ Trace candidate_trace(const PlanLayout& in, Site site, int64_t step) {
   Trace t = in.trace;
   if (step < 0) return t;
   Moment& moment = t.moments[static_cast<size_t>(step)];
-  for (const PlanIndex& index : in.indices) {
-    const bool device = adam_on_device(index, site);
-    const std::vector<int64_t>& side = device ? index.device_side : index.host_side;
-    const std::vector<int64_t>& there = device ? moment.chunk_ids : moment.host_chunk_ids;
-    const bool shown = std::all_of(side.begin(), side.end(), [&](int64_t c) {
+  auto shows = [](const std::vector<int64_t>& side, const std::vector<int64_t>& there) {
+    return !side.empty() && std::all_of(side.begin(), side.end(), [&](int64_t c) {
       return std::find(there.begin(), there.end(), c) != there.end();
     });
-    if (shown) continue;
+  };
+  for (const PlanIndex& index : in.indices) {
+    const bool on_device_side = shows(index.device_side, moment.chunk_ids);
+    // An index the step does not update (no gradient in the measured iteration) shows neither.
+    if (!on_device_side && !shows(index.host_side, moment.host_chunk_ids)) continue;
+    const bool device = adam_on_device(index, site);
+    if (device == on_device_side) continue;
+    const std::vector<int64_t>& side = device ? index.device_side : index.host_side;
     std::set<int64_t> all(index.device_side.begin(), index.device_side.end());
     all.insert(index.host_side.begin(), index.host_side.end());
     std::erase_if(moment.chunk_ids, [&](int64_t c) { return all.count(c) > 0; });

@@ -195,6 +195,8 @@ std::vector<bool> StepPipeline::placement_for(AdamSite site, const PlacementFigu
     if (wiring_.storage.host_only()[i] || !wiring_.owns(i)) continue;
     if (!index_trains(i)) {  // nothing to update: the forward and backward read its weights only
       resident_model_bytes += resident(ChunkKind::kParam, i);
+      // (States kept on the device for good stay there at the step too.)
+      if (placement_.device_only(i)) device_side[static_cast<size_t>(i)] = state_bytes(i);
       continue;
     }
     int64_t model = resident(ChunkKind::kParam, i);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "run_plan.h"
+#include "step_pipeline.h"
 
 namespace patrickstar::engine_detail {
 namespace run_plan_test {
@@ -230,10 +231,13 @@ TEST(RunPlan, TheDelayedUpdateIsACandidateOnlyWhereAllowedAndHidesTheHostAdamWit
 
 TEST(RunPlan, TheStreamedPlacementIsACandidateWhereItPlacesMoreAndWinsWhereTheHostAdamIsSlow) {
   PlanInputs in = four_indices(64 * kMiB);
+  in.streamed_possible = true;
+  for (PlanIndex& x : in.layouts[0].indices) x.streamed = x.on_device;
   EXPECT_EQ(find(evaluate_plan(in, profile(1)), "serial", "streamed"), nullptr)
       << "the same placement as the margin's";
   // The step's room holds every index's device side.
   for (PlanIndex& x : in.layouts[0].indices) x.streamed = true;
+  in.streamed_possible = false;
   EXPECT_EQ(find(evaluate_plan(in, profile(1)), "serial", "streamed"), nullptr)
       << "not possible (a disk tier, no hybrid Adam)";
   in.streamed_possible = true;
@@ -293,6 +297,48 @@ TEST(RunPlan, TheStreamedPlacementIsACandidateWhereItPlacesMoreAndWinsWhereTheHo
   EXPECT_NEAR(partial->host_adam_seconds, 2.62144e-3, 1e-6);
   EXPECT_GT(partial->h2d_bytes, 0);
   EXPECT_NE(find(one_more, "overlapped", "streamed"), nullptr) << "index 3 on the host";
+}
+
+TEST(RunPlan, AnIndexTheStepDoesNotUpdateStaysOutOfEveryCandidatesStep) {
+  // Index 3 got no gradient in the measured iteration: the step moment shows neither of its sides.
+  PlanInputs in = four_indices(64 * kMiB);
+  in.streamed_possible = true;
+  Moment& step = in.layouts[0].trace.moments.back();
+  std::erase_if(step.host_chunk_ids, [](int64_t c) { return c == 3 || c == 10 || c == 11; });
+  for (PlanIndex& x : in.layouts[0].indices) x.streamed = true;
+  PlanInputs all = four_indices(64 * kMiB);
+  all.streamed_possible = true;
+  for (PlanIndex& x : all.layouts[0].indices) x.streamed = true;
+  const PlanEvaluation with = evaluate_plan(all, profile(1));
+  const PlanEvaluation without = evaluate_plan(in, profile(1));
+  // The margin's trace is the one measured: its param chunk stays where it is (no d2h for it).
+  const PlanCandidateReport* margin = find(without, "serial", "margin");
+  ASSERT_NE(margin, nullptr);
+  EXPECT_EQ(margin->d2h_bytes, find(with, "serial", "margin")->d2h_bytes - kMiB);
+  // Every Adam on the host sends indices 0 to 2 home, not 3; streamed, nothing moves, and index
+  // 3's momentum and variance never come to the device.
+  EXPECT_EQ(find(without, "serial", "host")->d2h_bytes, 3 * kMiB);
+  const PlanCandidateReport* streamed = find(without, "serial", "streamed");
+  ASSERT_NE(streamed, nullptr);
+  EXPECT_EQ(streamed->d2h_bytes, 0);
+  EXPECT_EQ(streamed->device_peak_bytes,
+            find(with, "serial", "streamed")->device_peak_bytes - 2 * kMiB);
+}
+
+TEST(RunPlan, TheStreamedPlacementFillsTheStepsRoomFirstFitAfterWhatIsThere) {
+  // Sides of 3, 3, 3 and 2 (a cut last chunk); index 0 on the device already (3): a budget of 8
+  // leaves 5, which takes index 1 (3) and then only the last (2).
+  const std::vector<bool> placed =
+      streamed_placement({3, 3, 3, 2}, {true, false, false, false}, {true, true, true, true}, 8);
+  EXPECT_EQ(placed, (std::vector<bool>{true, true, false, true}));
+  // What may not stream (device-only indices, frozen ones) never does, and what is there counts
+  // even when over the budget.
+  EXPECT_EQ(
+      streamed_placement({3, 3, 3, 2}, {false, false, false, false}, {false, true, false, true}, 4),
+      (std::vector<bool>{false, true, false, false}));
+  EXPECT_EQ(streamed_placement({5, 3}, {true, false}, {true, true}, 4),
+            (std::vector<bool>{true, false}));
+  EXPECT_THROW(streamed_placement({1}, {true, false}, {true, true}, 4), c10::Error);
 }
 
 TEST(RunPlan, WithoutAnOptimizerThreadOrAMarginTheCandidatesShrink) {
