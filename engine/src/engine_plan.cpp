@@ -205,8 +205,7 @@ void EngineCore::record_trace_again() {
 
 void EngineCore::keep_config_schedule() {
   pipeline_->restore_overlap_mode();  // with the delayed update allowed: it alone, on
-  const AdamSite config_site =
-      config_.optimizer.stream_states ? AdamSite::kStreamed : AdamSite::kMargin;
+  const AdamSite config_site = config_adam_site(config_);
   const bool site_changed = pipeline_->adam_site() != config_site;
   pipeline_->set_adam_site(config_site);
   if (pipeline_->delayed_possible() || site_changed) {

@@ -368,9 +368,7 @@ void EngineCore::report_iteration(IterationReport& report, bool warmup) {
   recorder_->end_iteration();
   if (report_activations(report, /*may_plan=*/retry_.chosen() == 0)) {
     // "auto" planned the activations: the next iteration records the trace under the plan.
-    pipeline_->on_retrace();
-    recorder_->rewarm();
-    if (scheduler_->has_trace()) scheduler_->drop_trace();
+    record_trace_again();
   } else if (warmup && retry_.chosen() == 0) {
     // (With its tail now: what the next placement decides with.)
     pipeline_->placement().note_step_non_model(step_non_model_of(recorder_->warmup_trace()));

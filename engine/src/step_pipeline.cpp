@@ -18,8 +18,7 @@ namespace patrickstar::engine_detail {
 StepPipeline::StepPipeline(PipelineWiring wiring)
     : wiring_(std::move(wiring)),
       mixed_(wiring_.mixed),
-      adam_site_(wiring_.config.optimizer.stream_states ? AdamSite::kStreamed : AdamSite::kMargin) {
-}
+      adam_site_(config_adam_site(wiring_.config)) {}
 
 std::vector<bool> streamed_placement(const std::vector<int64_t>& device_side_bytes,
                                      std::vector<bool> on_device,

@@ -137,6 +137,11 @@ std::vector<bool> streamed_placement(const std::vector<int64_t>& device_side_byt
                                      std::vector<bool> on_device,
                                      const std::vector<bool>& candidate, int64_t budget);
 
+// Where the config puts Adam when no plan chose: streamed with "stream_states", else the margin.
+inline AdamSite config_adam_site(const Config& config) {
+  return config.optimizer.stream_states ? AdamSite::kStreamed : AdamSite::kMargin;
+}
+
 // The figures a placement is decided from.
 struct PlacementFigures {
   int64_t peak_non_model = 0;  // the trace's peak (the margin)
