@@ -24,6 +24,7 @@ nlohmann::json plan_json(const ps::PlanReport& plan) {
     candidates.push_back({{"name", c.name},
                           {"schedule", c.schedule},
                           {"adam", c.adam},
+                          {"activations", c.activations},
                           {"adam_device_indices", c.adam_device_indices},
                           {"fits", c.fits},
                           {"why_not", c.why_not},
@@ -61,6 +62,7 @@ struct PlanModeResult {
   std::string name;
   std::string schedule = {}, adam = {};  // a candidate's; empty for the planning engine
   int64_t chunk_elems = 0;
+  std::string activations = {};  // a candidate's other activation policy, if any
   std::string refused = {};
   std::vector<double> times = {}, losses = {};
   bool trained = false;
@@ -112,8 +114,10 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
       "\nmedian steps over steps %lld..%lld (turns of 3 steps per engine, each turn's first left "
       "out); predicted: the planning engine's cost model\n",
       static_cast<long long>(first_steady + 1), static_cast<long long>(steps));
-  std::printf("%-62s %12s %12s %10s %10s\n", "candidate", "predicted s", "measured s", "meas/pred",
-              "x best");
+  int width = 62;  // the longest name's
+  for (const PlanModeResult& m : modes) width = std::max(width, static_cast<int>(m.name.size()));
+  std::printf("%-*s %12s %12s %10s %10s\n", width, "candidate", "predicted s", "measured s",
+              "meas/pred", "x best");
   double spread_min = 0, spread_max = 0;
   bool same_losses = true;
   // The losses each engine must match: the planning engine's for the candidates of its kind (exact,
@@ -131,12 +135,15 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
     const PlanModeResult& m = modes[i];
     const ps::PlanCandidateReport* p = nullptr;
     for (const ps::PlanCandidateReport& c : plan.candidates) {
-      if (c.chunk_elems == m.chunk_elems && c.schedule == m.schedule && c.adam == m.adam) p = &c;
+      if (c.chunk_elems == m.chunk_elems && c.schedule == m.schedule && c.adam == m.adam &&
+          c.activations == m.activations) {
+        p = &c;
+      }
     }
     const double predicted = p != nullptr && p->fits ? p->predicted_step_seconds : 0;
     nlohmann::json row = {{"name", m.name}, {"predicted_step_s", predicted}};
     if (!m.trained) {
-      std::printf("%-62s %12.5f %12s   refused: %.200s\n", m.name.c_str(), predicted, "-",
+      std::printf("%-*s %12.5f %12s   refused: %.200s\n", width, m.name.c_str(), predicted, "-",
                   m.refused.c_str());
       row["refused"] = m.refused;
       rows.push_back(row);
@@ -150,15 +157,15 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
     }
     const bool same_kind = (m.schedule == "delayed") == plan_delayed;
     same_losses = same_losses && m.losses == (same_kind ? modes[0].losses : *other_kind);
-    std::printf("%-62s %12.5f %12.5f %10.3f %10.3f\n", m.name.c_str(), predicted, measured, ratio,
-                measured / best);
+    std::printf("%-*s %12.5f %12.5f %10.3f %10.3f\n", width, m.name.c_str(), predicted, measured,
+                ratio, measured / best);
     row["measured_step_s"] = measured;
     row["measured_over_predicted"] = ratio;
     row["to_best"] = measured / best;
     rows.push_back(row);
   }
   const double to_best = planned / best;
-  std::printf("%-62s %12.5f %12.5f %10.3f %10.3f\n",
+  std::printf("%-*s %12.5f %12.5f %10.3f %10.3f\n", width,
               absl::StrCat("plan: ", chosen.name, plan.replanned ? " (planned again)" : "").c_str(),
               chosen.predicted_step_seconds, planned, planned / chosen.predicted_step_seconds,
               to_best);
@@ -207,7 +214,7 @@ int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, 
   std::vector<Mode> modes;
   modes.push_back({{"plan \"auto\""}});
   for (const ps::PlanCandidateReport& c : considered.candidates) {
-    modes.push_back({{c.name, c.schedule, c.adam, c.chunk_elems}});
+    modes.push_back({{c.name, c.schedule, c.adam, c.chunk_elems, c.activations}});
   }
   for (size_t i = 0; i < modes.size(); ++i) {
     try {

@@ -38,6 +38,12 @@ std::string ActivationPlanReport::text() const {
         format("  cost model: copies %.2f GB/s (%s), common compute %.4f s\n",
                copy_bytes_per_s / 1e9, copies_overlap ? "overlapped" : "exposed", common_seconds);
   }
+  if (!run_plan_instead.empty()) {
+    out += format(
+        "  the run plan (\"plan\": \"auto\") runs every call: %s instead of the choice "
+        "below\n",
+        run_plan_instead.c_str());
+  }
   for (const ActivationCandidate& c : candidates) {
     if (c.fits) {
       out += format("  %-28s predicted %.4f s  non-model peak %lld B  chunk moves %lld B\n",
@@ -102,6 +108,7 @@ ModuleHookHandler::CheckpointPlan ActivationPlanner::plan(bool named, std::optio
   if (measuring_) {
     if (static_cast<int64_t>(calls_.size()) <= call) calls_.resize(call + 1);
     calls_[call].named = named;
+    calls_[call].forced = offload.has_value();
     calls_[call].plan_moment = moment;
     calls_[call].measured = choice;
   }
@@ -146,9 +153,10 @@ bool ActivationPlanner::wants_plan() const {
   });
 }
 
-ActivationPlanner::Evaluation ActivationPlanner::evaluate(
-    const PlanInputs& in, const std::vector<ActivationChoice>& choices) const {
-  Trace trace = *in.trace;
+ActivationPlanner::Shaped ActivationPlanner::shape(const Trace& warmup,
+                                                   const std::vector<ActivationChoice>& choices,
+                                                   double bw, bool copies_overlap) const {
+  Trace trace = warmup;
   const int64_t moments = trace.size();
   std::vector<bool> dropped(static_cast<size_t>(moments), false);
   auto adjust = [&](int64_t from, int64_t to, int64_t bytes) {  // moments (from, to]
@@ -157,11 +165,8 @@ ActivationPlanner::Evaluation ActivationPlanner::evaluate(
       b = std::max<int64_t>(0, b + bytes);
     }
   };
-  Evaluation e;
-  const double bw = in.copy_bytes_per_s;
+  Shaped out;
   const int64_t n = static_cast<int64_t>(calls_.size());
-  double recomputed = 0;
-  double exposed = 0;
   std::vector<ActivationChoice> measured;
   for (const Call& c : calls_) measured.push_back(c.measured);
   for (int64_t i = 0; i < n; ++i) {
@@ -181,7 +186,7 @@ ActivationPlanner::Evaluation ActivationPlanner::evaluate(
     if (next != nullptr && choices[i] == ActivationChoice::kOffload) {
       adjust(next->forward_moment, back(choices), -c.input_bytes);
       const double copy = bw > 0 ? static_cast<double>(c.input_bytes) / bw : 0;
-      exposed += in.copies_overlap ? 2 * std::max(0.0, copy - next->forward_seconds) : 2 * copy;
+      out.exposed += copies_overlap ? 2 * std::max(0.0, copy - next->forward_seconds) : 2 * copy;
     }
     if (choices[i] == ActivationChoice::kKeep) {
       // From its forward's start (its own moments hold what it builds) to its backward.
@@ -192,25 +197,35 @@ ActivationPlanner::Evaluation ActivationPlanner::evaluate(
       }
       continue;
     }
-    recomputed += c.forward_seconds;
+    out.recomputed += c.forward_seconds;
   }
-  Trace planned;
-  planned.tail_non_model_bytes = trace.tail_non_model_bytes;
+  out.trace.tail_non_model_bytes = trace.tail_non_model_bytes;
   for (int64_t m = 0; m < moments; ++m) {
-    if (!dropped[m]) planned.moments.push_back(std::move(trace.moments[m]));
+    if (dropped[m]) continue;
+    out.trace.moments.push_back(std::move(trace.moments[m]));
+    out.from.push_back(m);
   }
-  for (const Moment& m : planned.moments) e.peak = std::max(e.peak, m.non_model_bytes);
-  e.peak = std::max(e.peak, planned.tail_non_model_bytes);
+  for (const Moment& m : out.trace.moments) out.peak = std::max(out.peak, m.non_model_bytes);
+  out.peak = std::max(out.peak, out.trace.tail_non_model_bytes);
+  return out;
+}
+
+ActivationPlanner::Evaluation ActivationPlanner::evaluate(
+    const PlanInputs& in, const std::vector<ActivationChoice>& choices) const {
+  const double bw = in.copy_bytes_per_s;
+  Shaped shaped = shape(*in.trace, choices, bw, in.copies_overlap);
+  Evaluation e;
+  e.peak = shaped.peak;
   try {
-    in.scheduler->check_trace(planned);
-    const TrafficBound bound = opt_traffic_bound(planned, in.chunks, in.scheduler->options());
+    in.scheduler->check_trace(shaped.trace);
+    const TrafficBound bound = opt_traffic_bound(shaped.trace, in.chunks, in.scheduler->options());
     e.traffic = bound.h2d_bytes + bound.d2h_bytes;
     e.fits = true;
   } catch (const c10::Error& error) {
     e.why_not = error.what_without_backtrace();
     return e;
   }
-  e.seconds = common_seconds_ + recomputed + (bw > 0 ? e.traffic / bw : 0) + exposed;
+  e.seconds = common_seconds_ + shaped.recomputed + (bw > 0 ? e.traffic / bw : 0) + shaped.exposed;
   return e;
 }
 
@@ -270,6 +285,10 @@ void ActivationPlanner::make_plan(const PlanInputs& in) {
                                                    best_e.peak, best_e.traffic, best_e.seconds});
   report_.predicted_step_seconds = best_e.seconds;
   choices_ = best;
+  own_choices_ = best;
+  warmup_ = *in.trace;
+  copy_bytes_per_s_ = in.copy_bytes_per_s;
+  copies_overlap_ = in.copies_overlap;
   planned_ = true;
   measuring_ = false;
   for (int64_t i = 0; i < n && i < static_cast<int64_t>(report_.calls.size()); ++i) {
@@ -292,9 +311,159 @@ void ActivationPlanner::set_choices(const std::vector<uint8_t>& choices) {
   report_.planned = true;
   choices_.clear();
   for (uint8_t c : choices) choices_.push_back(static_cast<ActivationChoice>(c));
+  own_choices_ = choices_;
   for (size_t i = 0; i < choices_.size() && i < report_.calls.size(); ++i) {
     report_.calls[i].choice = activation_choice_name(choices_[i]);
   }
+}
+
+std::vector<ActivationChoice> ActivationPlanner::every_call(ActivationChoice every) const {
+  std::vector<ActivationChoice> out;
+  for (const Call& c : calls_) {
+    out.push_back(every == ActivationChoice::kKeep && !c.named ? ActivationChoice::kRecompute
+                                                               : every);
+  }
+  return runs_as(out);
+}
+
+std::vector<ActivationChoice> ActivationPlanner::runs_as(
+    std::vector<ActivationChoice> choices) const {
+  // A call's own option wins (plan()); an unnamed call is never kept.
+  for (size_t i = 0; i < choices.size() && i < calls_.size(); ++i) {
+    if (calls_[i].forced) choices[i] = calls_[i].measured;
+    if (choices[i] == ActivationChoice::kKeep && !calls_[i].named) {
+      choices[i] = ActivationChoice::kRecompute;
+    }
+  }
+  return choices;
+}
+
+std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
+    const Trace& running, std::string* why) const {
+  auto none = [&](std::string reason) {
+    if (why != nullptr) *why = std::move(reason);
+    return std::vector<Alternative>{};
+  };
+  if (policy_ != ActivationPolicy::kAuto || !planned_ || warmup_.moments.empty() ||
+      choices_.size() != calls_.size()) {
+    return none("the activations are not \"auto\" or were not planned");
+  }
+  const std::vector<ActivationChoice> running_choices = runs_as(choices_);
+  const Shaped now = shape(warmup_, running_choices, copy_bytes_per_s_, copies_overlap_);
+  bool same = now.trace.size() == running.size();
+  for (int64_t m = 0; same && m < running.size(); ++m) {
+    same = now.trace.moments[m].kind == running.moments[m].kind &&
+           now.trace.moments[m].label == running.moments[m].label;
+  }
+  if (!same) {
+    return none(absl::StrCat("the running trace (", running.size(),
+                             " moments) is not the activation plan's (", now.trace.size(), ")"));
+  }
+  const bool all_named =
+      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
+  std::vector<Alternative> out;
+  for (ActivationChoice every : kChoices) {
+    if (every == ActivationChoice::kKeep && !all_named) continue;
+    const std::vector<ActivationChoice> choices = every_call(every);
+    if (choices == running_choices) continue;
+    const Shaped alt = shape(warmup_, choices, copy_bytes_per_s_, copies_overlap_);
+    // Each warm-up moment's compute to add: a newly recomputed call's forward spread over its
+    // recompute's moments; a call whose recompute has no moments of its own is charged (or, newly
+    // kept, credited) on its backward's moment, which both traces have.
+    std::vector<double> share(static_cast<size_t>(warmup_.size()), 0.0);
+    double saved = 0;  // newly kept calls' forwards, on the moments the alternative drops
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      const Call& c = calls_[i];
+      const bool kept_now = running_choices[i] == ActivationChoice::kKeep;
+      const bool kept_then = choices[i] == ActivationChoice::kKeep;
+      if (kept_now == kept_then) continue;
+      const int64_t first = c.recompute_begin + 1;
+      const int64_t last = std::min(c.recompute_end, warmup_.size() - 1);
+      if (last < first) {
+        if (c.recompute_begin >= 0 && c.recompute_begin < warmup_.size()) {
+          share[static_cast<size_t>(c.recompute_begin)] +=
+              kept_now ? c.forward_seconds : -c.forward_seconds;
+        }
+        continue;
+      }
+      if (kept_then) {
+        saved += c.forward_seconds;
+        continue;
+      }
+      for (int64_t m = first; m <= last; ++m) {
+        share[static_cast<size_t>(m)] += c.forward_seconds / static_cast<double>(last - first + 1);
+      }
+    }
+    Alternative a;
+    a.every = every;
+    a.trace.tail_non_model_bytes = running.tail_non_model_bytes;
+    size_t k = 0;  // both lists of warm-up moments ascend
+    for (size_t m = 0; m < alt.from.size(); ++m) {
+      while (k < now.from.size() && now.from[k] < alt.from[m]) ++k;
+      const Moment& shaped = alt.trace.moments[m];
+      if (k < now.from.size() && now.from[k] == alt.from[m]) {
+        Moment moment = running.moments[k];
+        moment.non_model_bytes =
+            std::max<int64_t>(0, moment.non_model_bytes + shaped.non_model_bytes -
+                                     now.trace.moments[k].non_model_bytes);
+        a.trace.moments.push_back(std::move(moment));
+        a.moment_of.push_back(static_cast<int64_t>(k));
+        a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
+      } else {  // a recompute the running trace skips: the warm-up's moment
+        a.trace.moments.push_back(shaped);
+        a.moment_of.push_back(-1);
+        a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
+      }
+    }
+    a.peak_delta = alt.peak - now.peak;
+    a.recompute_saved = saved;
+    a.exposed_delta = alt.exposed - now.exposed;
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::vector<double> alternative_compute(const ActivationPlanner::Alternative& a,
+                                        const std::vector<double>& running) {
+  const int64_t moments = static_cast<int64_t>(running.size());
+  std::vector<double> seconds;
+  std::vector<double> dropped_after;  // per moment of the alternative
+  double dropped = 0;
+  int64_t next = 0;  // the next moment of `running` not yet seen
+  auto drop_until = [&](int64_t end) {
+    for (; next < end; ++next) {
+      if (!dropped_after.empty()) dropped_after.back() += running[static_cast<size_t>(next)];
+      dropped += running[static_cast<size_t>(next)];
+    }
+  };
+  for (size_t k = 0; k < a.moment_of.size(); ++k) {
+    const int64_t m = a.moment_of[k];
+    TORCH_CHECK(m < moments, "alternative_compute: moment ", m, " of ", moments, " measured");
+    if (m >= 0) {
+      drop_until(m);
+      next = m + 1;
+    }
+    seconds.push_back((m >= 0 ? running[static_cast<size_t>(m)] : 0) + a.recompute_seconds[k]);
+    dropped_after.push_back(0);
+  }
+  drop_until(moments);
+  const double kept_share = dropped > 0 ? std::max(0.0, 1 - a.recompute_saved / dropped) : 0;
+  for (size_t k = 0; k < seconds.size(); ++k) {
+    seconds[k] = std::max(0.0, seconds[k] + dropped_after[k] * kept_share);
+  }
+  return seconds;
+}
+
+bool ActivationPlanner::run_alternative(std::optional<ActivationChoice> every) {
+  if (!planned_) return false;
+  std::vector<ActivationChoice> choices = every ? every_call(*every) : own_choices_;
+  if (choices == choices_) return false;
+  choices_ = std::move(choices);
+  for (size_t i = 0; i < choices_.size() && i < report_.calls.size(); ++i) {
+    report_.calls[i].choice = activation_choice_name(choices_[i]);
+  }
+  report_.run_plan_instead = every ? activation_choice_name(*every) : "";
+  return true;
 }
 
 ActivationPlanReport ActivationPlanner::report() const {

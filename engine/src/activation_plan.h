@@ -81,9 +81,34 @@ class ActivationPlanner {
   // The calls measured and their choices (any policy), and "auto"'s candidates.
   ActivationPlanReport report() const;
 
+  // "auto"'s other whole-model ways, for the run plan (run_plan.h) to weigh with its own
+  // candidates: every call kept ("none", where every call names its block), recomputed or
+  // offloaded, each as an edit of `running`, the trace recorded under the current choices (the
+  // warm-up's as make_plan kept it, reshaped by the same model): a moment both have is
+  // `running`'s with the model's change of its non-model bytes; a recompute the current choices
+  // skip (a kept call) comes from the warm-up's trace, its forward's time spread over its moments.
+  struct Alternative {
+    ActivationChoice every = ActivationChoice::kRecompute;
+    Trace trace;
+    std::vector<int64_t> moment_of;         // per moment: its moment in `running`, or -1
+    std::vector<double> recompute_seconds;  // per moment: recompute time it adds (or takes)
+    int64_t peak_delta = 0;                 // the non-model peak's change
+    // Forwards no longer recomputed, on the moments the alternative drops (newly kept calls).
+    double recompute_saved = 0;
+    double exposed_delta = 0;  // offload copies not hidden, less the current's
+  };
+  // Empty with `why` set where there is none to offer (not "auto", not planned, or `running` is
+  // not the model's trace of the current choices: other moments).
+  std::vector<Alternative> alternatives(const Trace& running, std::string* why) const;
+  // Runs every call `every`, or with nullopt the plan's own choices again; true when that changed
+  // the choices (the trace must be recorded again).
+  bool run_alternative(std::optional<ActivationChoice> every);
+  bool runs_own_plan() const { return choices_ == own_choices_; }
+
  private:
   struct Call {
     bool named = false;
+    bool forced = false;  // its own option ({.offload = ...}) chose its way
     int64_t input_bytes = 0;
     int64_t kept_bytes = 0;
     double forward_seconds = 0;
@@ -101,7 +126,21 @@ class ActivationPlanner {
     int64_t traffic = 0;
     double seconds = 0;
   };
+  // The warm-up trace reshaped to `choices`: the moments left (their warm-up numbers in `from`),
+  // the forwards recomputed and the offload copies not hidden.
+  struct Shaped {
+    Trace trace;
+    std::vector<int64_t> from;
+    double recomputed = 0;
+    double exposed = 0;
+    int64_t peak = 0;
+  };
+  Shaped shape(const Trace& warmup, const std::vector<ActivationChoice>& choices, double bw,
+               bool copies_overlap) const;
   Evaluation evaluate(const PlanInputs& in, const std::vector<ActivationChoice>& choices) const;
+  std::vector<ActivationChoice> every_call(ActivationChoice every) const;
+  // How `choices` run: a call's own option and an unnamed call's recompute win.
+  std::vector<ActivationChoice> runs_as(std::vector<ActivationChoice> choices) const;
   ActivationChoice default_choice(bool named) const;
 
   const ActivationPolicy policy_;
@@ -110,10 +149,22 @@ class ActivationPlanner {
   bool measuring_ = true;
   bool planned_ = false;
   std::vector<Call> calls_;
-  std::vector<ActivationChoice> choices_;  // "auto"'s, once planned
+  std::vector<ActivationChoice> choices_;      // "auto"'s, once planned (or an alternative's)
+  std::vector<ActivationChoice> own_choices_;  // the plan's own
+  Trace warmup_;                               // "auto"'s warm-up trace, kept by make_plan
+  double copy_bytes_per_s_ = 0;
+  bool copies_overlap_ = false;
   double common_seconds_ = 0;
   ActivationPlanReport report_;
 };
+
+// The alternative's compute per moment from `running`'s measured compute (one per moment): a moment
+// both have keeps its own; one the alternative adds (a recompute) takes its share of the call's
+// forward; one it drops (a newly kept call's recompute) measured the recompute and what else ran
+// until the next door (the block's backward): that time less the recompute stays, on the moment
+// before it.
+std::vector<double> alternative_compute(const ActivationPlanner::Alternative& alternative,
+                                        const std::vector<double>& running);
 
 // The engine's activation component: the plan, the store of offloaded inputs (made at the first
 // offload, over the engine's tiers and copy queue), and when the iteration being measured began.
@@ -122,6 +173,7 @@ struct Activations {
   ActivationPlanner planner;
   std::unique_ptr<ActivationStore> store;
   std::chrono::steady_clock::time_point iteration_start{};
+  int64_t planned_chunk_elems = 0;  // the chunk size of the warm-up trace "auto" planned on
 };
 
 // The bytes per second of a copy between the tiers (the best of a few of `bytes`), or 0 where the

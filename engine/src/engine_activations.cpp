@@ -98,6 +98,7 @@ bool EngineCore::report_activations(IterationReport& report, bool may_plan) {
         at::from_blob(choices.data(), {static_cast<int64_t>(choices.size())}, at::kByte), 0);
   }
   planner.set_choices(choices);
+  activations_->planned_chunk_elems = store().chunk_elems();
   report.activation_plan_made = true;
   return true;
 }

@@ -358,7 +358,16 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // The plan's chunk sizes (engine_plan_layouts.cpp): the engine's own, and with "auto" the
   // others it considers, each with the trace it would run (nullopt where the warm-up's needs do
   // not cover the trace).
-  engine_detail::PlanLayout plan_layout_now() const;
+  // The engine's own size on `trace` (the running one, or an activation alternative's edit of it),
+  // its margin decided at `peak_non_model`.
+  engine_detail::PlanLayout plan_layout_now(Trace trace, int64_t peak_non_model) const;
+  // With "auto" activations, the engine's size under each of the activation plan's whole-model
+  // alternatives (engine_plan_activations.cpp); `compute` per moment of the running trace.
+  std::vector<engine_detail::PlanLayout> plan_activation_layouts(
+      const std::vector<double>& compute) const;
+  // Runs the activations `candidate` names (the activation plan's own where it names none); true
+  // when they changed.
+  bool run_plan_activations(const std::string& candidate);
   std::vector<int64_t> plan_chunk_sizes() const;
   std::optional<engine_detail::PlanLayout> plan_layout_of(int64_t chunk_elems,
                                                           const Trace& trace) const;

@@ -75,25 +75,28 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   in.delayed_possible = pipeline_->delayed_possible();
   in.delayed_bytes_per_param = mixed() ? 6 : 12;
   in.async_moves = config_.scheduler.async_moves;
-  in.layouts.push_back(plan_layout_now());
+  in.layouts.push_back(plan_layout_now(scheduler_->trace(), plan_.placement_peak()));
   for (int64_t size : plan_chunk_sizes()) {
     if (std::optional<PlanLayout> other = plan_layout_of(size, in.layouts[0].trace)) {
       in.layouts.push_back(std::move(*other));
     }
   }
+  for (PlanLayout& other : plan_activation_layouts(in.compute_seconds)) {
+    in.layouts.push_back(std::move(other));
+  }
   return in;
 }
 
-PlanLayout EngineCore::plan_layout_now() const {
+PlanLayout EngineCore::plan_layout_now(Trace trace, int64_t peak_non_model) const {
   PlanLayout layout;
   layout.chunk_elems = store().chunk_elems();
-  layout.trace = scheduler_->trace();
+  layout.trace = std::move(trace);
   layout.chunks = scheduler_->chunks();
   const AdamPlacement& placement = pipeline_->placement();
   // The margin's and the streamed placement from the figures the engine's was decided with (and
   // the step's non-model bytes this trace measured), whichever one the engine runs.
   PlacementFigures figures;
-  figures.peak_non_model = plan_.placement_peak();
+  figures.peak_non_model = peak_non_model;
   figures.step_non_model = step_non_model_of(layout.trace);
   figures.usable_device_bytes = usable_device_bytes(config_);
   figures.device_state_bytes = metrics_.registration().device_state_bytes;
@@ -182,11 +185,12 @@ void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
     if (scheduler_->has_trace()) scheduler_->drop_trace();
     move_to_chunk_size(chosen.chunk_elems, /*retried=*/false);
   }
-  if (site != pipeline_->adam_site() || resize) {
+  const bool activations = run_plan_activations(chosen.activations);
+  if (site != pipeline_->adam_site() || resize || activations) {
     pipeline_->set_adam_site(site);
-    // The step moment's accesses (and with a new size every moment's) change: the next iteration
-    // records the trace again (a warm-up), and the step after it decides the placement with the
-    // plan's.
+    // The step moment's accesses (and with a new size every moment's, with other activations
+    // their non-model bytes) change: the next iteration records the trace again (a warm-up), and
+    // the step after it decides the placement with the plan's.
     record_trace_again();
   }
   // One optimizer thread on at a time: the one going off first.
@@ -208,7 +212,8 @@ void EngineCore::keep_config_schedule() {
   const AdamSite config_site = config_adam_site(config_);
   const bool site_changed = pipeline_->adam_site() != config_site;
   pipeline_->set_adam_site(config_site);
-  if (pipeline_->delayed_possible() || site_changed) {
+  const bool activations = run_plan_activations("");  // the activation plan's own
+  if (pipeline_->delayed_possible() || site_changed || activations) {
     // The delayed update runs its Adam on the host: the placement, decided with it off, is decided
     // again (the next iteration records the trace again, as after a plan that moves Adam).
     record_trace_again();

@@ -19,18 +19,22 @@ std::string PlanReport::text() const {
   if (!planned) return "";
   std::string out = absl::StrCat("plan", replanned ? " (planned again)" : "", ": profile ",
                                  profile, "\n");
-  out += absl::StrFormat("  %-46s %13s %11s %11s %11s %13s %12s %12s\n", "candidate",
-                         "predicted s", "compute s", "host Adam s", "copy wait s",
-                         "device peak B", "h2d B/iter", "d2h B/iter");
+  int width = 46;  // the longest name's
+  for (const PlanCandidateReport& c : candidates) {
+    width = std::max(width, static_cast<int>(c.name.size()));
+  }
+  out += absl::StrFormat("  %-*s %13s %11s %11s %11s %13s %12s %12s\n", width, "candidate",
+                         "predicted s", "compute s", "host Adam s", "copy wait s", "device peak B",
+                         "h2d B/iter", "d2h B/iter");
   for (size_t i = 0; i < candidates.size(); ++i) {
     const PlanCandidateReport& c = candidates[i];
     const char* mark = static_cast<int>(i) == chosen ? "*" : " ";
     if (!c.fits) {
-      out += absl::StrFormat("%s %-46s does not fit: %.240s\n", mark, c.name, c.why_not);
+      out += absl::StrFormat("%s %-*s does not fit: %.240s\n", mark, width, c.name, c.why_not);
       continue;
     }
-    out += absl::StrFormat("%s %-46s %13.5f %11.5f %11.5f %11.5f %13d %12d %12d\n", mark, c.name,
-                           c.predicted_step_seconds, c.compute_seconds, c.host_adam_seconds,
+    out += absl::StrFormat("%s %-*s %13.5f %11.5f %11.5f %11.5f %13d %12d %12d\n", mark, width,
+                           c.name, c.predicted_step_seconds, c.compute_seconds, c.host_adam_seconds,
                            c.exposed_copy_seconds, c.device_peak_bytes, c.h2d_bytes, c.d2h_bytes);
   }
   if (chosen >= 0) {
@@ -54,7 +58,11 @@ std::string PlanReport::config_json() const {
       {"optimizer",
        {{"params",
          {{"use_hybrid_adam", c.adam != "host"}, {"stream_states", c.adam == "streamed"}}}}}};
-  return j.dump(2);
+  nlohmann::json out = j;
+  if (!c.activations.empty()) {
+    out["activation_checkpointing"] = {{"policy", c.activations}};
+  }
+  return out.dump(2);
 }
 
 namespace engine_detail {
@@ -132,9 +140,12 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
   c.adam = v.site == Site::kHost ? "host" : v.site == Site::kStreamed ? "streamed" : "margin";
   const int64_t step = step_moment_of(layout.trace);
   const Trace trace = candidate_trace(layout, v.site, step);
+  c.activations = layout.activations;
+  const std::vector<double>& compute =
+      layout.compute_seconds.empty() ? in.compute_seconds : layout.compute_seconds;
   std::vector<MomentCost> costs(static_cast<size_t>(trace.size()));
   for (size_t m = 0; m < costs.size(); ++m) {
-    costs[m].flops = in.compute_seconds[m] * profile.compute_scale;
+    costs[m].flops = compute[m] * profile.compute_scale;
   }
   std::vector<HostUpdate> updates;
   for (const PlanIndex& index : layout.indices) {
@@ -159,7 +170,8 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
     updates.push_back({index.params + undo_params, index.ready_after, index.host_side});
   }
   c.name = absl::StrCat("chunks ", c.chunk_elems, ", ", c.schedule, ", Adam ", c.adam, " (",
-                        c.adam_device_indices, " of ", layout.indices.size(), " on the device)");
+                        c.adam_device_indices, " of ", layout.indices.size(), " on the device)",
+                        c.activations.empty() ? "" : ", activations ", c.activations);
   try {
     SimulationOptions options;
     options.scheduler = in.scheduler;
@@ -188,8 +200,11 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
                               : 0.0;
     const double beside = in.async_moves ? profile.beside_compute : 0.0;
     c.beside_seconds = copies * beside + thread * profile.beside_compute;
-    c.predicted_step_seconds = p.step_seconds + copies * (1 - beside) +
-                               thread * (1 - profile.beside_compute);
+    // (The activations' exposed copies, beyond the measured iteration's, hold up compute.)
+    const double extra = layout.extra_seconds;
+    c.compute_seconds += extra;
+    c.predicted_step_seconds =
+        p.step_seconds + extra + copies * (1 - beside) + thread * (1 - profile.beside_compute);
   } catch (const c10::Error& e) {
     c.fits = false;
     c.why_not = e.what_without_backtrace();
@@ -269,9 +284,11 @@ void find_ready_moments(PlanLayout& layout) {
 PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
   TORCH_CHECK(!in.layouts.empty(), "plan: no chunk size to plan");
   for (const PlanLayout& layout : in.layouts) {
-    TORCH_CHECK(static_cast<int64_t>(in.compute_seconds.size()) == layout.trace.size(), "plan: ",
-                in.compute_seconds.size(), " measured moments for a trace of ",
-                layout.trace.size(), " (chunks of ", layout.chunk_elems, " elements)");
+    const size_t measured =
+        layout.compute_seconds.empty() ? in.compute_seconds.size() : layout.compute_seconds.size();
+    TORCH_CHECK(static_cast<int64_t>(measured) == layout.trace.size(), "plan: ", measured,
+                " measured moments for a trace of ", layout.trace.size(), " (chunks of ",
+                layout.chunk_elems, " elements)");
   }
   TORCH_CHECK(profile.h2d_bytes_per_s > 0 && profile.d2h_bytes_per_s > 0 &&
                   profile.host_adam_params_per_s > 0 &&
@@ -313,8 +330,8 @@ PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
   out.why = chosen.predicted_step_seconds > best
                 ? absl::StrFormat(
                       "predicted step %.4g s, within 1%% of the fastest (%.4g s) and first in the "
-                      "order of preference (the engine's own chunk size, serial, overlapped, "
-                      "delayed, the margin, the host)%s",
+                      "order of preference (the engine's own chunk size and activations, "
+                      "serial, overlapped, delayed, the margin, the host)%s",
                       chosen.predicted_step_seconds, best, next)
                 : absl::StrFormat("the fastest predicted step, %.4g s%s",
                                   chosen.predicted_step_seconds, next);
@@ -440,8 +457,16 @@ bool RunPlanner::end_iteration(bool counted, double seconds) {
     profile_.beside_compute *= 1 - taken / chosen.beside_seconds;
     excess -= taken;
   }
+  // (The chosen candidate's measured compute: an activation alternative has its own.)
+  const std::vector<double>* measured = &inputs_.compute_seconds;
+  for (const PlanLayout& layout : inputs_.layouts) {
+    if (layout.chunk_elems == chosen.chunk_elems && layout.activations == chosen.activations &&
+        !layout.compute_seconds.empty()) {
+      measured = &layout.compute_seconds;
+    }
+  }
   double compute = 0;
-  for (double s : inputs_.compute_seconds) compute += s * profile_.compute_scale;
+  for (double s : *measured) compute += s * profile_.compute_scale;
   if (compute > 0) profile_.compute_scale *= std::max(0.2, (compute + excess) / compute);
   profile_.name = "measured, corrected";
   return true;

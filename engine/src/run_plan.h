@@ -6,9 +6,13 @@
 // the plan it compares the measured step with the prediction; past the tolerance it corrects the
 // profile with what it measured and plans once more.
 //
-// The candidates, per chunk size, step schedule and Adam placement:
+// The candidates, per chunk size, activations, step schedule and Adam placement:
 // - the engine's chunk size, and with "default_chunk_size": "auto" the smallest of its grid and the
 //   least-waste size between (the model moves into the chosen size between iterations);
+// - with "activation_checkpointing": {"policy": "auto"}, at the engine's chunk size, the activation
+//   plan's whole-model alternatives to its own choice (every call recomputed, offloaded, or kept),
+//   their traces edited by its model: the activations change what the device keeps free, so the
+//   Adam placement, the chunk moves and the step;
 // - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
 //   soon as its gradients are final; the same bits as serial);
 // - Adam on the device for the chunk indices the margin holds ("margin"), on the host for all
@@ -84,11 +88,20 @@ struct PlanLayout {
   std::vector<PlanIndex> indices;
   // The delayed update's copies fit the host beside this size's chunks (where it is allowed).
   bool delayed_fits = true;
+  // With "auto" activations, a whole-model way the activation plan did not choose
+  // ("activation_checkpointing.policy": "recompute", "offload" or "none"); empty: the activations
+  // the engine runs. Its trace and per-moment compute (empty: PlanInputs::compute_seconds) are the
+  // measured ones edited by the activation plan's model, and `extra_seconds` is what that model
+  // adds (offload copies not hidden) beyond the measured iteration.
+  std::string activations;
+  std::vector<double> compute_seconds;
+  double extra_seconds = 0;
 };
 
 struct PlanInputs {
   // The engine's size and scheduled trace first, then the other sizes "auto" allows (their traces
-  // made from the warm-up's per-moment tensors), in the order of preference on a tie.
+  // made from the warm-up's per-moment tensors), then the engine's size under each activation
+  // alternative, in the order of preference on a tie.
   std::vector<PlanLayout> layouts;
   SchedulerOptions scheduler;
   std::vector<double> compute_seconds;  // per moment: measured, the step moment without Adam

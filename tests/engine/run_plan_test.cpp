@@ -147,6 +147,68 @@ TEST(RunPlan, ACandidateThatDoesNotFitIsNeverChosen) {
   EXPECT_EQ(none.why, "no candidate fits the device");
 }
 
+// An activation alternative (run_plan.h, PlanLayout::activations): one more moment (a recompute of
+// block 3 before its backward, 2 ms) and `extra` seconds of copies not hidden, but room for every
+// index's Adam on the device (100x the host's rate here).
+PlanInputs with_alternative(double extra) {
+  PlanInputs in = four_indices(64 * kMiB);
+  in.overlap_possible = false;
+  PlanLayout alt = in.layouts[0];
+  alt.activations = "recompute";
+  Moment recompute = alt.trace.moments[3];
+  recompute.label = "block3 recompute";
+  alt.trace.moments.insert(alt.trace.moments.begin() + 4, recompute);
+  alt.compute_seconds = in.compute_seconds;
+  alt.compute_seconds.insert(alt.compute_seconds.begin() + 4, 2e-3);
+  alt.extra_seconds = extra;
+  for (PlanIndex& x : alt.indices) x.on_device = true;
+  find_ready_moments(alt);
+  in.layouts.push_back(alt);
+  return in;
+}
+
+TEST(RunPlan, AnActivationAlternativeIsPredictedOnItsOwnTraceComputeAndCopiesAndPinnedByItsConfig) {
+  PlanProfile fast_device = profile(1);
+  fast_device.device_adam_params_per_s = 1e10;
+  const PlanEvaluation e = evaluate_plan(with_alternative(1.5e-3), fast_device);
+  // Serial and host for each: the engine's activations, then the alternative.
+  ASSERT_EQ(e.candidates.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(e.candidates[i].activations, i < 2 ? "" : "recompute") << e.candidates[i].name;
+  }
+  const PlanCandidateReport& own = e.candidates[0];
+  const PlanCandidateReport& alt = e.candidates[2];
+  EXPECT_NE(alt.name.find(", activations recompute"), std::string::npos) << alt.name;
+  EXPECT_EQ(own.adam_device_indices, 2);
+  EXPECT_EQ(alt.adam_device_indices, 4);
+  // 16.5 ms of compute, the recompute's 2 ms, 1.5 ms of copies and four device updates of 26 us;
+  // the engine's own: two host updates of 2.6 ms.
+  EXPECT_NEAR(alt.predicted_step_seconds, 16.5e-3 + 2e-3 + 1.5e-3 + 4 * 2.62e-5, 0.2e-3);
+  EXPECT_NEAR(own.predicted_step_seconds, 16.5e-3 + 2 * 2.62144e-3 + 2 * 2.62e-5, 0.2e-3);
+  ASSERT_EQ(e.chosen, 2) << e.why;
+  PlanReport report;
+  report.planned = true;
+  report.candidates = e.candidates;
+  report.chosen = e.chosen;
+  EXPECT_NE(report.config_json().find(R"("activation_checkpointing": {
+    "policy": "recompute"
+  })"),
+            std::string::npos)
+      << report.config_json();
+  // Its copies weigh: with 4 ms of them the engine's own activations are faster, and their
+  // config leaves the activation policy as it is.
+  const PlanEvaluation slower = evaluate_plan(with_alternative(4e-3), fast_device);
+  ASSERT_EQ(slower.chosen, 0) << slower.why;
+  report.candidates = slower.candidates;
+  report.chosen = slower.chosen;
+  EXPECT_EQ(report.config_json().find("activation_checkpointing"), std::string::npos)
+      << report.config_json();
+  // Its compute is its own: measured moments of another trace are refused.
+  PlanInputs mismatched = with_alternative(0);
+  mismatched.layouts[1].compute_seconds.pop_back();
+  EXPECT_THROW(evaluate_plan(mismatched, fast_device), c10::Error);
+}
+
 TEST(RunPlan, EveryChunkSizeIsACandidateAndTheEnginesOwnWinsATie) {
   PlanInputs in = four_indices(64 * kMiB);
   PlanLayout other = in.layouts[0];
@@ -430,6 +492,28 @@ TEST(RunPlanner, AStepPastTheToleranceCorrectsTheProfileAndPlansOnceMore) {
   EXPECT_NE(planner.report().check.find("the plan stays"), std::string::npos)
       << planner.report().check;
   EXPECT_FALSE(planner.end_iteration(true, 3 * serial));
+}
+
+TEST(RunPlanner, TheCheckOfAnActivationAlternativeCorrectsItsOwnCompute) {
+  PlanConfig config;
+  config.mode = PlanMode::kAuto;
+  config.check_iterations = 2;
+  RunPlanner planner(config);
+  PlanProfile fast_device = profile(1);
+  fast_device.device_adam_params_per_s = 1e10;
+  const PlanCandidateReport first = *planner.plan(with_alternative(1.5e-3), fast_device);
+  ASSERT_EQ(first.activations, "recompute");
+  // It measures 40% shorter: the compute it was predicted with (its recompute's 2 ms included)
+  // scales, so that the corrected profile predicts what it measured.
+  const double measured = 0.6 * first.predicted_step_seconds;
+  EXPECT_FALSE(planner.end_iteration(true, measured));
+  ASSERT_TRUE(planner.end_iteration(true, measured));
+  planner.plan(planner.inputs(), planner.profile());
+  for (const PlanCandidateReport& c : planner.report().candidates) {
+    if (c.name == first.name) {
+      EXPECT_NEAR(c.predicted_step_seconds, measured, measured * 1e-6);
+    }
+  }
 }
 
 TEST(RunPlanner, PlansNothingWhereNoCandidateFits) {

@@ -151,6 +151,9 @@ struct ActivationPlanReport {
   double common_seconds = 0;
   bool copies_overlap = false;
   double predicted_step_seconds = 0;  // the chosen plan's
+  // With "plan": "auto": the whole-model way the run plan runs instead of this plan's choice
+  // ("recompute", "offload" or "keep"; empty: this plan's own).
+  std::string run_plan_instead;
   // Lines for a log: the calls, the candidates and the choice.
   std::string text() const;
 };
@@ -164,6 +167,9 @@ struct PlanCandidateReport {
   // "margin" (the margin's indices on the device), "host", or "streamed" (also the indices the
   // step's free device memory holds, their states brought in for the update)
   std::string adam;
+  // With "auto" activations, where this candidate runs every checkpoint call another way than the
+  // activation plan chose: "recompute", "offload" or "none" (keep), as the policy names them
+  std::string activations;
   int64_t adam_device_indices = 0;  // chunk indices whose Adam runs on the device
   bool fits = false;
   std::string why_not;  // when it does not fit
@@ -194,8 +200,9 @@ struct PlanReport {
   std::string check;  // the check's line
   // Lines for a log: every candidate, the choice, the check.
   std::string text() const;
-  // The chosen settings as a config document's keys ("plan": "off", "default_chunk_size" and the
-  // keys that pin the step schedule and the Adam placement),
+  // The chosen settings as a config document's keys ("plan": "off", "default_chunk_size", the
+  // keys that pin the step schedule and the Adam placement, and the activation policy where the
+  // candidate runs another than the activation plan's),
   // for --write-plan; empty before the plan.
   std::string config_json() const;
 };

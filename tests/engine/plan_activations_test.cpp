@@ -1,0 +1,199 @@
+// "plan": "auto" with "auto" activations: the run plan weighs the activation plan's whole-model
+// alternatives (every call kept, recomputed or offloaded) beside its own choice, each with the
+// Adam placement, chunk moves and step its activations leave room for; every alternative it
+// considers runs as it predicted (the calls' ways, the Adam placement) and trains as LibTorch does,
+// and one it chooses is pinned by the plan's config.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <iostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpt_training.h"
+#include "patrickstar/engine/engine_inspect.h"
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace plan_activations_test {
+
+using models::Gpt;
+using models::GptSpec;
+using namespace test;  // NOLINT: the shared helpers of gpt_training.h
+
+constexpr int kSteps = 8;
+
+Gpt make_six() {
+  GptSpec spec = tiny(/*checkpointed=*/true);
+  spec.layers = 6;
+  torch::manual_seed(1);
+  return Gpt(spec);
+}
+
+// "auto" activations and "plan": "auto" (no check: the candidate applied stays) on a device of
+// `capacity` bytes.
+Config planned_config(int64_t capacity) {
+  Config config = tight_config(R"({"activation_checkpointing": {"policy": "auto"},
+                                   "plan": "auto", "plan_check_iterations": 1000})");
+  config.device.capacity_bytes = capacity;
+  return config;
+}
+
+struct Trained {
+  std::vector<double> losses;
+  PlanReport plan;
+  ActivationPlanReport activations;
+  int64_t adam_device_indices = 0;
+  int64_t retraces = 0;  // iterations whose moments left the trace (IterationReport::retraces)
+};
+
+const char* call_choice(const std::string& activations) {
+  return activations == "none" ? "keep" : activations.c_str();
+}
+
+// The index of the candidate in `plan` with `wanted`'s settings, or -1 (each engine plans on its
+// own measurements: the activation plan's choice, so the candidates' order, may differ).
+int index_of(const PlanReport& plan, const PlanCandidateReport& wanted) {
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const PlanCandidateReport& c = plan.candidates[i];
+    if (c.chunk_elems == wanted.chunk_elems && c.schedule == wanted.schedule &&
+        c.adam == wanted.adam && c.activations == wanted.activations) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+// Trains kSteps; applies `first` after the third step (from candidate 0, the settings the engine
+// measured with), and with `back` candidate 0 again after the sixth.
+Trained train(const Config& config, const PlanCandidateReport* first = nullptr, bool back = false) {
+  Gpt model = make_six();
+  Engine engine(model.ptr(), config);
+  Trained out;
+  for (int s = 0; s < kSteps; ++s) {
+    double loss = 0;
+    out.retraces = train_step(engine, model, s, &loss).retraces;
+    out.losses.push_back(loss);
+    if (s == 2 && first != nullptr) {
+      const int index = index_of(engine.plan(), *first);
+      if (index < 0) {
+        ADD_FAILURE() << "this engine's plan has no candidate " << first->name << "\n"
+                      << engine.plan().text();
+        break;
+      }
+      EngineInspector::apply_plan_candidate(engine, 0);
+      EngineInspector::apply_plan_candidate(engine, index);
+    }
+    if (s == 5 && back) EngineInspector::apply_plan_candidate(engine, 0);
+  }
+  out.plan = engine.plan();
+  out.activations = engine.activation_plan();
+  const std::vector<bool>& on_device = inspect(engine).adam_on_device();
+  out.adam_device_indices = std::count(on_device.begin(), on_device.end(), true);
+  return out;
+}
+
+// 6 MiB: every call kept leaves the margin room for 3 of the 10 chunk indices' Adam, every call
+// recomputed or offloaded for 6 (the non-model peak 2,140,296 B against 671,368 B and 605,832 B).
+constexpr int64_t kCapacity = int64_t{6} << 20;
+
+TEST(PlanActivations, TheRunPlanWeighsEveryWholeModelWayOfTheActivationsAndEachTrainsAsLibTorch) {
+  const Trained planned = train(planned_config(kCapacity));
+  ASSERT_TRUE(planned.plan.planned);
+  ASSERT_TRUE(planned.activations.planned);
+  const std::vector<double> plain = train_plain(kSteps, make_six());
+  EXPECT_LE(max_relative_difference(planned.losses, plain), 1e-5);
+  std::set<std::string> ways;
+  for (const PlanCandidateReport& c : planned.plan.candidates) ways.insert(c.activations);
+  // The activation plan's own choice (every call kept here: it saves every recompute) and the
+  // whole-model ways it did not choose.
+  std::set<std::string> others = {"recompute", "offload", "none"};
+  bool every_call_kept = true;
+  for (const ActivationCallPlan& c : planned.activations.calls) {
+    every_call_kept = every_call_kept && c.choice == "keep";
+  }
+  if (every_call_kept) others.erase("none");
+  others.insert("");
+  EXPECT_EQ(ways, others) << planned.plan.text();
+  if (every_call_kept) {
+    // Recomputing every call adds each call's measured forward to the step (its moments come from
+    // the warm-up's trace); with every Adam on the host both steps update the same.
+    double forwards = 0;
+    for (const ActivationCallPlan& c : planned.activations.calls) forwards += c.forward_seconds;
+    const PlanCandidateReport* own = nullptr;
+    const PlanCandidateReport* recomputed = nullptr;
+    for (const PlanCandidateReport& c : planned.plan.candidates) {
+      if (c.schedule != "serial" || c.adam != "host") continue;
+      if (c.activations.empty()) own = &c;
+      if (c.activations == "recompute") recomputed = &c;
+    }
+    ASSERT_TRUE(own != nullptr && recomputed != nullptr) << planned.plan.text();
+    EXPECT_NEAR(recomputed->compute_seconds - own->compute_seconds, forwards, forwards * 1e-6);
+  } else {
+    std::cout << "the activation plan kept not every call here: the recompute's time is not "
+                 "checked\n"
+              << planned.activations.text();
+  }
+
+  int alternatives = 0;
+  for (const PlanCandidateReport& c : planned.plan.candidates) {
+    if (c.activations.empty() || !c.fits) continue;
+    ++alternatives;
+    EXPECT_NE(c.name.find(", activations " + c.activations), std::string::npos) << c.name;
+    EXPECT_EQ(c.chunk_elems, planned.plan.candidates[0].chunk_elems) << c.name;
+    const Trained run = train(planned_config(kCapacity), &c);
+    EXPECT_LE(max_relative_difference(run.losses, plain), 1e-5) << c.name;
+    // Every call runs the candidate's way, and the Adam placement the engine decides under it is
+    // the one the candidate predicted (the margin from the activations' peak).
+    for (const ActivationCallPlan& call : run.activations.calls) {
+      EXPECT_EQ(call.choice, call_choice(c.activations)) << c.name << ": call " << call.call;
+    }
+    EXPECT_EQ(run.activations.run_plan_instead, call_choice(c.activations)) << c.name;
+    EXPECT_EQ(run.adam_device_indices, c.adam_device_indices) << c.name;
+    // The engine records the trace again for the new activations: no moment takes it by surprise.
+    EXPECT_EQ(run.retraces, 0) << c.name;
+  }
+  EXPECT_GE(alternatives, 4) << planned.plan.text();
+}
+
+TEST(PlanActivations, BackToACandidateOfTheActivationPlansOwnItRunsItsChoicesAgain) {
+  const Trained planned = train(planned_config(kCapacity));
+  const PlanCandidateReport* alternative = nullptr;
+  for (const PlanCandidateReport& c : planned.plan.candidates) {
+    if (!c.activations.empty() && c.fits && alternative == nullptr) alternative = &c;
+  }
+  ASSERT_NE(alternative, nullptr) << planned.plan.text();
+  const Trained back = train(planned_config(kCapacity), alternative, /*back=*/true);
+  // Every call runs the activation plan's own choice again (the report says no other runs), which
+  // differs from the alternative in some call (else it would not be one).
+  EXPECT_EQ(back.activations.run_plan_instead, "");
+  int differ = 0;
+  for (const ActivationCallPlan& call : back.activations.calls) {
+    differ += call.choice != call_choice(alternative->activations) ? 1 : 0;
+  }
+  EXPECT_GT(differ, 0) << back.activations.text();
+  EXPECT_EQ(back.adam_device_indices, back.plan.candidates[0].adam_device_indices);
+  EXPECT_EQ(back.retraces, 0);
+  EXPECT_LE(max_relative_difference(back.losses, train_plain(kSteps, make_six())), 1e-5);
+}
+
+TEST(PlanActivations, AFixedActivationPolicyHasNoAlternative) {
+  for (const char* policy : {"recompute", "offload"}) {
+    Config config = tight_config(std::string(R"({"activation_checkpointing": {"policy": ")") +
+                                 policy + R"("}, "plan": "auto", "plan_check_iterations": 1000})");
+    config.device.capacity_bytes = kCapacity;
+    const Trained run = train(config);
+    ASSERT_TRUE(run.plan.planned) << policy;
+    for (const PlanCandidateReport& c : run.plan.candidates) {
+      EXPECT_EQ(c.activations, "") << policy << ": " << c.name;
+    }
+  }
+}
+
+}  // namespace plan_activations_test
+}  // namespace patrickstar
