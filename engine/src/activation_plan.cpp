@@ -417,7 +417,7 @@ std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
     }
     a.peak_delta = alt.peak - now.peak;
     a.recompute_saved = saved;
-    a.exposed_delta = alt.exposed - now.exposed;
+    a.exposed_delta = alt.exposed - (copies_overlap_ ? 0 : now.exposed);
     out.push_back(std::move(a));
   }
   return out;
@@ -454,10 +454,18 @@ std::vector<double> alternative_compute(const ActivationPlanner::Alternative& a,
   return seconds;
 }
 
+double ActivationPlanner::unmeasured_exposed_seconds() const {
+  if (policy_ != ActivationPolicy::kAuto || !planned_ || warmup_.moments.empty() ||
+      choices_.size() != calls_.size() || !copies_overlap_) {
+    return 0;
+  }
+  return shape(warmup_, runs_as(choices_), copy_bytes_per_s_, copies_overlap_).exposed;
+}
+
 bool ActivationPlanner::run_alternative(std::optional<ActivationChoice> every) {
   if (!planned_) return false;
   std::vector<ActivationChoice> choices = every ? every_call(*every) : own_choices_;
-  if (choices == choices_) return false;
+  if (runs_as(choices) == runs_as(choices_)) return false;
   choices_ = std::move(choices);
   for (size_t i = 0; i < choices_.size() && i < report_.calls.size(); ++i) {
     report_.calls[i].choice = activation_choice_name(choices_[i]);

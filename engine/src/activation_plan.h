@@ -95,7 +95,9 @@ class ActivationPlanner {
     int64_t peak_delta = 0;                 // the non-model peak's change
     // Forwards no longer recomputed, on the moments the alternative drops (newly kept calls).
     double recompute_saved = 0;
-    double exposed_delta = 0;  // offload copies not hidden, less the current's
+    // Its offloads' copies not hidden behind compute, less what of the current choices' the
+    // measured compute holds (with a copy queue none: its waits are taken out).
+    double exposed_delta = 0;
   };
   // Empty with `why` set where there is none to offer (not "auto", not planned, or `running` is
   // not the model's trace of the current choices: other moments).
@@ -103,7 +105,10 @@ class ActivationPlanner {
   // Runs every call `every`, or with nullopt the plan's own choices again; true when that changed
   // the choices (the trace must be recorded again).
   bool run_alternative(std::optional<ActivationChoice> every);
-  bool runs_own_plan() const { return choices_ == own_choices_; }
+  bool runs_own_plan() const { return runs_as(choices_) == runs_as(own_choices_); }
+  // The current choices' offload copies not hidden behind compute that the measured compute does
+  // not hold (with a copy queue, all of them: its waits are taken out); 0 unless "auto" planned.
+  double unmeasured_exposed_seconds() const;
 
  private:
   struct Call {
@@ -161,8 +166,8 @@ class ActivationPlanner {
 // The alternative's compute per moment from `running`'s measured compute (one per moment): a moment
 // both have keeps its own; one the alternative adds (a recompute) takes its share of the call's
 // forward; one it drops (a newly kept call's recompute) measured the recompute and what else ran
-// until the next door (the block's backward): that time less the recompute stays, on the moment
-// before it.
+// until the next door (the block's backward): that time less the recomputes saved (in proportion,
+// over every moment dropped) stays, on the moment before it.
 std::vector<double> alternative_compute(const ActivationPlanner::Alternative& alternative,
                                         const std::vector<double>& running);
 

@@ -76,6 +76,8 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   in.delayed_bytes_per_param = mixed() ? 6 : 12;
   in.async_moves = config_.scheduler.async_moves;
   in.layouts.push_back(plan_layout_now(scheduler_->trace(), plan_.placement_peak()));
+  // (The offloads' copy waits are out of the measured compute: the model's exposed ones go back.)
+  in.layouts[0].extra_seconds = activations_->planner.unmeasured_exposed_seconds();
   for (int64_t size : plan_chunk_sizes()) {
     if (std::optional<PlanLayout> other = plan_layout_of(size, in.layouts[0].trace)) {
       in.layouts.push_back(std::move(*other));

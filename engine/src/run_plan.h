@@ -92,7 +92,8 @@ struct PlanLayout {
   // ("activation_checkpointing.policy": "recompute", "offload" or "none"); empty: the activations
   // the engine runs. Its trace and per-moment compute (empty: PlanInputs::compute_seconds) are the
   // measured ones edited by the activation plan's model, and `extra_seconds` is what that model
-  // adds (offload copies not hidden) beyond the measured iteration.
+  // adds beyond the measured compute (offload copies not hidden, whose waits the measured compute
+  // leaves out; also for the activations the engine runs).
   std::string activations;
   std::vector<double> compute_seconds;
   double extra_seconds = 0;

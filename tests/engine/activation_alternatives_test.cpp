@@ -109,6 +109,7 @@ TEST(ActivationAlternatives, EachIsTheRunningTraceEditedByTheModel) {
   std::string why;
   const std::vector<ActivationPlanner::Alternative> all = p.planner.alternatives(running, &why);
   ASSERT_EQ(all.size(), 3u) << why;
+  EXPECT_EQ(p.planner.unmeasured_exposed_seconds(), 0) << "no offload runs";
 
   // Every call recomputed: call 0's recompute comes back (the warm-up's moment, its forward's
   // time); its activations no longer stay from its forward to its backward (moments 1 to 6).
@@ -168,9 +169,18 @@ TEST(ActivationAlternatives, ACallsOwnOptionRunsInEveryAlternative) {
   EXPECT_EQ(keep->trace.moments[3].non_model_bytes, running.moments[3].non_model_bytes + kKept[1]);
   EXPECT_EQ(keep->trace.moments[4].non_model_bytes, running.moments[4].non_model_bytes + kKept[1]);
   EXPECT_EQ(keep->trace.moments[5].non_model_bytes, running.moments[6].non_model_bytes - kInput);
-  EXPECT_TRUE(p.planner.run_alternative(ActivationChoice::kRecompute));
+  // Its input's copies are not hidden behind call 1's forward, and the measured compute leaves
+  // their waits out (a copy queue): the running choices' 16 ms go back into the prediction.
+  EXPECT_NEAR(p.planner.unmeasured_exposed_seconds(), 2 * (kInput / kBandwidth - kForward[1]),
+              1e-12);
+  EXPECT_NEAR(keep->exposed_delta, 2 * (kInput / kBandwidth - kForward[1]), 1e-12);
+  // "Every call recomputed" runs as the plan does: nothing changes; "every call kept" keeps call 1.
+  EXPECT_FALSE(p.planner.run_alternative(ActivationChoice::kRecompute));
+  EXPECT_TRUE(p.planner.runs_own_plan());
+  EXPECT_TRUE(p.planner.run_alternative(ActivationChoice::kKeep));
   p.planner.restart();
   EXPECT_EQ(p.planner.plan(true, true, 0).choice, ActivationChoice::kOffload);
+  EXPECT_EQ(p.planner.plan(true, std::nullopt, 2).choice, ActivationChoice::kKeep);
 }
 
 TEST(ActivationAlternatives, TheirComputeIsTheMeasuredOneMovedWithTheirMoments) {
