@@ -318,12 +318,7 @@ void ActivationPlanner::set_choices(const std::vector<uint8_t>& choices) {
 }
 
 std::vector<ActivationChoice> ActivationPlanner::every_call(ActivationChoice every) const {
-  std::vector<ActivationChoice> out;
-  for (const Call& c : calls_) {
-    out.push_back(every == ActivationChoice::kKeep && !c.named ? ActivationChoice::kRecompute
-                                                               : every);
-  }
-  return runs_as(out);
+  return runs_as(std::vector<ActivationChoice>(calls_.size(), every));
 }
 
 std::vector<ActivationChoice> ActivationPlanner::runs_as(
