@@ -25,6 +25,7 @@ nlohmann::json plan_json(const ps::PlanReport& plan) {
                           {"schedule", c.schedule},
                           {"adam", c.adam},
                           {"activations", c.activations},
+                          {"activation_calls", c.activation_calls},
                           {"adam_device_indices", c.adam_device_indices},
                           {"fits", c.fits},
                           {"why_not", c.why_not},
@@ -37,15 +38,17 @@ nlohmann::json plan_json(const ps::PlanReport& plan) {
                           {"d2h_bytes", c.d2h_bytes},
                           {"measured_step_s", c.measured_step_seconds}});
   }
-  return {{"profile", plan.profile},
-          {"candidates", candidates},
-          {"chosen", plan.chosen >= 0 ? plan.candidates[static_cast<size_t>(plan.chosen)].name : ""},
-          {"why", plan.why},
-          {"predicted_step_s", plan.predicted_step_seconds},
-          {"measured_step_s", plan.measured_step_seconds},
-          {"checked", plan.checked},
-          {"replanned", plan.replanned},
-          {"check", plan.check}};
+  return {
+      {"profile", plan.profile},
+      {"candidates", candidates},
+      {"chosen", plan.chosen >= 0 ? plan.candidates[static_cast<size_t>(plan.chosen)].name : ""},
+      {"why", plan.why},
+      {"activation_search", plan.activation_search},
+      {"predicted_step_s", plan.predicted_step_seconds},
+      {"measured_step_s", plan.measured_step_seconds},
+      {"checked", plan.checked},
+      {"replanned", plan.replanned},
+      {"check", plan.check}};
 }
 
 void write_plan(const ps::PlanReport& plan, const std::string& path) {
@@ -63,6 +66,7 @@ struct PlanModeResult {
   std::string schedule = {}, adam = {};  // a candidate's; empty for the planning engine
   int64_t chunk_elems = 0;
   std::string activations = {};  // a candidate's other activation policy, if any
+  std::vector<std::string> activation_calls = {};  // its calls' ways ("auto" activations)
   std::string refused = {};
   std::vector<double> times = {}, losses = {};
   bool trained = false;
@@ -135,8 +139,9 @@ void report_comparison(const ps::PlanReport& plan, const std::vector<PlanModeRes
     const PlanModeResult& m = modes[i];
     const ps::PlanCandidateReport* p = nullptr;
     for (const ps::PlanCandidateReport& c : plan.candidates) {
+      // (Each engine plans its own activations: a prediction for other ways is not this one's.)
       if (c.chunk_elems == m.chunk_elems && c.schedule == m.schedule && c.adam == m.adam &&
-          c.activations == m.activations) {
+          c.activations == m.activations && c.activation_calls == m.activation_calls) {
         p = &c;
       }
     }
@@ -214,7 +219,8 @@ int compare_plan(const ps::Config& base, Spec spec, int64_t batch, int64_t seq, 
   std::vector<Mode> modes;
   modes.push_back({{"plan \"auto\""}});
   for (const ps::PlanCandidateReport& c : considered.candidates) {
-    modes.push_back({{c.name, c.schedule, c.adam, c.chunk_elems, c.activations}});
+    modes.push_back(
+        {{c.name, c.schedule, c.adam, c.chunk_elems, c.activations, c.activation_calls}});
   }
   for (size_t i = 0; i < modes.size(); ++i) {
     try {

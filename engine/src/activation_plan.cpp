@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <utility>
 
 #include <ATen/ops/empty.h>
@@ -39,10 +40,8 @@ std::string ActivationPlanReport::text() const {
                copy_bytes_per_s / 1e9, copies_overlap ? "overlapped" : "exposed", common_seconds);
   }
   if (!run_plan_instead.empty()) {
-    out += format(
-        "  the run plan (\"plan\": \"auto\") runs every call: %s instead of the choice "
-        "below\n",
-        run_plan_instead.c_str());
+    out += format("  the run plan (\"plan\": \"auto\") runs %s instead of the choice below\n",
+                  run_plan_instead.c_str());
   }
   for (const ActivationCandidate& c : candidates) {
     if (c.fits) {
@@ -65,7 +64,19 @@ constexpr ActivationChoice kChoices[] = {ActivationChoice::kRecompute, Activatio
 
 }  // namespace
 
-ActivationPlanner::ActivationPlanner(ActivationPolicy policy) : policy_(policy) {}
+ActivationPlanner::ActivationPlanner(const ActivationConfig& config) : policy_(config.policy) {
+  // (from_json checks these; a Config built in C++ is checked here.)
+  TORCH_CHECK(config.calls.empty() || policy_ == ActivationPolicy::kAuto,
+              "patrickstar::Engine: activation_checkpointing.calls pins the \"auto\" policy's "
+              "choice; the policy is \"",
+              to_string(policy_), "\"");
+  for (const std::string& way : config.calls) {
+    TORCH_CHECK(way == "keep" || way == "recompute" || way == "offload",
+                "patrickstar::Engine: activation_checkpointing.calls: \"", way,
+                "\" is not \"keep\", \"recompute\" or \"offload\"");
+    pinned_.push_back(activation_choice_named(way));
+  }
+}
 
 ActivationChoice ActivationPlanner::default_choice(bool named) const {
   switch (policy_) {
@@ -242,45 +253,26 @@ void ActivationPlanner::make_plan(const PlanInputs& in) {
   common_seconds_ = std::max(0.0, in.warmup_seconds - evaluate(in, measured).seconds);
   report_.common_seconds = common_seconds_;
 
-  auto candidate = [&](std::string name, const std::vector<ActivationChoice>& choices) {
-    const Evaluation e = evaluate(in, choices);
-    report_.candidates.push_back(
-        ActivationCandidate{std::move(name), e.fits, e.why_not, e.peak, e.traffic, e.seconds});
-    return e;
-  };
-  const bool all_named =
-      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
-  // The way the warm-up ran trained: the plan to fall back on.
   std::vector<ActivationChoice> best = measured;
-  Evaluation best_e = evaluate(in, measured);
-  for (ActivationChoice uniform : kChoices) {
-    if (uniform == ActivationChoice::kKeep && !all_named) continue;
-    std::vector<ActivationChoice> choices(n, uniform);
-    const Evaluation e =
-        candidate(absl::StrCat("every call: ", activation_choice_name(uniform)), choices);
-    if (e.fits && (!best_e.fits || e.seconds < best_e.seconds)) {
-      best = choices;
-      best_e = e;
+  bool pinned = false;
+  if (!pinned_.empty() && pinned_.size() != calls_.size()) {
+    TORCH_WARN("patrickstar: activation_checkpointing.calls pins ", pinned_.size(),
+               " calls' ways, and the iteration made ", calls_.size(),
+               " checkpoint calls: \"auto\" chooses them");
+  } else if (!pinned_.empty()) {
+    // (Pinned: what the run plan chose on the trace it ran, which this model only approximates.)
+    const Evaluation e = candidate(in, "pinned (calls)", runs_as(pinned_));
+    if (!e.fits) {
+      TORCH_WARN(
+          "patrickstar: the activation plan's model says the ways "
+          "activation_checkpointing.calls pins do not fit the device (",
+          e.why_not, "); they run as pinned");
     }
+    best = runs_as(pinned_);
+    pinned = true;
   }
-  // Then one call at a time, twice over, while the predicted step gets shorter.
-  for (int pass = 0; pass < 2 && best_e.fits; ++pass) {
-    bool changed = false;
-    for (int64_t i = 0; i < n; ++i) {
-      for (ActivationChoice choice : kChoices) {
-        if (choice == best[i] || (choice == ActivationChoice::kKeep && !calls_[i].named)) continue;
-        std::vector<ActivationChoice> trial = best;
-        trial[i] = choice;
-        const Evaluation e = evaluate(in, trial);
-        if (e.fits && e.seconds < best_e.seconds * (1 - 1e-9)) {
-          best = std::move(trial);
-          best_e = e;
-          changed = true;
-        }
-      }
-    }
-    if (!changed) break;
-  }
+  if (!pinned) best = search(in, measured);
+  const Evaluation best_e = evaluate(in, best);
   report_.candidates.push_back(ActivationCandidate{"chosen", best_e.fits, best_e.why_not,
                                                    best_e.peak, best_e.traffic, best_e.seconds});
   report_.predicted_step_seconds = best_e.seconds;
@@ -295,6 +287,40 @@ void ActivationPlanner::make_plan(const PlanInputs& in) {
     report_.calls[i].choice = activation_choice_name(choices_[i]);
   }
   report_.planned = true;
+}
+
+ActivationPlanner::Evaluation ActivationPlanner::candidate(
+    const PlanInputs& in, std::string name, const std::vector<ActivationChoice>& choices) {
+  const Evaluation e = evaluate(in, choices);
+  report_.candidates.push_back(
+      ActivationCandidate{std::move(name), e.fits, e.why_not, e.peak, e.traffic, e.seconds});
+  return e;
+}
+
+std::vector<ActivationChoice> ActivationPlanner::search(const PlanInputs& in,
+                                                        std::vector<ActivationChoice> best) {
+  const bool all_named =
+      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
+  // The way the warm-up ran trained: the plan to fall back on.
+  Evaluation best_e = evaluate(in, best);
+  for (ActivationChoice uniform : kChoices) {
+    if (uniform == ActivationChoice::kKeep && !all_named) continue;
+    const std::vector<ActivationChoice> choices = every_call(uniform);
+    const Evaluation e =
+        candidate(in, absl::StrCat("every call: ", activation_choice_name(uniform)), choices);
+    if (e.fits && (!best_e.fits || e.seconds < best_e.seconds)) {
+      best = choices;
+      best_e = e;
+    }
+  }
+  // Then one call at a time, while the predicted step gets shorter.
+  if (!best_e.fits) return best;
+  return search_ways(std::move(best), ways_of_calls(),
+                     [&](const std::vector<ActivationChoice>& c) {
+                       const Evaluation e = evaluate(in, c);
+                       return e.fits ? e.seconds : std::numeric_limits<double>::infinity();
+                     })
+      .best;
 }
 
 std::vector<uint8_t> ActivationPlanner::choices() const {
@@ -331,142 +357,6 @@ std::vector<ActivationChoice> ActivationPlanner::runs_as(
     }
   }
   return choices;
-}
-
-std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
-    const Trace& running, std::string* why) const {
-  auto none = [&](std::string reason) {
-    if (why != nullptr) *why = std::move(reason);
-    return std::vector<Alternative>{};
-  };
-  if (policy_ != ActivationPolicy::kAuto || !planned_ || warmup_.moments.empty() ||
-      choices_.size() != calls_.size()) {
-    return none("the activations are not \"auto\" or were not planned");
-  }
-  const std::vector<ActivationChoice> running_choices = runs_as(choices_);
-  const Shaped now = shape(warmup_, running_choices, copy_bytes_per_s_, copies_overlap_);
-  bool same = now.trace.size() == running.size();
-  for (int64_t m = 0; same && m < running.size(); ++m) {
-    same = now.trace.moments[m].kind == running.moments[m].kind &&
-           now.trace.moments[m].label == running.moments[m].label;
-  }
-  if (!same) {
-    return none(absl::StrCat("the running trace (", running.size(),
-                             " moments) is not the activation plan's (", now.trace.size(), ")"));
-  }
-  const bool all_named =
-      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
-  std::vector<Alternative> out;
-  for (ActivationChoice every : kChoices) {
-    if (every == ActivationChoice::kKeep && !all_named) continue;
-    const std::vector<ActivationChoice> choices = every_call(every);
-    if (choices == running_choices) continue;
-    const Shaped alt = shape(warmup_, choices, copy_bytes_per_s_, copies_overlap_);
-    // Each warm-up moment's compute to add: a newly recomputed call's forward spread over its
-    // recompute's moments; a call whose recompute has no moments of its own is charged (or, newly
-    // kept, credited) on its backward's moment, which both traces have.
-    std::vector<double> share(static_cast<size_t>(warmup_.size()), 0.0);
-    double saved = 0;  // newly kept calls' forwards, on the moments the alternative drops
-    for (size_t i = 0; i < calls_.size(); ++i) {
-      const Call& c = calls_[i];
-      const bool kept_now = running_choices[i] == ActivationChoice::kKeep;
-      const bool kept_then = choices[i] == ActivationChoice::kKeep;
-      if (kept_now == kept_then) continue;
-      const int64_t first = c.recompute_begin + 1;
-      const int64_t last = std::min(c.recompute_end, warmup_.size() - 1);
-      if (last < first) {
-        if (c.recompute_begin >= 0 && c.recompute_begin < warmup_.size()) {
-          share[static_cast<size_t>(c.recompute_begin)] +=
-              kept_now ? c.forward_seconds : -c.forward_seconds;
-        }
-        continue;
-      }
-      if (kept_then) {
-        saved += c.forward_seconds;
-        continue;
-      }
-      for (int64_t m = first; m <= last; ++m) {
-        share[static_cast<size_t>(m)] += c.forward_seconds / static_cast<double>(last - first + 1);
-      }
-    }
-    Alternative a;
-    a.every = every;
-    a.trace.tail_non_model_bytes = running.tail_non_model_bytes;
-    size_t k = 0;  // both lists of warm-up moments ascend
-    for (size_t m = 0; m < alt.from.size(); ++m) {
-      while (k < now.from.size() && now.from[k] < alt.from[m]) ++k;
-      const Moment& shaped = alt.trace.moments[m];
-      if (k < now.from.size() && now.from[k] == alt.from[m]) {
-        Moment moment = running.moments[k];
-        moment.non_model_bytes =
-            std::max<int64_t>(0, moment.non_model_bytes + shaped.non_model_bytes -
-                                     now.trace.moments[k].non_model_bytes);
-        a.trace.moments.push_back(std::move(moment));
-        a.moment_of.push_back(static_cast<int64_t>(k));
-        a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
-      } else {  // a recompute the running trace skips: the warm-up's moment
-        a.trace.moments.push_back(shaped);
-        a.moment_of.push_back(-1);
-        a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
-      }
-    }
-    a.peak_delta = alt.peak - now.peak;
-    a.recompute_saved = saved;
-    a.exposed_delta = alt.exposed - (copies_overlap_ ? 0 : now.exposed);
-    out.push_back(std::move(a));
-  }
-  return out;
-}
-
-std::vector<double> alternative_compute(const ActivationPlanner::Alternative& a,
-                                        const std::vector<double>& running) {
-  const int64_t moments = static_cast<int64_t>(running.size());
-  std::vector<double> seconds;
-  std::vector<double> dropped_after;  // per moment of the alternative
-  double dropped = 0;
-  int64_t next = 0;  // the next moment of `running` not yet seen
-  auto drop_until = [&](int64_t end) {
-    for (; next < end; ++next) {
-      if (!dropped_after.empty()) dropped_after.back() += running[static_cast<size_t>(next)];
-      dropped += running[static_cast<size_t>(next)];
-    }
-  };
-  for (size_t k = 0; k < a.moment_of.size(); ++k) {
-    const int64_t m = a.moment_of[k];
-    TORCH_CHECK(m < moments, "alternative_compute: moment ", m, " of ", moments, " measured");
-    if (m >= 0) {
-      drop_until(m);
-      next = m + 1;
-    }
-    seconds.push_back((m >= 0 ? running[static_cast<size_t>(m)] : 0) + a.recompute_seconds[k]);
-    dropped_after.push_back(0);
-  }
-  drop_until(moments);
-  const double kept_share = dropped > 0 ? std::max(0.0, 1 - a.recompute_saved / dropped) : 0;
-  for (size_t k = 0; k < seconds.size(); ++k) {
-    seconds[k] = std::max(0.0, seconds[k] + dropped_after[k] * kept_share);
-  }
-  return seconds;
-}
-
-double ActivationPlanner::unmeasured_exposed_seconds() const {
-  if (policy_ != ActivationPolicy::kAuto || !planned_ || warmup_.moments.empty() ||
-      choices_.size() != calls_.size() || !copies_overlap_) {
-    return 0;
-  }
-  return shape(warmup_, runs_as(choices_), copy_bytes_per_s_, copies_overlap_).exposed;
-}
-
-bool ActivationPlanner::run_alternative(std::optional<ActivationChoice> every) {
-  if (!planned_) return false;
-  std::vector<ActivationChoice> choices = every ? every_call(*every) : own_choices_;
-  if (runs_as(choices) == runs_as(choices_)) return false;
-  choices_ = std::move(choices);
-  for (size_t i = 0; i < choices_.size() && i < report_.calls.size(); ++i) {
-    report_.calls[i].choice = activation_choice_name(choices_[i]);
-  }
-  report_.run_plan_instead = every ? activation_choice_name(*every) : "";
-  return true;
 }
 
 ActivationPlanReport ActivationPlanner::report() const {

@@ -24,10 +24,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "patrickstar/engine/config.h"
@@ -40,9 +42,19 @@
 
 namespace patrickstar::engine_detail {
 
+// The way activation_choice_name() names ("keep", "offload"; anything else: recompute).
+inline ActivationChoice activation_choice_named(std::string_view name) {
+  return name == "keep"      ? ActivationChoice::kKeep
+         : name == "offload" ? ActivationChoice::kOffload
+                             : ActivationChoice::kRecompute;
+}
+
 class ActivationPlanner {
  public:
-  explicit ActivationPlanner(ActivationPolicy policy);
+  // `config.calls` pins "auto"'s choice (config.h).
+  explicit ActivationPlanner(const ActivationConfig& config);
+  explicit ActivationPlanner(ActivationPolicy policy)
+      : ActivationPlanner(ActivationConfig{.policy = policy, .calls = {}}) {}
 
   ActivationPolicy policy() const { return policy_; }
   // The next call is number 0 again (a step, a dropped iteration); what was measured keeps this
@@ -81,14 +93,16 @@ class ActivationPlanner {
   // The calls measured and their choices (any policy), and "auto"'s candidates.
   ActivationPlanReport report() const;
 
-  // "auto"'s other whole-model ways, for the run plan (run_plan.h) to weigh with its own
-  // candidates: every call kept ("none", where every call names its block), recomputed or
-  // offloaded, each as an edit of `running`, the trace recorded under the current choices (the
-  // warm-up's as make_plan kept it, reshaped by the same model): a moment both have is
-  // `running`'s with the model's change of its non-model bytes; a recompute the current choices
-  // skip (a kept call) comes from the warm-up's trace, its forward's time spread over its moments.
+  // "auto"'s other ways, for the run plan (run_plan.h) to weigh with its own candidates: every
+  // call kept ("none", where every call names its block), recomputed or offloaded, or a mix of
+  // per-call ways (the run plan's own search), each as an edit of `running`, the trace recorded
+  // under the current choices (the warm-up's as make_plan kept it, reshaped by the same model): a
+  // moment both have is `running`'s with the model's change of its non-model bytes; a recompute
+  // the current choices skip (a kept call) comes from the warm-up's trace, its forward's time
+  // spread over its moments.
   struct Alternative {
-    ActivationChoice every = ActivationChoice::kRecompute;
+    std::vector<ActivationChoice> choices;  // each call's way, as it runs (runs_as)
+    std::optional<ActivationChoice> every;  // a whole-model way; none: a mix
     Trace trace;
     std::vector<int64_t> moment_of;         // per moment: its moment in `running`, or -1
     std::vector<double> recompute_seconds;  // per moment: recompute time it adds (or takes)
@@ -102,9 +116,26 @@ class ActivationPlanner {
   // Empty with `why` set where there is none to offer (not "auto", not planned, or `running` is
   // not the model's trace of the current choices: other moments).
   std::vector<Alternative> alternatives(const Trace& running, std::string* why) const;
+  // "auto" planned and `running` is the model's trace of the current choices (else there is no
+  // alternative: `why`).
+  bool runs_model_trace(const Trace& running, std::string* why) const;
+  // The alternative where the calls run `choices` (a call's own option and an unnamed call's
+  // recompute win); none (with `why`) where alternatives() offers none, or `choices` run as the
+  // current choices do.
+  std::optional<Alternative> alternative(const Trace& running,
+                                         const std::vector<ActivationChoice>& choices,
+                                         std::string* why) const;
+  // The ways each call may take in an alternative (its own option: its way only; an unnamed call:
+  // not kept), and how the current choices run; empty unless "auto" planned.
+  std::vector<std::vector<ActivationChoice>> call_ways() const;
+  std::vector<ActivationChoice> running_choices() const {
+    return planned_ ? runs_as(choices_) : std::vector<ActivationChoice>{};
+  }
   // Runs every call `every`, or with nullopt the plan's own choices again; true when that changed
   // the choices (the trace must be recorded again).
   bool run_alternative(std::optional<ActivationChoice> every);
+  // Runs each call as `choices` says (a mix the run plan found); true when that changed them.
+  bool run_choices(const std::vector<ActivationChoice>& choices);
   bool runs_own_plan() const { return runs_as(choices_) == runs_as(own_choices_); }
   // The current choices' offload copies not hidden behind compute that the measured compute does
   // not hold (with a copy queue, all of them: its waits are taken out); 0 unless "auto" planned.
@@ -147,8 +178,21 @@ class ActivationPlanner {
   // How `choices` run: a call's own option and an unnamed call's recompute win.
   std::vector<ActivationChoice> runs_as(std::vector<ActivationChoice> choices) const;
   ActivationChoice default_choice(bool named) const;
+  // The ways each measured call may take (call_ways() without the plan).
+  std::vector<std::vector<ActivationChoice>> ways_of_calls() const;
+  // The alternative of `choices` (as they run) against `running`; none where they run as now.
+  std::optional<Alternative> edit(const Trace& running,
+                                  const std::vector<ActivationChoice>& choices) const;
+  // Makes `choices` the current ones (the report names `instead`); true when they run otherwise.
+  bool run(std::vector<ActivationChoice> choices, std::string instead);
+  // The search for the shortest predicted step (make_plan), from the way the warm-up ran.
+  std::vector<ActivationChoice> search(const PlanInputs& in, std::vector<ActivationChoice> best);
+  // evaluate(), and kept in the report's candidates as `name`.
+  Evaluation candidate(const PlanInputs& in, std::string name,
+                       const std::vector<ActivationChoice>& choices);
 
   const ActivationPolicy policy_;
+  std::vector<ActivationChoice> pinned_;  // "calls": the choice, not searched
   int64_t next_call_ = 0;
   int64_t forward_start_call_ = 0;
   bool measuring_ = true;
@@ -163,6 +207,20 @@ class ActivationPlanner {
   ActivationPlanReport report_;
 };
 
+// The per-call search both plans run (the activation plan's own with its model, the run plan's
+// joint with the schedule and the Adam placement): from `start`, one call's way changed at a time
+// in call order (to each of `ways[call]`), twice over, a change kept where `step` (a choice's
+// predicted step; infinity where it does not fit) is shorter. Nothing is searched where `start`
+// does not fit.
+struct WaysFound {
+  std::vector<ActivationChoice> best;
+  double seconds = 0;
+  int weighed = 0;  // choices `step` was asked for
+};
+WaysFound search_ways(std::vector<ActivationChoice> start,
+                      const std::vector<std::vector<ActivationChoice>>& ways,
+                      const std::function<double(const std::vector<ActivationChoice>&)>& step);
+
 // The alternative's compute per moment from `running`'s measured compute (one per moment): a moment
 // both have keeps its own; one the alternative adds (a recompute) takes its share of the call's
 // forward; one it drops (a newly kept call's recompute) measured the recompute and what else ran
@@ -174,7 +232,7 @@ std::vector<double> alternative_compute(const ActivationPlanner::Alternative& al
 // The engine's activation component: the plan, the store of offloaded inputs (made at the first
 // offload, over the engine's tiers and copy queue), and when the iteration being measured began.
 struct Activations {
-  explicit Activations(ActivationPolicy policy) : planner(policy) {}
+  explicit Activations(const ActivationConfig& config) : planner(config) {}
   ActivationPlanner planner;
   std::unique_ptr<ActivationStore> store;
   std::chrono::steady_clock::time_point iteration_start{};

@@ -58,7 +58,7 @@ EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> model, Config config,
   // their param chunks are gathered when a door needs them.
   gradients_.decide_space(!mixed() || config_.gradient_accumulation_steps > 1);
   pipeline_ = std::make_unique<StepPipeline>(pipeline_wiring());
-  activations_ = std::make_unique<Activations>(config_.activation_checkpointing.policy);
+  activations_ = std::make_unique<Activations>(config_.activation_checkpointing);
   // Non-model memory: what LibTorch's CPU allocator serves (the counter sees it from now on), or
   // on a GPU the caching allocator's (chunk payloads do not come from it).
   probe_ = std::make_unique<NonModelProbe>(config_.device.type, config_.device.index,

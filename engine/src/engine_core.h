@@ -365,9 +365,19 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // alternatives (engine_plan_activations.cpp); `compute` per moment of the running trace.
   std::vector<engine_detail::PlanLayout> plan_activation_layouts(
       const std::vector<double>& compute) const;
+  // How each checkpoint call runs now ("keep", ...), where "auto" planned at the engine's size.
+  std::vector<std::string> running_activation_calls() const;
+  // The engine's size under one alternative: its trace, compute, margin and copies.
+  engine_detail::PlanLayout plan_activation_layout(engine_detail::ActivationPlanner::Alternative a,
+                                                   const std::vector<double>& compute) const;
+  // The per-call search joint with the rest: one call's way changed at a time while the best
+  // candidate's predicted step (any schedule and placement) gets shorter, from the best of the
+  // layouts there; a mix it ends on that is not there yet is added ("per call").
+  void search_activation_calls(engine_detail::PlanInputs& inputs,
+                               const engine_detail::PlanProfile& profile) const;
   // Runs the activations `candidate` names (the activation plan's own where it names none); true
   // when they changed.
-  bool run_plan_activations(const std::string& candidate);
+  bool run_plan_activations(const PlanCandidateReport& candidate);
   std::vector<int64_t> plan_chunk_sizes() const;
   std::optional<engine_detail::PlanLayout> plan_layout_of(int64_t chunk_elems,
                                                           const Trace& trace) const;

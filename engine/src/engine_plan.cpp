@@ -83,6 +83,9 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
       in.layouts.push_back(std::move(*other));
     }
   }
+  // (Every size runs the activations the engine runs: what a pinned config names.)
+  const std::vector<std::string> calls = running_activation_calls();
+  for (PlanLayout& layout : in.layouts) layout.activation_calls = calls;
   for (PlanLayout& other : plan_activation_layouts(in.compute_seconds)) {
     in.layouts.push_back(std::move(other));
   }
@@ -187,7 +190,7 @@ void EngineCore::apply_plan(const PlanCandidateReport& chosen) {
     if (scheduler_->has_trace()) scheduler_->drop_trace();
     move_to_chunk_size(chosen.chunk_elems, /*retried=*/false);
   }
-  const bool activations = run_plan_activations(chosen.activations);
+  const bool activations = run_plan_activations(chosen);
   if (site != pipeline_->adam_site() || resize || activations) {
     pipeline_->set_adam_site(site);
     // The step moment's accesses (and with a new size every moment's, with other activations
@@ -214,7 +217,7 @@ void EngineCore::keep_config_schedule() {
   const AdamSite config_site = config_adam_site(config_);
   const bool site_changed = pipeline_->adam_site() != config_site;
   pipeline_->set_adam_site(config_site);
-  const bool activations = run_plan_activations("");  // the activation plan's own
+  const bool activations = run_plan_activations({});  // the activation plan's own
   if (pipeline_->delayed_possible() || site_changed || activations) {
     // The delayed update runs its Adam on the host: the placement, decided with it off, is decided
     // again (the next iteration records the trace again, as after a plan that moves Adam).
@@ -275,7 +278,9 @@ void EngineCore::plan_after_step(IterationReport& report) {
       const PlanCandidateReport* chosen = nullptr;
       try {
         PlanInputs in = plan_inputs(std::move(compute));
-        chosen = plan_.plan(in, plan_profile(in, adam_seconds, bandwidth));
+        const PlanProfile profile = plan_profile(in, adam_seconds, bandwidth);
+        search_activation_calls(in, profile);
+        chosen = plan_.plan(in, profile);
       } catch (const c10::Error& e) {
         plan_.give_up(e.what_without_backtrace());  // the step is done; training goes on
       }

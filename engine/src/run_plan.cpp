@@ -42,6 +42,7 @@ std::string PlanReport::text() const {
   } else {
     out += absl::StrCat("  no plan: ", why, "; the config's settings stay\n");
   }
+  if (!activation_search.empty()) out += absl::StrCat("  activations: ", activation_search, "\n");
   if (!check.empty()) out += absl::StrCat("  check: ", check, "\n");
   return out;
 }
@@ -59,8 +60,11 @@ std::string PlanReport::config_json() const {
        {{"params",
          {{"use_hybrid_adam", c.adam != "host"}, {"stream_states", c.adam == "streamed"}}}}}};
   nlohmann::json out = j;
-  if (!c.activations.empty()) {
-    out["activation_checkpointing"] = {{"policy", c.activations}};
+  if (!c.activations.empty() && c.activations != "per call") {
+    out["activation_checkpointing"] = {{"policy", c.activations},
+                                       {"calls", nlohmann::json::array()}};
+  } else if (!c.activation_calls.empty()) {  // "auto"'s choice (its own, or the plan's search's)
+    out["activation_checkpointing"] = {{"policy", "auto"}, {"calls", c.activation_calls}};
   }
   return out.dump(2);
 }
@@ -69,6 +73,16 @@ namespace engine_detail {
 namespace {
 
 enum class Site { kMargin, kHost, kStreamed };
+
+// " (2 keep, 3 recompute, 1 offload)": how many calls run each way.
+std::string ways_counted(const std::vector<std::string>& calls) {
+  std::string out;
+  for (const char* way : {"keep", "recompute", "offload"}) {
+    const auto n = std::count(calls.begin(), calls.end(), way);
+    if (n > 0) absl::StrAppend(&out, out.empty() ? " (" : ", ", n, " ", way);
+  }
+  return out.empty() ? out : out + ")";
+}
 
 bool adam_on_device(const PlanIndex& index, Site site) {
   return index.device_only || (site == Site::kMargin && index.on_device) ||
@@ -141,6 +155,7 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
   const int64_t step = step_moment_of(layout.trace);
   const Trace trace = candidate_trace(layout, v.site, step);
   c.activations = layout.activations;
+  c.activation_calls = layout.activation_calls;
   const std::vector<double>& compute =
       layout.compute_seconds.empty() ? in.compute_seconds : layout.compute_seconds;
   std::vector<MomentCost> costs(static_cast<size_t>(trace.size()));
@@ -171,7 +186,8 @@ PlanCandidateReport evaluate_variant(const PlanInputs& in, const PlanLayout& lay
   }
   c.name = absl::StrCat("chunks ", c.chunk_elems, ", ", c.schedule, ", Adam ", c.adam, " (",
                         c.adam_device_indices, " of ", layout.indices.size(), " on the device)",
-                        c.activations.empty() ? "" : ", activations ", c.activations);
+                        c.activations.empty() ? "" : ", activations ", c.activations,
+                        c.activations == "per call" ? ways_counted(c.activation_calls) : "");
   try {
     SimulationOptions options;
     options.scheduler = in.scheduler;
@@ -401,6 +417,7 @@ const PlanCandidateReport* RunPlanner::plan(const PlanInputs& inputs, const Plan
   report_.candidates = std::move(eval.candidates);
   report_.chosen = eval.chosen;
   report_.why = eval.why;
+  report_.activation_search = inputs_.activation_search;
   report_.predicted_step_seconds =
       eval.chosen >= 0 ? report_.candidates[static_cast<size_t>(eval.chosen)].predicted_step_seconds
                        : 0;

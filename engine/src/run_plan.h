@@ -11,8 +11,9 @@
 //   least-waste size between (the model moves into the chosen size between iterations);
 // - with "activation_checkpointing": {"policy": "auto"}, at the engine's chunk size, the activation
 //   plan's whole-model alternatives to its own choice (every call recomputed, offloaded, or kept),
-//   their traces edited by its model: the activations change what the device keeps free, so the
-//   Adam placement, the chunk moves and the step;
+//   and the per-call mix the engine's search joint with the schedule and the placement ends on
+//   (EngineCore::search_activation_calls), their traces edited by its model: the activations change
+//   what the device keeps free, so the Adam placement, the chunk moves and the step;
 // - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
 //   soon as its gradients are final; the same bits as serial);
 // - Adam on the device for the chunk indices the margin holds ("margin"), on the host for all
@@ -89,12 +90,15 @@ struct PlanLayout {
   // The delayed update's copies fit the host beside this size's chunks (where it is allowed).
   bool delayed_fits = true;
   // With "auto" activations, a whole-model way the activation plan did not choose
-  // ("activation_checkpointing.policy": "recompute", "offload" or "none"); empty: the activations
-  // the engine runs. Its trace and per-moment compute (empty: PlanInputs::compute_seconds) are the
-  // measured ones edited by the activation plan's model, and `extra_seconds` is what that model
+  // ("activation_checkpointing.policy": "recompute", "offload" or "none"), or "per call" (a mix the
+  // run plan's own search found); empty: the activations the engine runs. `activation_calls`:
+  // each call's way ("keep", "recompute", "offload"; empty unless "auto" planned). Its trace and
+  // per-moment compute (empty: PlanInputs::compute_seconds) are the measured ones edited by the
+  // activation plan's model, and `extra_seconds` is what that model
   // adds beyond the measured compute (offload copies not hidden, whose waits the measured compute
   // leaves out; also for the activations the engine runs).
   std::string activations;
+  std::vector<std::string> activation_calls;
   std::vector<double> compute_seconds;
   double extra_seconds = 0;
 };
@@ -119,6 +123,7 @@ struct PlanInputs {
   // The streamed placement is a candidate (hybrid Adam, no disk tier) where it puts more indices
   // on the device than the margin's.
   bool streamed_possible = false;
+  std::string activation_search;  // the per-call search's line (PlanReport::activation_search)
 };
 
 // The trace's (last) step moment, or -1.

@@ -6,6 +6,8 @@
 // gets none.
 #include <gtest/gtest.h>
 
+#include <iterator>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -48,6 +50,9 @@ Trace warmup_trace() {
 }
 
 struct Planned {
+  Planned() = default;
+  explicit Planned(std::vector<std::string> calls)
+      : planner(ActivationConfig{.policy = ActivationPolicy::kAuto, .calls = std::move(calls)}) {}
   ActivationPlanner planner{ActivationPolicy::kAuto};
   Trace warmup = warmup_trace();
   std::map<int64_t, ChunkInfo> chunks = {{0, ChunkInfo{10000}}, {1, ChunkInfo{10000}}};
@@ -57,8 +62,8 @@ struct Planned {
 // The copies: 1000 B at 100 kB/s take 10 ms, 8 ms longer than call 1's forward.
 constexpr double kBandwidth = 1e5;
 
-// "auto" measured and planned on the warm-up, then set to `choices` (the plan the engine runs);
-// `call0_option`: call 0's own {.offload = ...}.
+// "auto" measured and planned on the warm-up, then set to `choices` (the plan the engine runs;
+// empty: its own); `call0_option`: call 0's own {.offload = ...}.
 void plan(Planned& p, const std::vector<uint8_t>& choices,
           std::optional<bool> call0_option = std::nullopt) {
   ActivationPlanner& a = p.planner;
@@ -80,7 +85,7 @@ void plan(Planned& p, const std::vector<uint8_t>& choices,
   in.copies_overlap = true;
   in.warmup_seconds = 0.02;
   a.make_plan(in);
-  a.set_choices(choices);
+  if (!choices.empty()) a.set_choices(choices);
 }
 
 constexpr auto kKeep = static_cast<uint8_t>(ActivationChoice::kKeep);
@@ -235,7 +240,7 @@ TEST(ActivationAlternatives, RunningOneAndBackChangesTheCallsWays) {
   plan(p, {kKeep, kRecompute});
   EXPECT_TRUE(p.planner.run_alternative(ActivationChoice::kOffload));
   EXPECT_FALSE(p.planner.runs_own_plan());
-  EXPECT_EQ(p.planner.report().run_plan_instead, "offload");
+  EXPECT_EQ(p.planner.report().run_plan_instead, "every call: offload");
   p.planner.restart();
   EXPECT_EQ(p.planner.plan(true, std::nullopt, 0).choice, ActivationChoice::kOffload);
   EXPECT_EQ(p.planner.plan(true, std::nullopt, 2).choice, ActivationChoice::kOffload);
@@ -246,6 +251,157 @@ TEST(ActivationAlternatives, RunningOneAndBackChangesTheCallsWays) {
   p.planner.restart();
   EXPECT_EQ(p.planner.plan(true, std::nullopt, 0).choice, ActivationChoice::kKeep);
   EXPECT_EQ(p.planner.plan(true, std::nullopt, 2).choice, ActivationChoice::kRecompute);
+}
+
+constexpr auto kOffload = static_cast<uint8_t>(ActivationChoice::kOffload);
+constexpr ActivationChoice kWays[] = {ActivationChoice::kKeep, ActivationChoice::kRecompute,
+                                      ActivationChoice::kOffload};
+
+TEST(ActivationAlternatives, AMixOfWaysIsEachCallsOwnEdit) {
+  Planned p;
+  plan(p, {kKeep, kRecompute});
+  const Trace running = running_trace();
+  std::string why;
+  // Call 0 recomputed, call 1 kept: call 0's recompute comes back (the warm-up's moment 7, between
+  // the running trace's 6 and 7), call 1's (5) is gone.
+  const std::optional<ActivationPlanner::Alternative> mix =
+      p.planner.alternative(running, {ActivationChoice::kRecompute, ActivationChoice::kKeep}, &why);
+  ASSERT_TRUE(mix.has_value()) << why;
+  EXPECT_FALSE(mix->every.has_value());
+  EXPECT_EQ(mix->choices,
+            (std::vector<ActivationChoice>{ActivationChoice::kRecompute, ActivationChoice::kKeep}));
+  EXPECT_EQ(mix->moment_of, (std::vector<int64_t>{0, 1, 2, 3, 4, 6, -1, 7}));
+  EXPECT_DOUBLE_EQ(mix->recompute_seconds[6], kForward[0]);
+  EXPECT_DOUBLE_EQ(mix->recompute_saved, kForward[1]);
+  // Call 0's activations leave moments 1 to 6; call 1's stay over moments 3 and 4.
+  const std::vector<int64_t> change = {
+      0, -kKept[0], -kKept[0], kKept[1] - kKept[0], kKept[1] - kKept[0], -kKept[0], 0, 0};
+  ASSERT_EQ(mix->trace.size(), 8);
+  for (size_t k = 0; k < change.size(); ++k) {
+    const int64_t m = mix->moment_of[k];
+    const int64_t before =
+        m >= 0 ? running.moments[m].non_model_bytes : warmup_trace().moments[7].non_model_bytes;
+    EXPECT_EQ(mix->trace.moments[k].non_model_bytes, before + change[k]) << "moment " << k;
+  }
+  EXPECT_EQ(mix->peak_delta, kKept[1] - kKept[0]);
+  // A whole-model way asked for as a mix is alternatives()'s own edit.
+  const std::vector<ActivationPlanner::Alternative> all = p.planner.alternatives(running, nullptr);
+  const std::optional<ActivationPlanner::Alternative> every = p.planner.alternative(
+      running, {ActivationChoice::kOffload, ActivationChoice::kOffload}, nullptr);
+  ASSERT_TRUE(every.has_value());
+  const ActivationPlanner::Alternative* offload = find(all, ActivationChoice::kOffload);
+  ASSERT_NE(offload, nullptr);
+  EXPECT_EQ(every->moment_of, offload->moment_of);
+  for (int64_t k = 0; k < every->trace.size(); ++k) {
+    EXPECT_EQ(every->trace.moments[k].non_model_bytes, offload->trace.moments[k].non_model_bytes);
+  }
+  EXPECT_DOUBLE_EQ(every->exposed_delta, offload->exposed_delta);
+  // The ways the calls run now are no alternative, nor a list of another length.
+  EXPECT_FALSE(p.planner.alternative(
+      running, {ActivationChoice::kKeep, ActivationChoice::kRecompute}, &why));
+  EXPECT_EQ(why, "the calls run these ways now");
+  EXPECT_FALSE(p.planner.alternative(running, {ActivationChoice::kKeep}, &why));
+  EXPECT_EQ(why, "1 ways for 2 checkpoint calls");
+}
+
+TEST(ActivationAlternatives, RunningAMixNamesItsWaysAndACallsOwnOptionStays) {
+  Planned p;
+  plan(p, {kRecompute, kRecompute}, /*call0_option=*/true);
+  // Call 0 offloads by its own option: its one way.
+  const std::vector<std::vector<ActivationChoice>> ways = p.planner.call_ways();
+  ASSERT_EQ(ways.size(), 2u);
+  EXPECT_EQ(ways[0], std::vector<ActivationChoice>{ActivationChoice::kOffload});
+  EXPECT_EQ(ways[1].size(), 3u);
+  EXPECT_TRUE(p.planner.run_choices({ActivationChoice::kKeep, ActivationChoice::kKeep}));
+  EXPECT_EQ(p.planner.report().run_plan_instead, "per call: offload, keep");
+  EXPECT_EQ(p.planner.running_choices(),
+            (std::vector<ActivationChoice>{ActivationChoice::kOffload, ActivationChoice::kKeep}));
+  p.planner.restart();
+  EXPECT_EQ(p.planner.plan(true, true, 0).choice, ActivationChoice::kOffload);
+  EXPECT_EQ(p.planner.plan(true, std::nullopt, 2).choice, ActivationChoice::kKeep);
+  EXPECT_FALSE(p.planner.run_choices({ActivationChoice::kKeep})) << "another length";
+  // Back to the plan's own ways: no other runs.
+  EXPECT_TRUE(p.planner.run_choices({ActivationChoice::kOffload, ActivationChoice::kRecompute}));
+  EXPECT_EQ(p.planner.report().run_plan_instead, "");
+  EXPECT_TRUE(p.planner.runs_own_plan());
+}
+
+TEST(ActivationAlternatives, PinnedCallsAreThePlanAndAnotherNumberOfThemIsChosenAgain) {
+  Planned pinned({"offload", "keep"});
+  plan(pinned, {});
+  EXPECT_EQ(pinned.planner.choices(), (std::vector<uint8_t>{kOffload, kKeep}));
+  const ActivationPlanReport report = pinned.planner.report();
+  ASSERT_FALSE(report.candidates.empty());
+  EXPECT_EQ(report.candidates.front().name, "pinned (calls)");
+  EXPECT_TRUE(report.candidates.front().fits);
+  for (const ActivationCandidate& c : report.candidates) {
+    EXPECT_EQ(c.name.find("every call"), std::string::npos) << "searched: " << c.name;
+  }
+  // Three ways for two calls: the plan searches, as without them.
+  Planned three({"keep", "keep", "keep"});
+  plan(three, {});
+  bool searched = false;
+  for (const ActivationCandidate& c : three.planner.report().candidates) {
+    EXPECT_NE(c.name, "pinned (calls)");
+    searched = searched || c.name.find("every call") != std::string::npos;
+  }
+  EXPECT_TRUE(searched);
+  // The same search unpinned chooses the same.
+  Planned free;
+  plan(free, {});
+  EXPECT_EQ(three.planner.choices(), free.planner.choices());
+}
+
+// A made-up step per call and way (the sum over calls), where no two calls may keep. From every
+// call recomputed, the search keeps the first call whose keeping shortens the step, and offloads
+// call 2: a step no one change shortens (keeping call 1 instead of call 0 would save 0.5 more,
+// which takes two changes at once: the search does not look that far).
+TEST(SearchWays, ChangesOneCallAtATimeWhileTheStepGetsShorter) {
+  const double cost[3][3] = {{1.0, 3.0, 2.5},  // keep, recompute, offload
+                             {0.5, 3.0, 3.5},
+                             {1.5, 2.0, 1.0}};
+  int asked = 0;
+  auto step = [&](const std::vector<ActivationChoice>& c) {
+    ++asked;
+    double s = 0;
+    int kept = 0;
+    for (size_t i = 0; i < c.size(); ++i) {
+      s += cost[i][static_cast<int>(c[i])];
+      kept += c[i] == ActivationChoice::kKeep ? 1 : 0;
+    }
+    return kept > 1 ? std::numeric_limits<double>::infinity() : s;
+  };
+  const std::vector<std::vector<ActivationChoice>> every(3, {std::begin(kWays), std::end(kWays)});
+  const WaysFound found =
+      search_ways(std::vector<ActivationChoice>(3, ActivationChoice::kRecompute), every, step);
+  EXPECT_EQ(found.best,
+            (std::vector<ActivationChoice>{ActivationChoice::kKeep, ActivationChoice::kRecompute,
+                                           ActivationChoice::kOffload}));
+  EXPECT_DOUBLE_EQ(found.seconds, 5.0);
+  // The start; then call 0's three ways (keep taken at once), two for each other call; a second
+  // pass of two per call that changes nothing.
+  EXPECT_EQ(found.weighed, asked);
+  EXPECT_EQ(found.weighed, 1 + 7 + 6);
+  for (size_t i = 0; i < 3; ++i) {
+    for (ActivationChoice way : kWays) {
+      std::vector<ActivationChoice> one = found.best;
+      one[i] = way;
+      EXPECT_GE(step(one), found.seconds) << "call " << i;
+    }
+  }
+  // A call's one way is never changed; a start that does not fit is not searched.
+  const std::vector<std::vector<ActivationChoice>> forced = {
+      {ActivationChoice::kRecompute}, every[1], every[2]};
+  EXPECT_EQ(
+      search_ways(std::vector<ActivationChoice>(3, ActivationChoice::kRecompute), forced, step)
+          .best,
+      (std::vector<ActivationChoice>{ActivationChoice::kRecompute, ActivationChoice::kKeep,
+                                     ActivationChoice::kOffload}));
+  asked = 0;
+  const WaysFound none =
+      search_ways(std::vector<ActivationChoice>(3, ActivationChoice::kKeep), every, step);
+  EXPECT_EQ(none.weighed, 1);
+  EXPECT_EQ(asked, 1);
 }
 
 }  // namespace activation_alternatives_test

@@ -381,5 +381,35 @@ TEST(ActivationOffload, ConfigReadsThePolicyAndDeepSpeedsCpuCheckpointing) {
   EXPECT_EQ(back.activation_checkpointing.policy, ActivationPolicy::kNone);
 }
 
+TEST(ActivationOffload, ConfigReadsThePinnedCallsOfAutoOnly) {
+  const Config pinned = Config::from_string(
+      R"({"activation_checkpointing": {"policy": "auto", "calls": ["keep", "Offload", "recompute"]}})");
+  EXPECT_EQ(pinned.activation_checkpointing.calls,
+            (std::vector<std::string>{"keep", "offload", "recompute"}));
+  EXPECT_EQ(Config::from_json(pinned.to_json()).activation_checkpointing.calls,
+            pinned.activation_checkpointing.calls);
+  EXPECT_TRUE(Config::from_string("{}").activation_checkpointing.calls.empty());
+  // (An empty list pins nothing, with any policy: what the plan writes for a whole-model way.)
+  EXPECT_TRUE(
+      Config::from_string(R"({"activation_checkpointing": {"policy": "none", "calls": []}})")
+          .activation_checkpointing.calls.empty());
+  const std::pair<const char*, const char*> refused[] = {
+      {R"({"activation_checkpointing": {"policy": "recompute", "calls": ["keep"]}})",
+       "unless \"policy\" is \"auto\""},
+      {R"({"activation_checkpointing": {"calls": ["keep"]}})", "unless \"policy\" is \"auto\""},
+      {R"({"activation_checkpointing": {"policy": "auto", "calls": ["keep", "sometimes"]}})",
+       "activation_checkpointing.calls[1]"},
+      {R"({"activation_checkpointing": {"policy": "auto", "calls": "keep"}})",
+       "activation_checkpointing.calls: expected an array"}};
+  for (const auto& [text, expected] : refused) {
+    try {
+      Config::from_string(text);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace activation_offload_test
 }  // namespace patrickstar

@@ -7,7 +7,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -58,13 +60,26 @@ const char* call_choice(const std::string& activations) {
   return activations == "none" ? "keep" : activations.c_str();
 }
 
+// The way call `call` runs in candidate `c` (another than the activation plan's).
+std::string call_way(const PlanCandidateReport& c, int64_t call) {
+  return c.activations == "per call" ? c.activation_calls.at(static_cast<size_t>(call))
+                                     : call_choice(c.activations);
+}
+
+std::string joined(const std::vector<std::string>& ways) {
+  std::string out;
+  for (const std::string& w : ways) out += (out.empty() ? "" : ", ") + w;
+  return out;
+}
+
 // The index of the candidate in `plan` with `wanted`'s settings, or -1 (each engine plans on its
 // own measurements: the activation plan's choice, so the candidates' order, may differ).
 int index_of(const PlanReport& plan, const PlanCandidateReport& wanted) {
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const PlanCandidateReport& c = plan.candidates[i];
     if (c.chunk_elems == wanted.chunk_elems && c.schedule == wanted.schedule &&
-        c.adam == wanted.adam && c.activations == wanted.activations) {
+        c.adam == wanted.adam && c.activations == wanted.activations &&
+        (c.activations != "per call" || c.activation_calls == wanted.activation_calls)) {
       return static_cast<int>(i);
     }
   }
@@ -112,12 +127,17 @@ TEST(PlanActivations, TheRunPlanWeighsEveryWholeModelWayOfTheActivationsAndEachT
   const std::vector<double> plain = train_plain(kSteps, make_six());
   EXPECT_LE(max_relative_difference(planned.losses, plain), 1e-5);
   std::set<std::string> ways;
-  for (const PlanCandidateReport& c : planned.plan.candidates) ways.insert(c.activations);
+  for (const PlanCandidateReport& c : planned.plan.candidates) {
+    if (c.activations != "per call") ways.insert(c.activations);  // (the search's: below)
+  }
   // The activation plan's own choice (every call kept here: it saves every recompute) and the
   // whole-model ways it did not choose.
   std::set<std::string> others = {"", "recompute", "offload", "none"};
-  std::set<std::string> own_ways;
-  for (const ActivationCallPlan& c : planned.activations.calls) own_ways.insert(c.choice);
+  // (The ways the calls ran when the engine planned: candidate 0's, the engine's own. The report's
+  // calls say how they run now, after the plan's choice.)
+  const std::vector<std::string>& own = planned.plan.candidates[0].activation_calls;
+  ASSERT_EQ(own.size(), planned.activations.calls.size()) << planned.plan.text();
+  const std::set<std::string> own_ways(own.begin(), own.end());
   const bool every_call_kept = own_ways == std::set<std::string>{"keep"};
   if (own_ways.size() == 1) others.erase(*own_ways.begin() == "keep" ? "none" : *own_ways.begin());
   EXPECT_EQ(ways, others) << planned.plan.text();
@@ -153,14 +173,35 @@ TEST(PlanActivations, TheRunPlanWeighsEveryWholeModelWayOfTheActivationsAndEachT
     // Every call runs the candidate's way, and the Adam placement the engine decides under it is
     // the one the candidate predicted (the margin from the activations' peak).
     for (const ActivationCallPlan& call : run.activations.calls) {
-      EXPECT_EQ(call.choice, call_choice(c.activations)) << c.name << ": call " << call.call;
+      EXPECT_EQ(call.choice, call_way(c, call.call)) << c.name << ": call " << call.call;
     }
-    EXPECT_EQ(run.activations.run_plan_instead, call_choice(c.activations)) << c.name;
+    EXPECT_EQ(run.activations.run_plan_instead,
+              c.activations == "per call"
+                  ? "per call: " + joined(c.activation_calls)
+                  : std::string("every call: ") + call_choice(c.activations))
+        << c.name;
     EXPECT_EQ(run.adam_device_indices, run.applied->adam_device_indices) << c.name;
     // The engine records the trace again for the new activations: no moment takes it by surprise.
     EXPECT_EQ(run.retraces, 0) << c.name;
   }
   EXPECT_GE(alternatives, 4) << planned.plan.text();
+  // The per-call search ran from the best of those: a mix it adds is predicted shorter than every
+  // candidate of the engine's size with other activations.
+  EXPECT_NE(planned.plan.activation_search.find("the per-call search weighed"), std::string::npos)
+      << planned.plan.text();
+  double mix = std::numeric_limits<double>::infinity();
+  double rest = std::numeric_limits<double>::infinity();
+  for (const PlanCandidateReport& c : planned.plan.candidates) {
+    if (!c.fits || c.chunk_elems != planned.plan.candidates[0].chunk_elems) continue;
+    (c.activations == "per call" ? mix : rest) =
+        std::min(c.activations == "per call" ? mix : rest, c.predicted_step_seconds);
+  }
+  if (std::isfinite(mix)) {
+    EXPECT_LT(mix, rest) << planned.plan.text();
+  } else {
+    EXPECT_NE(planned.plan.activation_search.find("none shorter"), std::string::npos)
+        << planned.plan.activation_search;
+  }
 }
 
 TEST(PlanActivations, BackToACandidateOfTheActivationPlansOwnItRunsItsChoicesAgain) {
@@ -183,6 +224,59 @@ TEST(PlanActivations, BackToACandidateOfTheActivationPlansOwnItRunsItsChoicesAga
   EXPECT_EQ(back.adam_device_indices, back.plan.candidates[0].adam_device_indices);
   EXPECT_EQ(back.retraces, 0);
   EXPECT_LE(max_relative_difference(back.losses, train_plain(kSteps, make_six())), 1e-5);
+}
+
+TEST(PlanActivations, PinnedCallsRunAsTheConfigNamesThemAndTrainAsLibTorch) {
+  const std::vector<std::string> pinned = {"keep",    "recompute", "offload",
+                                           "offload", "keep",      "recompute"};
+  Config config = tight_config(R"({"activation_checkpointing": {"policy": "auto", "calls":
+      ["keep", "recompute", "offload", "offload", "keep", "recompute"]}})");
+  config.device.capacity_bytes = kCapacity;
+  const Trained run = train(config);
+  ASSERT_TRUE(run.activations.planned);
+  ASSERT_EQ(run.activations.calls.size(), pinned.size());
+  for (const ActivationCallPlan& call : run.activations.calls) {
+    EXPECT_EQ(call.choice, pinned[static_cast<size_t>(call.call)]) << "call " << call.call;
+  }
+  ASSERT_FALSE(run.activations.candidates.empty());
+  EXPECT_EQ(run.activations.candidates.front().name, "pinned (calls)");
+  EXPECT_LE(max_relative_difference(run.losses, train_plain(kSteps, make_six())), 1e-5);
+}
+
+TEST(PlanActivations, ThePlansConfigPinsTheWaysItsCandidateRunsTheCalls) {
+  const Trained planned = train(planned_config(kCapacity));
+  ASSERT_TRUE(planned.plan.planned);
+  // (The ways the calls ran when the engine planned: candidate 0's.)
+  const std::vector<std::string> own = planned.plan.candidates[0].activation_calls;
+  ASSERT_EQ(own.size(), planned.activations.calls.size());
+  for (size_t i = 0; i < planned.plan.candidates.size(); ++i) {
+    const PlanCandidateReport& c = planned.plan.candidates[i];
+    PlanReport one = planned.plan;
+    one.chosen = static_cast<int>(i);
+    const nlohmann::json pins = nlohmann::json::parse(one.config_json());
+    const nlohmann::json& activations = pins.at("activation_checkpointing");
+    if (c.activations.empty() || c.activations == "per call") {
+      EXPECT_EQ(activations.at("policy"), "auto") << c.name;
+      EXPECT_EQ(activations.at("calls").get<std::vector<std::string>>(),
+                c.activations.empty() ? own : c.activation_calls)
+          << c.name;
+    } else {
+      EXPECT_EQ(activations.at("policy"), c.activations) << c.name;
+      EXPECT_TRUE(activations.at("calls").empty()) << c.name;
+    }
+  }
+  // An engine pinned to the activation plan's own candidate runs its ways without choosing again.
+  PlanReport first = planned.plan;
+  first.chosen = 0;
+  nlohmann::json j = planned_config(kCapacity).to_json();
+  j.merge_patch(nlohmann::json::parse(first.config_json()));
+  const Trained pinned = train(Config::from_json(j));
+  EXPECT_FALSE(pinned.plan.planned);
+  std::vector<std::string> ran;
+  for (const ActivationCallPlan& call : pinned.activations.calls) ran.push_back(call.choice);
+  EXPECT_EQ(ran, own);
+  EXPECT_EQ(pinned.activations.candidates.front().name, "pinned (calls)");
+  EXPECT_LE(max_relative_difference(pinned.losses, planned.losses), 1e-5);
 }
 
 TEST(PlanActivations, AFixedActivationPolicyHasNoAlternative) {

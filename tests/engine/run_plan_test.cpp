@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "run_plan.h"
 #include "step_pipeline.h"
 
@@ -190,10 +192,10 @@ TEST(RunPlan, AnActivationAlternativeIsPredictedOnItsOwnTraceComputeAndCopiesAnd
   report.planned = true;
   report.candidates = e.candidates;
   report.chosen = e.chosen;
-  EXPECT_NE(report.config_json().find(R"("activation_checkpointing": {
-    "policy": "recompute"
-  })"),
-            std::string::npos)
+  // (A whole-model way is its policy word; no calls pinned.)
+  const nlohmann::json pins = nlohmann::json::parse(report.config_json());
+  EXPECT_EQ(pins.at("activation_checkpointing"),
+            (nlohmann::json{{"policy", "recompute"}, {"calls", nlohmann::json::array()}}))
       << report.config_json();
   // Its copies weigh: with 4 ms of them the engine's own activations are faster, and their
   // config leaves the activation policy as it is.
@@ -203,6 +205,24 @@ TEST(RunPlan, AnActivationAlternativeIsPredictedOnItsOwnTraceComputeAndCopiesAnd
   report.chosen = slower.chosen;
   EXPECT_EQ(report.config_json().find("activation_checkpointing"), std::string::npos)
       << report.config_json();
+  // Where "auto" planned the calls, a candidate carries each call's way and its config pins them;
+  // a per-call mix is named by how many calls run each way.
+  PlanInputs named = with_alternative(4e-3);
+  named.layouts[0].activation_calls = {"keep", "offload", "keep"};
+  named.layouts[1].activations = "per call";
+  named.layouts[1].activation_calls = {"recompute", "offload", "recompute"};
+  const PlanEvaluation calls = evaluate_plan(named, fast_device);
+  report.candidates = calls.candidates;
+  report.chosen = 0;
+  EXPECT_EQ(calls.candidates[0].activation_calls, named.layouts[0].activation_calls);
+  EXPECT_EQ(nlohmann::json::parse(report.config_json()).at("activation_checkpointing"),
+            (nlohmann::json{{"policy", "auto"}, {"calls", {"keep", "offload", "keep"}}}));
+  report.chosen = 2;
+  EXPECT_NE(calls.candidates[2].name.find(", activations per call (2 recompute, 1 offload)"),
+            std::string::npos)
+      << calls.candidates[2].name;
+  EXPECT_EQ(nlohmann::json::parse(report.config_json()).at("activation_checkpointing"),
+            (nlohmann::json{{"policy", "auto"}, {"calls", {"recompute", "offload", "recompute"}}}));
   // Its compute is its own: measured moments of another trace are refused.
   PlanInputs mismatched = with_alternative(0);
   mismatched.layouts[1].compute_seconds.pop_back();

@@ -151,8 +151,9 @@ struct ActivationPlanReport {
   double common_seconds = 0;
   bool copies_overlap = false;
   double predicted_step_seconds = 0;  // the chosen plan's
-  // With "plan": "auto": the whole-model way the run plan runs instead of this plan's choice
-  // ("recompute", "offload" or "keep"; empty: this plan's own).
+  // With "plan": "auto": the ways the run plan runs instead of this plan's choice ("every call:
+  // recompute", "every call: offload" or "every call: keep", or "per call: keep, recompute, ..." in
+  // call order, a mix its own search found; empty: this plan's own).
   std::string run_plan_instead;
   // Lines for a log: the calls, the candidates and the choice.
   std::string text() const;
@@ -167,9 +168,13 @@ struct PlanCandidateReport {
   // "margin" (the margin's indices on the device), "host", or "streamed" (also the indices the
   // step's free device memory holds, their states brought in for the update)
   std::string adam;
-  // With "auto" activations, where this candidate runs every checkpoint call another way than the
-  // activation plan chose: "recompute", "offload" or "none" (keep), as the policy names them
+  // With "auto" activations, where this candidate runs the checkpoint calls another way than the
+  // activation plan chose: every call "recompute", "offload" or "none" (keep), as the policy names
+  // them, or "per call" (a mix the plan's own search found, in activation_calls)
   std::string activations;
+  // With "auto" activations: each call's way in this candidate ("keep", "recompute", "offload"),
+  // which config_json() pins (activation_checkpointing.calls) where it is not a whole-model way
+  std::vector<std::string> activation_calls;
   int64_t adam_device_indices = 0;  // chunk indices whose Adam runs on the device
   bool fits = false;
   std::string why_not;  // when it does not fit
@@ -191,6 +196,9 @@ struct PlanReport {
   std::vector<PlanCandidateReport> candidates;
   int chosen = -1;  // into candidates
   std::string why;
+  // With "auto" activations: what the per-call search joint with the schedule and the Adam
+  // placement weighed and found (a "per call" candidate, or nothing shorter).
+  std::string activation_search;
   double predicted_step_seconds = 0;  // the chosen candidate's
   // The self-check: the median step over plan_check_iterations iterations on the plan, and
   // whether its difference from the prediction passed the tolerance and the engine planned again.
