@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include <c10/util/Exception.h>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

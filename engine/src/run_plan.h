@@ -92,7 +92,8 @@ struct PlanLayout {
   // With "auto" activations, a whole-model way the activation plan did not choose
   // ("activation_checkpointing.policy": "recompute", "offload" or "none"), or "per call" (a mix the
   // run plan's own search found); empty: the activations the engine runs. `activation_calls`:
-  // each call's way ("keep", "recompute", "offload"; empty unless "auto" planned). Its trace and
+  // each call's way ("keep", "recompute", "offload"; empty unless "auto" planned at the engine's
+  // chunk size). Its trace and
   // per-moment compute (empty: PlanInputs::compute_seconds) are the measured ones edited by the
   // activation plan's model, and `extra_seconds` is what that model
   // adds beyond the measured compute (offload copies not hidden, whose waits the measured compute

@@ -262,8 +262,9 @@ inline constexpr int kShardWholeWorld = -1;
 // "cpu_checkpointing": true reads as "offload"; its other keys there are accepted and ignored.
 // "calls" (with "auto" only) pins "auto"'s choice: each call's way in call order, "keep",
 // "recompute" or "offload" (what the run plan's --write-plan writes); the first iteration still
-// measures, and where the iteration makes another number of calls "auto" warns and chooses as
-// without it (where its model says the pinned ways do not fit, it warns and runs them).
+// measures; where the iteration makes another number of calls "auto" warns and chooses as without
+// it; where the number matches but its model says the pinned ways do not fit, it warns and runs
+// them.
 enum class ActivationPolicy : uint8_t { kRecompute, kOffload, kNone, kAuto };
 std::string_view to_string(ActivationPolicy policy);  // "recompute", ...
 struct ActivationConfig {
