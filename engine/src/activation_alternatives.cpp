@@ -58,11 +58,7 @@ std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
     const Trace& running, std::string* why) const {
   std::vector<Alternative> out;
   if (!runs_model_trace(running, why)) return out;
-  const bool all_named =
-      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
-  for (ActivationChoice every :
-       {ActivationChoice::kRecompute, ActivationChoice::kOffload, ActivationChoice::kKeep}) {
-    if (every == ActivationChoice::kKeep && !all_named) continue;
+  for (ActivationChoice every : whole_model_ways()) {
     if (std::optional<Alternative> a = edit(running, every_call(every))) {
       a->every = every;
       out.push_back(std::move(*a));
@@ -222,8 +218,7 @@ bool ActivationPlanner::run_alternative(std::optional<ActivationChoice> every) {
 bool ActivationPlanner::run_choices(const std::vector<ActivationChoice>& choices) {
   if (!planned_ || choices.size() != calls_.size()) return false;
   const std::vector<ActivationChoice> ways = runs_as(choices);
-  if (ways == runs_as(own_choices_)) return run(own_choices_, "");
-  std::string named;
+  std::string named;  // (run() says nothing where these are the plan's own ways)
   for (ActivationChoice way : ways) {
     absl::StrAppend(&named, named.empty() ? "" : ", ", activation_choice_name(way));
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -299,12 +300,9 @@ ActivationPlanner::Evaluation ActivationPlanner::candidate(
 
 std::vector<ActivationChoice> ActivationPlanner::search(const PlanInputs& in,
                                                         std::vector<ActivationChoice> best) {
-  const bool all_named =
-      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
   // The way the warm-up ran trained: the plan to fall back on.
   Evaluation best_e = evaluate(in, best);
-  for (ActivationChoice uniform : kChoices) {
-    if (uniform == ActivationChoice::kKeep && !all_named) continue;
+  for (ActivationChoice uniform : whole_model_ways()) {
     const std::vector<ActivationChoice> choices = every_call(uniform);
     const Evaluation e =
         candidate(in, absl::StrCat("every call: ", activation_choice_name(uniform)), choices);
@@ -341,6 +339,14 @@ void ActivationPlanner::set_choices(const std::vector<uint8_t>& choices) {
   for (size_t i = 0; i < choices_.size() && i < report_.calls.size(); ++i) {
     report_.calls[i].choice = activation_choice_name(choices_[i]);
   }
+}
+
+std::vector<ActivationChoice> ActivationPlanner::whole_model_ways() const {
+  const bool all_named =
+      std::all_of(calls_.begin(), calls_.end(), [](const Call& c) { return c.named; });
+  std::vector<ActivationChoice> out(std::begin(kChoices), std::end(kChoices));
+  if (!all_named) std::erase(out, ActivationChoice::kKeep);
+  return out;
 }
 
 std::vector<ActivationChoice> ActivationPlanner::every_call(ActivationChoice every) const {

@@ -175,6 +175,9 @@ class ActivationPlanner {
                bool copies_overlap) const;
   Evaluation evaluate(const PlanInputs& in, const std::vector<ActivationChoice>& choices) const;
   std::vector<ActivationChoice> every_call(ActivationChoice every) const;
+  // The whole-model ways in order (recompute, offload, keep): keep only where every call names its
+  // block.
+  std::vector<ActivationChoice> whole_model_ways() const;
   // How `choices` run: a call's own option and an unnamed call's recompute win.
   std::vector<ActivationChoice> runs_as(std::vector<ActivationChoice> choices) const;
   ActivationChoice default_choice(bool named) const;
