@@ -44,6 +44,7 @@ nlohmann::json plan_json(const ps::PlanReport& plan) {
       {"chosen", plan.chosen >= 0 ? plan.candidates[static_cast<size_t>(plan.chosen)].name : ""},
       {"why", plan.why},
       {"activation_search", plan.activation_search},
+      {"planning_s", plan.planning_seconds},
       {"predicted_step_s", plan.predicted_step_seconds},
       {"measured_step_s", plan.measured_step_seconds},
       {"checked", plan.checked},

@@ -49,6 +49,13 @@ inline ActivationChoice activation_choice_named(std::string_view name) {
                              : ActivationChoice::kRecompute;
 }
 
+inline std::vector<ActivationChoice> activation_choices_named(
+    const std::vector<std::string>& names) {
+  std::vector<ActivationChoice> out;
+  for (const std::string& name : names) out.push_back(activation_choice_named(name));
+  return out;
+}
+
 class ActivationPlanner {
  public:
   // `config.calls` pins "auto"'s choice (config.h).

@@ -89,6 +89,9 @@ std::vector<int64_t> EngineInspector::plan_chunk_sizes() const {
 std::optional<Trace> EngineInspector::plan_trace_of(int64_t chunk_elems) const {
   return core_.plan_trace_of(chunk_elems);
 }
+std::optional<Trace> EngineInspector::plan_candidate_trace(int candidate) const {
+  return core_.plan_candidate_trace(candidate);
+}
 void EngineInspector::apply_plan_candidate(Engine& engine, int candidate) {
   engine.core_->apply_plan_candidate(candidate);
 }

@@ -150,11 +150,13 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   ActivationPlanReport activation_plan() const;
   PlanReport plan() const { return plan_.report(); }
   // Tests (EngineInspector): applies the plan's candidate `candidate` as if chosen (-1: as if none
-  // fitted, the config's settings); the trace the
-  // plan predicts for chunks of `chunk_elems` (nullopt without a trace or the warm-up's needs), and
-  // the sizes it considers.
+  // fitted, the config's settings); the trace the plan predicts for chunks of `chunk_elems`
+  // (nullopt without a trace or the warm-up's needs), the trace it weighed for its candidate
+  // `candidate` (its chunk size and activations; nullopt before the plan), and the sizes it
+  // considers.
   void apply_plan_candidate(int candidate);
   std::optional<Trace> plan_trace_of(int64_t chunk_elems) const;
+  std::optional<Trace> plan_candidate_trace(int candidate) const;
   std::vector<int64_t> plan_sizes() const { return plan_chunk_sizes(); }
 
  private:
@@ -361,26 +363,31 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // The engine's own size on `trace` (the running one, or an activation alternative's edit of it),
   // its margin decided at `peak_non_model`.
   engine_detail::PlanLayout plan_layout_now(Trace trace, int64_t peak_non_model) const;
-  // With "auto" activations, the engine's size under each of the activation plan's whole-model
-  // alternatives (engine_plan_activations.cpp); `compute` per moment of the running trace.
+  // With "auto" activations, each of the activation plan's whole-model alternatives at the
+  // engine's size and at the plan's other sizes (engine_plan_activations.cpp); `compute` per
+  // moment of the running trace.
   std::vector<engine_detail::PlanLayout> plan_activation_layouts(
       const std::vector<double>& compute) const;
   // How each checkpoint call runs now ("keep", ...), where "auto" planned at the engine's size.
   std::vector<std::string> running_activation_calls() const;
-  // The engine's size under one alternative: its trace, compute, margin and copies.
-  engine_detail::PlanLayout plan_activation_layout(engine_detail::ActivationPlanner::Alternative a,
-                                                   const std::vector<double>& compute) const;
+  // One alternative at the engine's size, then at each of `sizes` its trace allows: its trace,
+  // compute, margin and copies.
+  std::vector<engine_detail::PlanLayout> plan_activation_layouts_of(
+      engine_detail::ActivationPlanner::Alternative a, const std::vector<double>& compute,
+      const std::vector<int64_t>& sizes) const;
   // The per-call search joint with the rest: one call's way changed at a time while the best
-  // candidate's predicted step (any schedule and placement) gets shorter, from the best of the
-  // layouts there; a mix it ends on that is not there yet is added ("per call").
+  // candidate's predicted step (any chunk size, schedule and placement) gets shorter, from the
+  // best of the layouts there; a mix it ends on that is not there yet is added ("per call").
   void search_activation_calls(engine_detail::PlanInputs& inputs,
                                const engine_detail::PlanProfile& profile) const;
   // Runs the activations `candidate` names (the activation plan's own where it names none); true
   // when they changed.
   bool run_plan_activations(const PlanCandidateReport& candidate);
   std::vector<int64_t> plan_chunk_sizes() const;
-  std::optional<engine_detail::PlanLayout> plan_layout_of(int64_t chunk_elems,
-                                                          const Trace& trace) const;
+  // Another size on `trace` (the running one or an alternative's edit of it, every door moment
+  // one the warm-up ran), its margin decided at `peak_non_model`.
+  std::optional<engine_detail::PlanLayout> plan_layout_of(int64_t chunk_elems, const Trace& trace,
+                                                          int64_t peak_non_model) const;
   engine_detail::PlanProfile plan_profile(const engine_detail::PlanInputs& inputs,
                                           double adam_seconds, double copy_bytes_per_s) const;
   void apply_plan(const PlanCandidateReport& chosen);

@@ -14,6 +14,7 @@
 #include "patrickstar/memtracer/cost_model.h"
 
 #include "engine_internal.h"
+#include "scope_timer.h"
 
 namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
@@ -79,7 +80,9 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   // (The offloads' copy waits are out of the measured compute: the model's exposed ones go back.)
   in.layouts[0].extra_seconds = activations_->planner.unmeasured_exposed_seconds();
   for (int64_t size : plan_chunk_sizes()) {
-    if (std::optional<PlanLayout> other = plan_layout_of(size, in.layouts[0].trace)) {
+    if (std::optional<PlanLayout> other =
+            plan_layout_of(size, in.layouts[0].trace, plan_.placement_peak())) {
+      other->extra_seconds = in.layouts[0].extra_seconds;  // (the same activations' copies)
       in.layouts.push_back(std::move(*other));
     }
   }
@@ -245,9 +248,25 @@ void EngineCore::apply_plan_candidate(int candidate) {
 
 std::optional<Trace> EngineCore::plan_trace_of(int64_t chunk_elems) const {
   if (!scheduler_->has_trace()) return std::nullopt;
-  std::optional<PlanLayout> layout = plan_layout_of(chunk_elems, scheduler_->trace());
+  std::optional<PlanLayout> layout =
+      plan_layout_of(chunk_elems, scheduler_->trace(), plan_.placement_peak());
   if (!layout) return std::nullopt;
   return std::move(layout->trace);
+}
+
+std::optional<Trace> EngineCore::plan_candidate_trace(int candidate) const {
+  const PlanReport& report = plan_.report();
+  if (!report.planned || candidate < 0 || candidate >= static_cast<int>(report.candidates.size())) {
+    return std::nullopt;
+  }
+  const PlanCandidateReport& c = report.candidates[static_cast<size_t>(candidate)];
+  for (const PlanLayout& layout : plan_.inputs().layouts) {
+    if (layout.chunk_elems == c.chunk_elems && layout.activations == c.activations &&
+        layout.activation_calls == c.activation_calls) {
+      return layout.trace;
+    }
+  }
+  return std::nullopt;
 }
 
 void EngineCore::plan_after_step(IterationReport& report) {
@@ -276,7 +295,9 @@ void EngineCore::plan_after_step(IterationReport& report) {
     }
     if (!compute.empty()) {
       const PlanCandidateReport* chosen = nullptr;
+      double planning = 0;
       try {
+        const ScopeTimer timer(planning);
         PlanInputs in = plan_inputs(std::move(compute));
         const PlanProfile profile = plan_profile(in, adam_seconds, bandwidth);
         search_activation_calls(in, profile);
@@ -284,6 +305,7 @@ void EngineCore::plan_after_step(IterationReport& report) {
       } catch (const c10::Error& e) {
         plan_.give_up(e.what_without_backtrace());  // the step is done; training goes on
       }
+      plan_.report().planning_seconds = planning;
       report.plan_decision = plan_.report().text();
       if (chosen != nullptr) {
         apply_plan(*chosen);
@@ -327,12 +349,15 @@ void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now
   }
   const std::string check = plan_.report().check;
   const PlanCandidateReport* chosen = nullptr;
+  double planning = 0;
   try {
+    const ScopeTimer timer(planning);
     // (The inputs planned once already: the same candidates fit.)
     chosen = plan_.plan(plan_.inputs(), plan_.profile());
   } catch (const c10::Error& e) {
     plan_.give_up(e.what_without_backtrace());
   }
+  plan_.report().planning_seconds = planning;
   plan_.report().check = check;
   report.plan_decision = plan_.report().text();
   if (chosen != nullptr) apply_plan(*chosen);

@@ -1,9 +1,11 @@
 // "plan": "auto" with "auto" activations (run_plan.h): the activation plan's alternatives as
-// layouts of the engine's chunk size (its whole-model ways, and a per-call mix searched jointly
-// with the schedule and the Adam placement), and running the one a candidate names.
+// layouts of every chunk size the plan considers (its whole-model ways, and a per-call mix searched
+// jointly with the chunk size, the schedule and the Adam placement), and running the one a
+// candidate names.
 #include "engine_core.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <optional>
 
@@ -36,22 +38,16 @@ std::vector<std::string> way_names(const std::vector<ActivationChoice>& choices)
   return out;
 }
 
-std::vector<ActivationChoice> ways_of(const std::vector<std::string>& names) {
-  std::vector<ActivationChoice> out;
-  for (const std::string& name : names) out.push_back(activation_choice_named(name));
-  return out;
-}
-
-// The shortest predicted step of any fitting candidate of `layout` (infinity where none fits), with
-// the rest of `all` (its layouts set aside meanwhile, not copied).
-double best_step(PlanInputs& all, PlanLayout layout, const PlanProfile& profile) {
+// The shortest predicted step of any fitting candidate of `layouts` (infinity where none fits),
+// with the rest of `all` (its layouts set aside meanwhile, not copied).
+double best_step(PlanInputs& all, std::vector<PlanLayout> layouts, const PlanProfile& profile) {
   struct SetAside {
     PlanInputs& in;
     std::vector<PlanLayout> layouts;
     ~SetAside() { in.layouts.swap(layouts); }
   } aside{all, {}};
   aside.layouts.swap(all.layouts);
-  all.layouts.push_back(std::move(layout));
+  all.layouts = std::move(layouts);
   double best = std::numeric_limits<double>::infinity();
   for (const PlanCandidateReport& c : evaluate_plan(all, profile).candidates) {
     if (c.fits) best = std::min(best, c.predicted_step_seconds);
@@ -61,20 +57,31 @@ double best_step(PlanInputs& all, PlanLayout layout, const PlanProfile& profile)
 
 }  // namespace
 
-PlanLayout EngineCore::plan_activation_layout(ActivationPlanner::Alternative a,
-                                              const std::vector<double>& compute) const {
+std::vector<PlanLayout> EngineCore::plan_activation_layouts_of(
+    ActivationPlanner::Alternative a, const std::vector<double>& compute,
+    const std::vector<int64_t>& sizes) const {
   std::vector<double> seconds = alternative_compute(a, compute);
   // The margin's peak: the one the engine's placement was decided with (the probe's, which sees
   // inside a moment) moved by the model's change, and never below a moment of the alternative.
   int64_t peak = plan_.placement_peak() + a.peak_delta;
   for (const Moment& m : a.trace.moments) peak = std::max(peak, m.non_model_bytes);
   peak = std::max(peak, a.trace.tail_non_model_bytes);
-  PlanLayout layout = plan_layout_now(std::move(a.trace), peak);
-  layout.activations = a.every ? policy_word(*a.every) : "per call";
-  layout.activation_calls = way_names(a.choices);
-  layout.compute_seconds = std::move(seconds);
-  layout.extra_seconds = a.exposed_delta;
-  return layout;
+  std::vector<PlanLayout> out;
+  for (int64_t size : sizes) {
+    // Another size: each door moment's tensors as the warm-up ran them, packed at that size.
+    if (size == store().chunk_elems()) continue;
+    if (std::optional<PlanLayout> other = plan_layout_of(size, a.trace, peak)) {
+      out.push_back(std::move(*other));
+    }
+  }
+  out.insert(out.begin(), plan_layout_now(std::move(a.trace), peak));
+  for (PlanLayout& layout : out) {
+    layout.activations = a.every ? policy_word(*a.every) : "per call";
+    layout.activation_calls = way_names(a.choices);
+    layout.compute_seconds = seconds;
+    layout.extra_seconds = a.exposed_delta;
+  }
+  return out;
 }
 
 std::vector<std::string> EngineCore::running_activation_calls() const {
@@ -91,10 +98,16 @@ std::vector<PlanLayout> EngineCore::plan_activation_layouts(
       activations_->planned_chunk_elems != store().chunk_elems()) {
     return out;
   }
+  // Each way at the engine's size first (the order of preference), then at the other sizes.
+  const std::vector<int64_t> sizes = plan_chunk_sizes();
+  std::vector<PlanLayout> others;
   for (ActivationPlanner::Alternative& a :
        activations_->planner.alternatives(running, /*why=*/nullptr)) {
-    out.push_back(plan_activation_layout(std::move(a), compute));
+    std::vector<PlanLayout> layouts = plan_activation_layouts_of(std::move(a), compute, sizes);
+    out.push_back(std::move(layouts.front()));
+    std::move(layouts.begin() + 1, layouts.end(), std::back_inserter(others));
   }
+  std::move(others.begin(), others.end(), std::back_inserter(out));
   return out;
 }
 
@@ -111,15 +124,16 @@ void EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& prof
     in.activation_search = absl::StrCat("no per-call search: ", why);
     return;
   }
-  // From the best of the engine's size's activations there (its own and the whole-model ways).
+  // From the best of the activations there (the own and the whole-model ways, each at its best
+  // chunk size).
   constexpr double kNever = std::numeric_limits<double>::infinity();
   std::vector<ActivationChoice> best;
   double best_s = kNever;
   for (size_t i = 0; i < in.layouts.size(); ++i) {
     const PlanLayout& layout = in.layouts[i];
-    if (layout.chunk_elems != store().chunk_elems() || layout.activation_calls.empty()) continue;
-    std::vector<ActivationChoice> calls = ways_of(layout.activation_calls);
-    const double s = best_step(in, in.layouts[i], profile);
+    if (layout.activation_calls.empty()) continue;
+    std::vector<ActivationChoice> calls = activation_choices_named(layout.activation_calls);
+    const double s = best_step(in, {in.layouts[i]}, profile);
     if (s < best_s || best.empty()) {
       best = std::move(calls);
       best_s = s;
@@ -128,41 +142,51 @@ void EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& prof
   const std::vector<ActivationChoice> best_start = best;
   auto there = [&](const std::vector<ActivationChoice>& choices) {
     return std::any_of(in.layouts.begin(), in.layouts.end(), [&](const PlanLayout& l) {
-      return l.chunk_elems == store().chunk_elems() && ways_of(l.activation_calls) == choices;
+      return !l.activation_calls.empty() && activation_choices_named(l.activation_calls) == choices;
     });
   };
-  auto layout_of = [&](const std::vector<ActivationChoice>& choices) -> std::optional<PlanLayout> {
+  const std::vector<int64_t> sizes = plan_chunk_sizes();
+  auto layouts_of = [&](const std::vector<ActivationChoice>& choices) {
     std::optional<ActivationPlanner::Alternative> a =
         planner.alternative(running, choices, /*why=*/nullptr);
-    if (!a) return std::nullopt;
-    return plan_activation_layout(std::move(*a), in.compute_seconds);
+    if (!a) return std::vector<PlanLayout>{};
+    return plan_activation_layouts_of(std::move(*a), in.compute_seconds, sizes);
   };
-  // Then one call at a time while the best predicted step gets shorter. (A way there already is
-  // the start, or no shorter than it.)
+  // Then one call at a time while the best predicted step (at any size) gets shorter. (A way
+  // there already is the start, or no shorter than it.)
   const WaysFound found =
       search_ways(std::move(best), ways, [&](const std::vector<ActivationChoice>& choices) {
         if (there(choices)) return choices == best_start ? best_s : kNever;
-        std::optional<PlanLayout> layout = layout_of(choices);
-        return layout ? best_step(in, std::move(*layout), profile) : kNever;
+        std::vector<PlanLayout> layouts = layouts_of(choices);
+        return layouts.empty() ? kNever : best_step(in, std::move(layouts), profile);
       });
-  in.activation_search = absl::StrCat(
-      "the per-call search weighed ", found.weighed, " ways of the ", ways.size(),
-      " checkpoint calls with every schedule and Adam placement, from the best there (",
-      absl::StrJoin(way_names(best_start), ", "), ")");
-  std::optional<PlanLayout> layout = there(found.best) ? std::nullopt : layout_of(found.best);
-  if (!layout) {
+  in.activation_search =
+      absl::StrCat("the per-call search weighed ", found.weighed, " ways of the ", ways.size(),
+                   " checkpoint calls with every ", sizes.empty() ? "" : "chunk size, ",
+                   "schedule and Adam placement, from the best there (",
+                   absl::StrJoin(way_names(best_start), ", "), ")");
+  std::vector<PlanLayout> layouts =
+      there(found.best) ? std::vector<PlanLayout>{} : layouts_of(found.best);
+  if (layouts.empty()) {
     absl::StrAppend(&in.activation_search, ": none shorter");
     return;
   }
   absl::StrAppendFormat(&in.activation_search, ": per call (%s), predicted %.4g s against %.4g s",
-                        absl::StrJoin(layout->activation_calls, ", "), found.seconds, best_s);
-  in.layouts.push_back(std::move(*layout));
+                        absl::StrJoin(layouts.front().activation_calls, ", "), found.seconds,
+                        best_s);
+  // The engine's size's after the other activations at that size, the rest after every layout.
+  const auto own_size_end =
+      std::find_if(in.layouts.rbegin(), in.layouts.rend(), [&](const PlanLayout& l) {
+        return l.chunk_elems == store().chunk_elems();
+      }).base();
+  in.layouts.insert(own_size_end, std::move(layouts.front()));
+  std::move(layouts.begin() + 1, layouts.end(), std::back_inserter(in.layouts));
 }
 
 bool EngineCore::run_plan_activations(const PlanCandidateReport& candidate) {
   ActivationPlanner& planner = activations_->planner;
   if (candidate.activations == "per call") {
-    return planner.run_choices(ways_of(candidate.activation_calls));
+    return planner.run_choices(activation_choices_named(candidate.activation_calls));
   }
   std::optional<ActivationChoice> every;
   if (candidate.activations == "none") every = ActivationChoice::kKeep;

@@ -4,7 +4,10 @@
 #include "engine_core.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "patrickstar/optimizer/placement.h"
 
@@ -41,7 +44,44 @@ std::vector<int64_t> EngineCore::plan_chunk_sizes() const {
   return sizes;
 }
 
-std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const Trace& trace) const {
+namespace {
+
+// The warm-up's needs (what each door moment brings to the device: its module's tensors, with
+// their gradient chunks in backward) by module and kind, for the moments another trace has at
+// other indices. A key two needs share with other tensors (two modules of one label) is absent.
+class NeedsByDoor {
+ public:
+  explicit NeedsByDoor(const std::vector<MomentNeed>& needs) : needs_(needs) {
+    for (const MomentNeed& need : needs) {
+      auto [at, added] = by_door_.try_emplace({need.module, need.with_grads}, &need);
+      if (!added && at->second != nullptr && at->second->tensors != need.tensors) {
+        at->second = nullptr;
+      }
+    }
+  }
+  // Door moment `m` of a trace: the warm-up's moment `m` where it is the same door (the warm-up's
+  // own trace), else the warm-up's moment of the same module and kind (a recompute the running
+  // ways skip, or one an activation alternative adds: the first warm-up offloads every call, so
+  // it ran every recompute, and a recompute brings what its forward does); null where none.
+  const MomentNeed* at(int64_t m, const Moment& moment) const {
+    const bool backward = moment.kind == MomentKind::kPreBackward;
+    if (m < static_cast<int64_t>(needs_.size())) {
+      const MomentNeed& own = needs_[static_cast<size_t>(m)];
+      if (own.module == moment.label && own.with_grads == backward) return &own;
+    }
+    const auto found = by_door_.find({moment.label, backward});
+    return found == by_door_.end() ? nullptr : found->second;
+  }
+
+ private:
+  const std::vector<MomentNeed>& needs_;
+  std::map<std::pair<std::string, bool>, const MomentNeed*> by_door_;
+};
+
+}  // namespace
+
+std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const Trace& trace,
+                                                     int64_t peak_non_model) const {
   const Layout layout = retry_.layout(chunk_elems);
   const int64_t n = layout.chunk_count();
   const std::vector<ChunkKindSpec>& kinds = store().kinds();
@@ -66,7 +106,7 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
   }
   const bool grads = gradients_.space();
   // Every door moment accesses its tensors' chunks of this size; the step moment comes after.
-  const std::vector<MomentNeed>& needs = retry_.needs();
+  const NeedsByDoor needs(retry_.needs());
   out.trace.tail_non_model_bytes = trace.tail_non_model_bytes;
   int64_t step = -1;
   for (int64_t m = 0; m < trace.size(); ++m) {
@@ -78,10 +118,9 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
     if (from.kind == MomentKind::kStep) {
       step = m;
     } else {
-      if (m >= static_cast<int64_t>(needs.size()) || needs[static_cast<size_t>(m)].module != from.label) {
-        return std::nullopt;
-      }
-      const MomentNeed& need = needs[static_cast<size_t>(m)];
+      const MomentNeed* found = needs.at(m, from);
+      if (found == nullptr) return std::nullopt;
+      const MomentNeed& need = *found;
       auto add = [&](int64_t c) {
         if (std::find(to.chunk_ids.begin(), to.chunk_ids.end(), c) == to.chunk_ids.end()) {
           to.chunk_ids.push_back(c);
@@ -96,9 +135,8 @@ std::optional<PlanLayout> EngineCore::plan_layout_of(int64_t chunk_elems, const 
   }
   if (step < 0) return std::nullopt;
   // The margin's placement for this size, as StepPipeline::decide_placement makes it: what the
-  // device keeps free at the peak of non-model bytes it used with every param (and gradient) chunk
-  // there.
-  const int64_t peak_non_model = plan_.placement_peak();
+  // device keeps free at the peak of non-model bytes (the one the engine's was decided with, or an
+  // activation alternative's) with every param (and gradient) chunk there.
   std::vector<int64_t> state(static_cast<size_t>(n), 0);        // per index: its states' bytes
   std::vector<int64_t> device_side(static_cast<size_t>(n), 0);  // and with its param and gradient
   int64_t resident = 0;

@@ -43,6 +43,10 @@ std::string PlanReport::text() const {
     out += absl::StrCat("  no plan: ", why, "; the config's settings stay\n");
   }
   if (!activation_search.empty()) out += absl::StrCat("  activations: ", activation_search, "\n");
+  if (planning_seconds > 0) {
+    out += absl::StrFormat("  planning took %.3f s for %d candidates\n", planning_seconds,
+                           candidates.size());
+  }
   if (!check.empty()) out += absl::StrCat("  check: ", check, "\n");
   return out;
 }
@@ -478,7 +482,7 @@ bool RunPlanner::end_iteration(bool counted, double seconds) {
   const std::vector<double>* measured = &inputs_.compute_seconds;
   for (const PlanLayout& layout : inputs_.layouts) {
     if (layout.chunk_elems == chosen.chunk_elems && layout.activations == chosen.activations &&
-        !layout.compute_seconds.empty()) {
+        layout.activation_calls == chosen.activation_calls && !layout.compute_seconds.empty()) {
       measured = &layout.compute_seconds;
     }
   }

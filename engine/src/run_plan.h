@@ -9,11 +9,12 @@
 // The candidates, per chunk size, activations, step schedule and Adam placement:
 // - the engine's chunk size, and with "default_chunk_size": "auto" the smallest of its grid and the
 //   least-waste size between (the model moves into the chosen size between iterations);
-// - with "activation_checkpointing": {"policy": "auto"}, at the engine's chunk size, the activation
-//   plan's whole-model alternatives to its own choice (every call recomputed, offloaded, or kept),
-//   and the per-call mix the engine's search joint with the schedule and the placement ends on
-//   (EngineCore::search_activation_calls), their traces edited by its model: the activations change
-//   what the device keeps free, so the Adam placement, the chunk moves and the step;
+// - with "activation_checkpointing": {"policy": "auto"}, at each of those chunk sizes, the
+//   activation plan's whole-model alternatives to its own choice (every call recomputed,
+//   offloaded, or kept), and the per-call mix the engine's search joint with the chunk size, the
+//   schedule and the placement ends on (EngineCore::search_activation_calls), their traces edited
+//   by its model: the activations change what the device keeps free, so the Adam placement, the
+//   chunk moves and the step;
 // - "serial" or "overlapped" (an optimizer thread updates each chunk index during backward, as
 //   soon as its gradients are final; the same bits as serial);
 // - Adam on the device for the chunk indices the margin holds ("margin"), on the host for all
@@ -107,7 +108,8 @@ struct PlanLayout {
 struct PlanInputs {
   // The engine's size and scheduled trace first, then the other sizes "auto" allows (their traces
   // made from the warm-up's per-moment tensors), then the engine's size under each activation
-  // alternative, in the order of preference on a tie.
+  // alternative and the per-call search's mix, then those at the other sizes: the order of
+  // preference on a tie.
   std::vector<PlanLayout> layouts;
   SchedulerOptions scheduler;
   std::vector<double> compute_seconds;  // per moment: measured, the step moment without Adam

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -277,6 +278,104 @@ TEST(PlanActivations, ThePlansConfigPinsTheWaysItsCandidateRunsTheCalls) {
   EXPECT_EQ(ran, own);
   EXPECT_EQ(pinned.activations.candidates.front().name, "pinned (calls)");
   EXPECT_LE(max_relative_difference(pinned.losses, planned.losses), 1e-5);
+}
+
+// With "default_chunk_size": "auto" too: the plan's other sizes.
+Config sized_config(int64_t capacity) {
+  Config config = tight_config(R"({"activation_checkpointing": {"policy": "auto"},
+                                   "plan": "auto", "plan_check_iterations": 1000,
+                                   "default_chunk_size": "auto"})");
+  config.device.capacity_bytes = capacity;
+  return config;
+}
+
+std::string ways_key(const PlanCandidateReport& c) {
+  return c.activations + " (" + joined(c.activation_calls) + ")";
+}
+
+TEST(PlanActivations, EveryChunkSizeIsWeighedUnderEveryWayOfTheActivations) {
+  const Trained planned = train(sized_config(kCapacity));
+  ASSERT_TRUE(planned.plan.planned);
+  std::set<int64_t> sizes;
+  std::map<std::string, std::set<int64_t>> sizes_of;  // per way of the activations
+  for (const PlanCandidateReport& c : planned.plan.candidates) {
+    sizes.insert(c.chunk_elems);
+    sizes_of[ways_key(c)].insert(c.chunk_elems);
+  }
+  ASSERT_GE(sizes.size(), 2u) << planned.plan.text();
+  // The activations the engine runs, the whole-model ways it does not, and any mix the search
+  // found (weighed at every size), each at every size. (The activation plan keeps calls here, so
+  // its trace skips their recomputes: another size's trace takes each moment's tensors from the
+  // warm-up's moment of the same module and kind.)
+  ASSERT_GE(sizes_of.size(), 3u) << planned.plan.text();
+  for (const auto& [ways, at] : sizes_of) EXPECT_EQ(at, sizes) << ways;
+  EXPECT_NE(planned.plan.activation_search.find("with every chunk size"), std::string::npos)
+      << planned.plan.activation_search;
+  const std::vector<double> plain = train_plain(kSteps, make_six());
+  EXPECT_LE(max_relative_difference(planned.losses, plain), 1e-5);
+}
+
+TEST(PlanActivations, AnotherChunkSizeUnderOtherActivationsRunsTheTraceThePlanPredicted) {
+  const Trained planned = train(sized_config(kCapacity));
+  ASSERT_TRUE(planned.plan.planned);
+  const int64_t own_size = planned.plan.candidates[0].chunk_elems;
+  const std::vector<double> plain = train_plain(kSteps, make_six());
+  std::set<std::string> tried;  // one candidate per size and way of the activations
+  for (const PlanCandidateReport& wanted : planned.plan.candidates) {
+    if (wanted.chunk_elems == own_size || wanted.activations.empty() || !wanted.fits ||
+        !tried.insert(std::to_string(wanted.chunk_elems) + ways_key(wanted)).second) {
+      continue;
+    }
+    Gpt model = make_six();
+    Engine engine(model.ptr(), sized_config(kCapacity));
+    std::vector<double> losses;
+    std::optional<Trace> predicted;
+    std::optional<PlanCandidateReport> applied;
+    for (int s = 0; s < kSteps; ++s) {
+      double loss = 0;
+      EXPECT_EQ(train_step(engine, model, s, &loss).retraces, 0) << wanted.name << " step " << s;
+      losses.push_back(loss);
+      if (s != 2) continue;
+      const int index = index_of(engine.plan(), wanted);
+      if (index < 0) break;  // (this engine's activation plan chose that way itself)
+      applied = engine.plan().candidates[static_cast<size_t>(index)];
+      predicted = inspect(engine).plan_candidate_trace(index);  // what the plan weighed
+      EngineInspector::apply_plan_candidate(engine, 0);
+      EngineInspector::apply_plan_candidate(engine, index);
+    }
+    if (!applied) {
+      std::cout << "this engine's plan has no candidate " << wanted.name << "\n";
+      continue;
+    }
+    ASSERT_TRUE(predicted.has_value()) << wanted.name;
+    EXPECT_LE(max_relative_difference(losses, plain), 1e-5) << wanted.name;
+    // The model moved into the size, the calls run the ways, and the trace recorded after is the
+    // predicted one: each moment's module and kind, and the chunks it accessed.
+    EXPECT_EQ(inspect(engine).chunks().chunk_elems(), wanted.chunk_elems) << wanted.name;
+    const ActivationPlanReport activations = engine.activation_plan();
+    for (const ActivationCallPlan& call : activations.calls) {
+      EXPECT_EQ(call.choice, call_way(*applied, call.call))
+          << wanted.name << ": call " << call.call;
+    }
+    const Trace& runs = inspect(engine).scheduler().trace();
+    ASSERT_EQ(runs.size(), predicted->size()) << wanted.name;
+    for (int64_t m = 0; m < runs.size(); ++m) {
+      const Moment& a = predicted->moments[static_cast<size_t>(m)];
+      const Moment& b = runs.moments[static_cast<size_t>(m)];
+      EXPECT_EQ(a.kind, b.kind) << wanted.name << " " << m;
+      EXPECT_EQ(a.label, b.label) << wanted.name << " " << m;
+      if (b.kind == MomentKind::kStep) continue;  // (its Adam placement: below)
+      std::vector<int64_t> want = a.chunk_ids;
+      std::vector<int64_t> got = b.chunk_ids;
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(want, got) << wanted.name << " " << m << " " << b.label;
+    }
+    const std::vector<bool>& on_device = inspect(engine).adam_on_device();
+    EXPECT_EQ(std::count(on_device.begin(), on_device.end(), true), applied->adam_device_indices)
+        << wanted.name;
+  }
+  EXPECT_GE(tried.size(), 3u) << planned.plan.text();
 }
 
 TEST(PlanActivations, AFixedActivationPolicyHasNoAlternative) {

@@ -81,6 +81,10 @@ TEST(PlanAuto, PlansAfterTheFirstScheduledIterationAndTrainsAsLibTorch) {
     EXPECT_THAT(planned.decisions[1], HasSubstr(c.name));
   }
   EXPECT_THAT(planned.decisions[1], HasSubstr("chosen: " + chosen.name));
+  // What planning took between the two iterations, said beside the candidates.
+  EXPECT_GT(plan.planning_seconds, 0);
+  EXPECT_THAT(planned.decisions[1],
+              HasSubstr("for " + std::to_string(plan.candidates.size()) + " candidates"));
   // Two iterations on the plan, then its check (the iteration after a re-placement is a warm-up
   // and does not count).
   EXPECT_TRUE(plan.checked);

@@ -200,6 +200,9 @@ struct PlanReport {
   // placement weighed and found (a "per call" candidate, or nothing shorter).
   std::string activation_search;
   double predicted_step_seconds = 0;  // the chosen candidate's
+  // What the last plan took on the training thread, between two iterations: the candidates'
+  // traces, the per-call search and every candidate's replay (not the copy-rate probe before).
+  double planning_seconds = 0;
   // The self-check: the median step over plan_check_iterations iterations on the plan, and
   // whether its difference from the prediction passed the tolerance and the engine planned again.
   double measured_step_seconds = 0;

@@ -53,6 +53,9 @@ class EngineInspector {
   // where it has none.
   std::vector<int64_t> plan_chunk_sizes() const;
   std::optional<Trace> plan_trace_of(int64_t chunk_elems) const;
+  // After the plan: the trace it weighed for Engine::plan().candidates[candidate] (its chunk size
+  // and activations; the step moment as the margin's placement has it); nullopt before.
+  std::optional<Trace> plan_candidate_trace(int candidate) const;
   // Applies the plan's candidate `candidate` as if the engine had chosen it (between iterations;
   // the one thing here that changes the engine: tests run every candidate through it); -1: as if
   // none fitted (the config's own settings).
