@@ -14,15 +14,20 @@
 namespace patrickstar::engine_detail {
 
 bool ActivationPlanner::runs_model_trace(const Trace& running, std::string* why) const {
+  return running_shape(running, why).has_value();
+}
+
+std::optional<ActivationPlanner::Shaped> ActivationPlanner::running_shape(const Trace& running,
+                                                                          std::string* why) const {
   auto no = [&](std::string reason) {
     if (why != nullptr) *why = std::move(reason);
-    return false;
+    return std::nullopt;
   };
   if (policy_ != ActivationPolicy::kAuto || !planned_ || warmup_.moments.empty() ||
       choices_.size() != calls_.size()) {
     return no("the activations are not \"auto\" or were not planned");
   }
-  const Shaped now = shape(warmup_, runs_as(choices_), copy_bytes_per_s_, copies_overlap_);
+  Shaped now = shape(warmup_, runs_as(choices_), copy_bytes_per_s_, copies_overlap_);
   bool same = now.trace.size() == running.size();
   for (int64_t m = 0; same && m < running.size(); ++m) {
     same = now.trace.moments[m].kind == running.moments[m].kind &&
@@ -32,7 +37,7 @@ bool ActivationPlanner::runs_model_trace(const Trace& running, std::string* why)
     return no(absl::StrCat("the running trace (", running.size(),
                            " moments) is not the activation plan's (", now.trace.size(), ")"));
   }
-  return true;
+  return now;
 }
 
 std::vector<std::vector<ActivationChoice>> ActivationPlanner::call_ways() const {
@@ -57,9 +62,10 @@ std::vector<std::vector<ActivationChoice>> ActivationPlanner::ways_of_calls() co
 std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
     const Trace& running, std::string* why) const {
   std::vector<Alternative> out;
-  if (!runs_model_trace(running, why)) return out;
+  const std::optional<Shaped> now = running_shape(running, why);
+  if (!now) return out;
   for (ActivationChoice every : whole_model_ways()) {
-    if (std::optional<Alternative> a = edit(running, every_call(every))) {
+    if (std::optional<Alternative> a = edit(running, *now, every_call(every))) {
       a->every = every;
       out.push_back(std::move(*a));
     }
@@ -69,23 +75,23 @@ std::vector<ActivationPlanner::Alternative> ActivationPlanner::alternatives(
 
 std::optional<ActivationPlanner::Alternative> ActivationPlanner::alternative(
     const Trace& running, const std::vector<ActivationChoice>& choices, std::string* why) const {
-  if (!runs_model_trace(running, why)) return std::nullopt;
+  const std::optional<Shaped> now = running_shape(running, why);
+  if (!now) return std::nullopt;
   if (choices.size() != calls_.size()) {
     if (why != nullptr) {
       *why = absl::StrCat(choices.size(), " ways for ", calls_.size(), " checkpoint calls");
     }
     return std::nullopt;
   }
-  std::optional<Alternative> a = edit(running, runs_as(choices));
+  std::optional<Alternative> a = edit(running, *now, runs_as(choices));
   if (!a && why != nullptr) *why = "the calls run these ways now";
   return a;
 }
 
 std::optional<ActivationPlanner::Alternative> ActivationPlanner::edit(
-    const Trace& running, const std::vector<ActivationChoice>& choices) const {
+    const Trace& running, const Shaped& now, const std::vector<ActivationChoice>& choices) const {
   const std::vector<ActivationChoice> running_choices = runs_as(choices_);
   if (choices == running_choices) return std::nullopt;
-  const Shaped now = shape(warmup_, running_choices, copy_bytes_per_s_, copies_overlap_);
   const Shaped alt = shape(warmup_, choices, copy_bytes_per_s_, copies_overlap_);
   // Each warm-up moment's compute to add: a newly recomputed call's forward spread over its
   // recompute's moments; a call whose recompute has no moments of its own is charged (or, newly
@@ -128,12 +134,11 @@ std::optional<ActivationPlanner::Alternative> ActivationPlanner::edit(
                                    now.trace.moments[k].non_model_bytes);
       a.trace.moments.push_back(std::move(moment));
       a.moment_of.push_back(static_cast<int64_t>(k));
-      a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
     } else {  // a recompute the running trace skips: the warm-up's moment
       a.trace.moments.push_back(shaped);
       a.moment_of.push_back(-1);
-      a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
     }
+    a.recompute_seconds.push_back(share[static_cast<size_t>(alt.from[m])]);
   }
   a.peak_delta = alt.peak - now.peak;
   a.recompute_saved = saved;

@@ -190,8 +190,12 @@ class ActivationPlanner {
   ActivationChoice default_choice(bool named) const;
   // The ways each measured call may take (call_ways() without the plan).
   std::vector<std::vector<ActivationChoice>> ways_of_calls() const;
-  // The alternative of `choices` (as they run) against `running`; none where they run as now.
-  std::optional<Alternative> edit(const Trace& running,
+  // The current choices' shape of the warm-up where `running` is that trace (its moments), else
+  // none (with `why`): what runs_model_trace() checks and every alternative is edited against.
+  std::optional<Shaped> running_shape(const Trace& running, std::string* why) const;
+  // The alternative of `choices` (as they run) against `running`, whose shape is `now`; none where
+  // they run as now.
+  std::optional<Alternative> edit(const Trace& running, const Shaped& now,
                                   const std::vector<ActivationChoice>& choices) const;
   // Makes `choices` the current ones (the report names `instead`); true when they run otherwise.
   bool run(std::vector<ActivationChoice> choices, std::string instead);

@@ -364,10 +364,10 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // its margin decided at `peak_non_model`.
   engine_detail::PlanLayout plan_layout_now(Trace trace, int64_t peak_non_model) const;
   // With "auto" activations, each of the activation plan's whole-model alternatives at the
-  // engine's size and at the plan's other sizes (engine_plan_activations.cpp); `compute` per
+  // engine's size and at the plan's other `sizes` (engine_plan_activations.cpp); `compute` per
   // moment of the running trace.
   std::vector<engine_detail::PlanLayout> plan_activation_layouts(
-      const std::vector<double>& compute) const;
+      const std::vector<double>& compute, const std::vector<int64_t>& sizes) const;
   // How each checkpoint call runs now ("keep", ...), where "auto" planned at the engine's size.
   std::vector<std::string> running_activation_calls() const;
   // One alternative at the engine's size, then at each of `sizes` its trace allows: its trace,

@@ -79,7 +79,8 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   in.layouts.push_back(plan_layout_now(scheduler_->trace(), plan_.placement_peak()));
   // (The offloads' copy waits are out of the measured compute: the model's exposed ones go back.)
   in.layouts[0].extra_seconds = activations_->planner.unmeasured_exposed_seconds();
-  for (int64_t size : plan_chunk_sizes()) {
+  const std::vector<int64_t> sizes = plan_chunk_sizes();
+  for (int64_t size : sizes) {
     if (std::optional<PlanLayout> other =
             plan_layout_of(size, in.layouts[0].trace, plan_.placement_peak())) {
       other->extra_seconds = in.layouts[0].extra_seconds;  // (the same activations' copies)
@@ -89,7 +90,7 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
   // (Every size runs the activations the engine runs: what a pinned config names.)
   const std::vector<std::string> calls = running_activation_calls();
   for (PlanLayout& layout : in.layouts) layout.activation_calls = calls;
-  for (PlanLayout& other : plan_activation_layouts(in.compute_seconds)) {
+  for (PlanLayout& other : plan_activation_layouts(in.compute_seconds, sizes)) {
     in.layouts.push_back(std::move(other));
   }
   return in;
@@ -259,14 +260,10 @@ std::optional<Trace> EngineCore::plan_candidate_trace(int candidate) const {
   if (!report.planned || candidate < 0 || candidate >= static_cast<int>(report.candidates.size())) {
     return std::nullopt;
   }
-  const PlanCandidateReport& c = report.candidates[static_cast<size_t>(candidate)];
-  for (const PlanLayout& layout : plan_.inputs().layouts) {
-    if (layout.chunk_elems == c.chunk_elems && layout.activations == c.activations &&
-        layout.activation_calls == c.activation_calls) {
-      return layout.trace;
-    }
-  }
-  return std::nullopt;
+  const PlanLayout* layout =
+      layout_of(plan_.inputs(), report.candidates[static_cast<size_t>(candidate)]);
+  if (layout == nullptr) return std::nullopt;
+  return layout->trace;
 }
 
 void EngineCore::plan_after_step(IterationReport& report) {

@@ -90,7 +90,7 @@ std::vector<std::string> EngineCore::running_activation_calls() const {
 }
 
 std::vector<PlanLayout> EngineCore::plan_activation_layouts(
-    const std::vector<double>& compute) const {
+    const std::vector<double>& compute, const std::vector<int64_t>& sizes) const {
   std::vector<PlanLayout> out;
   const Trace& running = scheduler_->trace();
   // (The warm-up's moments the alternatives take are chunks of the size it ran.)
@@ -99,7 +99,6 @@ std::vector<PlanLayout> EngineCore::plan_activation_layouts(
     return out;
   }
   // Each way at the engine's size first (the order of preference), then at the other sizes.
-  const std::vector<int64_t> sizes = plan_chunk_sizes();
   std::vector<PlanLayout> others;
   for (ActivationPlanner::Alternative& a :
        activations_->planner.alternatives(running, /*why=*/nullptr)) {

@@ -358,6 +358,17 @@ PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
   return out;
 }
 
+const PlanLayout* layout_of(const PlanInputs& inputs, const PlanCandidateReport& candidate) {
+  for (const PlanLayout& layout : inputs.layouts) {
+    if (layout.chunk_elems == candidate.chunk_elems &&
+        layout.activations == candidate.activations &&
+        layout.activation_calls == candidate.activation_calls) {
+      return &layout;
+    }
+  }
+  return nullptr;
+}
+
 PlanProfile named_plan_profile(const std::string& name) {
   const GpuCostModel gpu = gpu_cost_model(name);
   PlanProfile p;
@@ -479,13 +490,10 @@ bool RunPlanner::end_iteration(bool counted, double seconds) {
     excess -= taken;
   }
   // (The chosen candidate's measured compute: an activation alternative has its own.)
-  const std::vector<double>* measured = &inputs_.compute_seconds;
-  for (const PlanLayout& layout : inputs_.layouts) {
-    if (layout.chunk_elems == chosen.chunk_elems && layout.activations == chosen.activations &&
-        layout.activation_calls == chosen.activation_calls && !layout.compute_seconds.empty()) {
-      measured = &layout.compute_seconds;
-    }
-  }
+  const PlanLayout* layout = layout_of(inputs_, chosen);
+  const std::vector<double>* measured = layout != nullptr && !layout->compute_seconds.empty()
+                                            ? &layout->compute_seconds
+                                            : &inputs_.compute_seconds;
   double compute = 0;
   for (double s : *measured) compute += s * profile_.compute_scale;
   if (compute > 0) profile_.compute_scale *= std::max(0.2, (compute + excess) / compute);

@@ -139,6 +139,10 @@ int64_t step_non_model_of(const Trace& trace);
 // chunks include one of its own chunks (the step moment less one when none does).
 void find_ready_moments(PlanLayout& layout);
 
+// The layout of `inputs` a candidate of theirs was predicted on (its chunk size and activations),
+// or null.
+const PlanLayout* layout_of(const PlanInputs& inputs, const PlanCandidateReport& candidate);
+
 // Every candidate's prediction, in the order of preference on a tie (the engine's chunk size
 // first, serial before overlapped before delayed, margin before host before streamed), and the
 // index of the chosen one (-1 when none fits).
