@@ -426,6 +426,18 @@ std::string DataParallel::first_error(const std::string& local) const {
   return "rank " + std::to_string(root) + " of " + std::to_string(world_) + ": " + text;
 }
 
+std::string DataParallel::rank_zeros(const std::string& local) const {
+  if (!distributed()) return local;
+  const ScopeTimer timer(seconds_);
+  std::string text = rank_ == 0 ? local : std::string();
+  int64_t length = static_cast<int64_t>(text.size());
+  comm_->broadcast(at::from_blob(&length, {1}, at::kLong), 0);
+  text.resize(static_cast<size_t>(length) + 1);  // + 1: a tensor of one byte when it is empty
+  comm_->broadcast(at::from_blob(text.data(), {length + 1}, at::kByte), 0);
+  text.resize(static_cast<size_t>(length));
+  return text;
+}
+
 StepAgreement::StepAgreement(const DataParallel& dp, HybridAdam& adam) : dp_(dp), adam_(adam) {
   if (!dp_.distributed()) return;
   // With hybrid sharding every shard is held by each replica group: the first replica's count.

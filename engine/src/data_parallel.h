@@ -124,6 +124,8 @@ class DataParallel {
   // no rank failed, else the lowest failing rank's message as "rank r of N: <message>", the same
   // on every rank. One process: `local` as it is.
   std::string first_error(const std::string& local) const;
+  // Rank 0's `local` on every rank (a collective every rank calls; one process: `local`).
+  std::string rank_zeros(const std::string& local) const;
   // The sum of `local` over the ranks (one all-reduce of a double).
   double sum(double local) const {
     if (!distributed()) return local;

@@ -354,6 +354,13 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
     plan_.note_moment(moment, mark);
   }
   void plan_after_step(IterationReport& report);
+  // Plans on the measured iteration's `compute` (per moment), then applies the choice.
+  void plan_now(std::vector<double> compute, double adam_seconds, double bandwidth,
+                IterationReport& report);
+  // Data parallel: every rank runs rank 0's chunk size and activations, with the schedule and the
+  // Adam placement it chooses among them; none plans where some rank has no such candidate that
+  // fits (a collective every rank calls). One process: `chosen`.
+  const PlanCandidateReport* agree_on_activations(const PlanCandidateReport* chosen);
   // An iteration on the plan: its check, and the one re-plan when the check says so.
   void check_plan(IterationReport& report, const engine_detail::RunPlanner::Mark& now);
   engine_detail::PlanInputs plan_inputs(std::vector<double> compute) const;
@@ -378,8 +385,23 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
   // The per-call search joint with the rest: one call's way changed at a time while the best
   // candidate's predicted step (any chunk size, schedule and placement) gets shorter, from the
   // best of the layouts there; a mix it ends on that is not there yet is added ("per call").
-  void search_activation_calls(engine_detail::PlanInputs& inputs,
-                               const engine_detail::PlanProfile& profile) const;
+  // Returns the mix added (its ways joined by ","), "" where none was.
+  std::string search_activation_calls(engine_detail::PlanInputs& inputs,
+                                      const engine_detail::PlanProfile& profile) const;
+  // Whether the per-call search (and a mix from another rank) applies to `inputs`.
+  bool searches_activation_calls(const engine_detail::PlanInputs& inputs) const;
+  // A mix's layouts (the engine's size first, then `sizes`), empty where the running trace cannot
+  // run it.
+  std::vector<engine_detail::PlanLayout> activation_mix_layouts(
+      const engine_detail::PlanInputs& inputs, const std::vector<ActivationChoice>& choices,
+      const std::vector<int64_t>& sizes) const;
+  // A mix's layouts into the order of preference: the engine's size's after the other activations
+  // at that size, the rest last.
+  void insert_activation_mix(engine_detail::PlanInputs& inputs,
+                             std::vector<engine_detail::PlanLayout> layouts) const;
+  // Data parallel, ranks but 0: rank 0's search's mix (`text` as search_activation_calls returns
+  // it) among this rank's layouts.
+  void add_activation_mix(engine_detail::PlanInputs& inputs, const std::string& text) const;
   // Runs the activations `candidate` names (the activation plan's own where it names none); true
   // when they changed.
   bool run_plan_activations(const PlanCandidateReport& candidate);

@@ -20,6 +20,16 @@ namespace patrickstar {
 using namespace engine_detail;  // NOLINT: this folder's private helpers
 
 void EngineCore::check_plan_config() const {
+  if (dp_.distributed()) {
+    // The ranks plan together (after the same iteration, on rank 0's activations): alike on every
+    // rank, or refused on every rank before anything else they do together.
+    const bool on = config_.plan.mode == PlanMode::kAuto;
+    const bool everywhere = dp_.all_agree(on);
+    const bool nowhere = dp_.all_agree(!on);
+    TORCH_CHECK(everywhere || nowhere,
+                "patrickstar::Engine: \"plan\" is \"auto\" on some ranks and \"off\" on others; "
+                "the ranks plan together, so set it alike on every rank");
+  }
   // (The streamed placement is the plan's candidate, and a setting of its own.)
   TORCH_CHECK(!config_.optimizer.stream_states || dp_.one_process(),
               "patrickstar::Engine: optimizer.params.stream_states streams one process's states "
@@ -36,10 +46,6 @@ void EngineCore::check_plan_config() const {
     }
     return;
   }
-  TORCH_CHECK(dp_.one_process(), "patrickstar::Engine: \"plan\": \"auto\" plans one process; with ",
-              dp_.world(),
-              " ranks set the step schedule and the Adam placement in the config (\"plan\": "
-              "\"off\")");
   TORCH_CHECK(config_.scheduler.policy != EvictionPolicy::kStatic,
               "patrickstar::Engine: \"plan\": \"auto\" with the static policy: every param chunk "
               "stays on the device and every Adam runs on the host, so there is nothing to plan; "
@@ -68,7 +74,9 @@ PlanInputs EngineCore::plan_inputs(std::vector<double> compute) const {
       pipeline_->overlap_possible() && config_.overlap_step.mode != OverlapMode::kOff;
   in.host_placement_possible = config_.optimizer.use_hybrid_adam;
   // (The disk tier keeps the states of the host's share on disk: none stream.)
-  in.streamed_possible = config_.optimizer.use_hybrid_adam && storage_.disk() == nullptr;
+  // (Data parallel: states stream in one process only.)
+  in.streamed_possible =
+      config_.optimizer.use_hybrid_adam && storage_.disk() == nullptr && dp_.one_process();
   // The delayed update (allowed by the config), per parameter: fp32 copies the gradient and the
   // weight at the hand-over and writes the weight back at the landing (4 + 4 + 4 bytes); mixed
   // precision copies the gradient (fp32 with a gradient space: 4; else the half slot's 2, whose
@@ -271,11 +279,11 @@ void EngineCore::plan_after_step(IterationReport& report) {
   const RunPlanner::Mark now = plan_mark();
   const bool usable = !report.skipped && !report.retraced && !report.warmup &&
                       report.chunk_elems_retried == 0 && scheduler_->has_trace();
-  if (plan_.measuring()) {
+  if (!plan_.planned()) {
     std::vector<double> compute;
     double bandwidth = 0;
     double adam_seconds = 0;
-    if (usable) {
+    if (plan_.measuring() && usable) {
       const Trace& trace = scheduler_->trace();
       const int64_t step = step_moment_of(trace);
       int64_t largest = 0;
@@ -287,29 +295,13 @@ void EngineCore::plan_after_step(IterationReport& report) {
       adam_seconds = std::max(0.0, report.adam_seconds - plan_.copy_wait_since(step, now));
       compute = plan_.end_measuring(trace.size(), step, now, adam_seconds, bandwidth,
                                     !config_.scheduler.async_moves);
-    } else {
+    } else if (plan_.measuring()) {
       plan_.end_measuring(-1, -1, now, 0, 0, false);  // measures nothing: the next one does
     }
-    if (!compute.empty()) {
-      const PlanCandidateReport* chosen = nullptr;
-      double planning = 0;
-      try {
-        const ScopeTimer timer(planning);
-        PlanInputs in = plan_inputs(std::move(compute));
-        const PlanProfile profile = plan_profile(in, adam_seconds, bandwidth);
-        search_activation_calls(in, profile);
-        chosen = plan_.plan(in, profile);
-      } catch (const c10::Error& e) {
-        plan_.give_up(e.what_without_backtrace());  // the step is done; training goes on
-      }
-      plan_.report().planning_seconds = planning;
-      report.plan_decision = plan_.report().text();
-      if (chosen != nullptr) {
-        apply_plan(*chosen);
-      } else {
-        keep_config_schedule();  // the config's settings, as the report says
-        TORCH_WARN("patrickstar: ", report.plan_decision);
-      }
+    // Data parallel: every rank plans after the same iteration, or none does (each rank calls this
+    // after every step until the plan: one small all-reduce).
+    if (dp_.all_agree(!compute.empty())) {
+      plan_now(std::move(compute), adam_seconds, bandwidth, report);
       return;
     }
   }
@@ -327,6 +319,65 @@ void EngineCore::plan_after_step(IterationReport& report) {
     return;
   }
   check_plan(report, now);
+}
+
+void EngineCore::plan_now(std::vector<double> compute, double adam_seconds, double bandwidth,
+                          IterationReport& report) {
+  const PlanCandidateReport* chosen = nullptr;
+  double planning = 0;
+  {
+    const ScopeTimer timer(planning);
+    // Data parallel: the collectives come in the same order on every rank, whatever fails where.
+    std::string error;
+    PlanInputs in;
+    PlanProfile profile;
+    std::string mix;  // the per-call search's mix (rank 0's, with data parallel)
+    try {
+      in = plan_inputs(std::move(compute));
+      profile = plan_profile(in, adam_seconds, bandwidth);
+      if (dp_.rank() == 0) mix = search_activation_calls(in, profile);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    if (dp_.distributed()) {
+      mix = dp_.rank_zeros(mix);
+      if (dp_.rank() != 0 && error.empty()) add_activation_mix(in, mix);
+    }
+    try {
+      if (error.empty()) chosen = plan_.plan(in, profile);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    if (!error.empty()) plan_.give_up(error);  // the step is done; training goes on
+    chosen = agree_on_activations(chosen);
+  }
+  plan_.report().planning_seconds = planning;
+  report.plan_decision = plan_.report().text();
+  if (chosen != nullptr) {
+    apply_plan(*chosen);
+  } else {
+    keep_config_schedule();  // the config's settings, as the report says
+    TORCH_WARN("patrickstar: ", report.plan_decision);
+  }
+}
+
+const PlanCandidateReport* EngineCore::agree_on_activations(const PlanCandidateReport* chosen) {
+  if (!dp_.distributed()) return chosen;
+  // Every rank runs rank 0's activations (a recompute's doors gather on every rank); each chooses
+  // its own schedule and Adam placement with them, for the indices it steps.
+  const std::string key = dp_.rank_zeros(chosen != nullptr ? activation_key(*chosen) : "");
+  const PlanCandidateReport* mine = nullptr;
+  if (!key.empty() && plan_.report().planned && !plan_.report().candidates.empty()) {
+    mine = plan_.restrict(
+        [&](const PlanCandidateReport& c) { return activation_key(c) == key; },
+        absl::StrCat("data parallel over ", dp_.world(), " ranks, with rank 0's activations"));
+  }
+  if (dp_.all_agree(mine != nullptr)) return mine;
+  plan_.give_up(absl::StrCat(
+      "data parallel over ", dp_.world(), " ranks: ",
+      key.empty() ? "rank 0 made no plan" : "rank 0's activations fit no candidate of some rank",
+      "; every rank keeps the config's settings"));
+  return nullptr;
 }
 
 void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now) {
@@ -350,7 +401,17 @@ void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now
   try {
     const ScopeTimer timer(planning);
     // (The inputs planned once already: the same candidates fit.)
+    const std::string key =
+        activation_key(plan_.report().candidates[static_cast<size_t>(plan_.report().chosen)]);
     chosen = plan_.plan(plan_.inputs(), plan_.profile());
+    if (dp_.distributed()) {
+      // Each rank checks its own step and plans again alone: with the activations every rank runs
+      // (the same candidate still fits).
+      chosen =
+          plan_.restrict([&](const PlanCandidateReport& c) { return activation_key(c) == key; },
+                         absl::StrCat("data parallel over ", dp_.world(),
+                                      " ranks, with the activations they run"));
+    }
   } catch (const c10::Error& e) {
     plan_.give_up(e.what_without_backtrace());
   }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "engine_internal.h"
 
 namespace patrickstar {
@@ -110,18 +111,58 @@ std::vector<PlanLayout> EngineCore::plan_activation_layouts(
   return out;
 }
 
-void EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& profile) const {
+bool EngineCore::searches_activation_calls(const PlanInputs& in) const {
+  return !activations_->planner.call_ways().empty() && !in.layouts.empty() &&
+         !in.layouts.front().activation_calls.empty() &&
+         static_cast<int64_t>(in.compute_seconds.size()) == scheduler_->trace().size() &&
+         activations_->planned_chunk_elems == store().chunk_elems();
+}
+
+std::vector<PlanLayout> EngineCore::activation_mix_layouts(
+    const PlanInputs& in, const std::vector<ActivationChoice>& choices,
+    const std::vector<int64_t>& sizes) const {
+  std::optional<ActivationPlanner::Alternative> a =
+      activations_->planner.alternative(scheduler_->trace(), choices, /*why=*/nullptr);
+  if (!a) return {};
+  return plan_activation_layouts_of(std::move(*a), in.compute_seconds, sizes);
+}
+
+void EngineCore::insert_activation_mix(PlanInputs& in, std::vector<PlanLayout> layouts) const {
+  // The engine's size's after the other activations at that size, the rest after every layout.
+  const auto own_size_end =
+      std::find_if(in.layouts.rbegin(), in.layouts.rend(), [&](const PlanLayout& l) {
+        return l.chunk_elems == store().chunk_elems();
+      }).base();
+  in.layouts.insert(own_size_end, std::move(layouts.front()));
+  std::move(layouts.begin() + 1, layouts.end(), std::back_inserter(in.layouts));
+}
+
+void EngineCore::add_activation_mix(PlanInputs& in, const std::string& text) const {
+  if (text.empty() || !searches_activation_calls(in)) return;
+  const std::vector<std::string> names = absl::StrSplit(text, ',');
+  const std::vector<ActivationChoice> choices = activation_choices_named(names);
+  const bool there = std::any_of(in.layouts.begin(), in.layouts.end(), [&](const PlanLayout& l) {
+    return !l.activation_calls.empty() && activation_choices_named(l.activation_calls) == choices;
+  });
+  in.activation_search = absl::StrCat("the per-call search ran on rank 0: per call (",
+                                      absl::StrJoin(way_names(choices), ", "), ")");
+  if (there) return;
+  std::vector<PlanLayout> layouts = activation_mix_layouts(in, choices, plan_chunk_sizes());
+  if (layouts.empty()) {
+    absl::StrAppend(&in.activation_search, ", which this rank's running trace cannot run");
+    return;
+  }
+  insert_activation_mix(in, std::move(layouts));
+}
+
+std::string EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& profile) const {
   const ActivationPlanner& planner = activations_->planner;
   const Trace& running = scheduler_->trace();
   const std::vector<std::vector<ActivationChoice>> ways = planner.call_ways();
-  if (ways.empty() || in.layouts.empty() || in.layouts.front().activation_calls.empty() ||
-      static_cast<int64_t>(in.compute_seconds.size()) != running.size() ||
-      activations_->planned_chunk_elems != store().chunk_elems()) {
-    return;
-  }
+  if (!searches_activation_calls(in)) return "";
   if (std::string why; !planner.runs_model_trace(running, &why)) {
     in.activation_search = absl::StrCat("no per-call search: ", why);
-    return;
+    return "";
   }
   // From the best of the activations there (the own and the whole-model ways, each at its best
   // chunk size).
@@ -146,10 +187,7 @@ void EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& prof
   };
   const std::vector<int64_t> sizes = plan_chunk_sizes();
   auto layouts_of = [&](const std::vector<ActivationChoice>& choices) {
-    std::optional<ActivationPlanner::Alternative> a =
-        planner.alternative(running, choices, /*why=*/nullptr);
-    if (!a) return std::vector<PlanLayout>{};
-    return plan_activation_layouts_of(std::move(*a), in.compute_seconds, sizes);
+    return activation_mix_layouts(in, choices, sizes);
   };
   // Then one call at a time while the best predicted step (at any size) gets shorter. (A way
   // there already is the start, or no shorter than it.)
@@ -168,18 +206,13 @@ void EngineCore::search_activation_calls(PlanInputs& in, const PlanProfile& prof
       there(found.best) ? std::vector<PlanLayout>{} : layouts_of(found.best);
   if (layouts.empty()) {
     absl::StrAppend(&in.activation_search, ": none shorter");
-    return;
+    return "";
   }
   absl::StrAppendFormat(&in.activation_search, ": per call (%s), predicted %.4g s against %.4g s",
                         absl::StrJoin(layouts.front().activation_calls, ", "), found.seconds,
                         best_s);
-  // The engine's size's after the other activations at that size, the rest after every layout.
-  const auto own_size_end =
-      std::find_if(in.layouts.rbegin(), in.layouts.rend(), [&](const PlanLayout& l) {
-        return l.chunk_elems == store().chunk_elems();
-      }).base();
-  in.layouts.insert(own_size_end, std::move(layouts.front()));
-  std::move(layouts.begin() + 1, layouts.end(), std::back_inserter(in.layouts));
+  insert_activation_mix(in, std::move(layouts));
+  return absl::StrJoin(way_names(found.best), ",");
 }
 
 bool EngineCore::run_plan_activations(const PlanCandidateReport& candidate) {

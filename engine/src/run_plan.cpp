@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "patrickstar/memtracer/simulator.h"
 
 namespace patrickstar {
@@ -320,42 +321,56 @@ PlanEvaluation evaluate_plan(const PlanInputs& in, const PlanProfile& profile) {
       out.candidates.push_back(evaluate_variant(in, layout, profile, v));
     }
   }
+  out.chosen = choose_candidate(out.candidates, nullptr, out.why);
+  return out;
+}
+
+std::string activation_key(const PlanCandidateReport& c) {
+  return absl::StrCat(c.chunk_elems, " ", c.activations, " ",
+                      absl::StrJoin(c.activation_calls, ","));
+}
+
+int choose_candidate(const std::vector<PlanCandidateReport>& candidates,
+                     const std::function<bool(const PlanCandidateReport&)>& allowed,
+                     std::string& why) {
+  auto open = [&](const PlanCandidateReport& c) { return c.fits && (!allowed || allowed(c)); };
   double best = std::numeric_limits<double>::infinity();
-  for (const PlanCandidateReport& c : out.candidates) {
-    if (c.fits) best = std::min(best, c.predicted_step_seconds);
+  for (const PlanCandidateReport& c : candidates) {
+    if (open(c)) best = std::min(best, c.predicted_step_seconds);
   }
   // Within 1% of the fastest, the first in the order of preference: serial holds no undo buffers,
   // the margin's placement moves fewer chunks at the step.
   constexpr double kTie = 0.01;
-  for (size_t i = 0; i < out.candidates.size(); ++i) {
-    const PlanCandidateReport& c = out.candidates[i];
-    if (c.fits && c.predicted_step_seconds <= best * (1 + kTie)) {
-      out.chosen = static_cast<int>(i);
+  int chosen = -1;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const PlanCandidateReport& c = candidates[i];
+    if (open(c) && c.predicted_step_seconds <= best * (1 + kTie)) {
+      chosen = static_cast<int>(i);
       break;
     }
   }
-  if (out.chosen < 0) {
-    out.why = "no candidate fits the device";
-    return out;
+  if (chosen < 0) {
+    why = "no candidate fits the device";
+    return chosen;
   }
-  const PlanCandidateReport& chosen = out.candidates[static_cast<size_t>(out.chosen)];
+  const PlanCandidateReport& c0 = candidates[static_cast<size_t>(chosen)];
   std::string next;
-  for (size_t i = 0; i < out.candidates.size(); ++i) {
-    const PlanCandidateReport& c = out.candidates[i];
-    if (static_cast<int>(i) == out.chosen || !c.fits) continue;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const PlanCandidateReport& c = candidates[i];
+    if (static_cast<int>(i) == chosen || !open(c)) continue;
     next = absl::StrFormat("; %s predicted %.4g s (%.3fx)", c.name, c.predicted_step_seconds,
-                           c.predicted_step_seconds / chosen.predicted_step_seconds);
+                           c.predicted_step_seconds / c0.predicted_step_seconds);
     break;
   }
-  out.why = chosen.predicted_step_seconds > best
-                ? absl::StrFormat(
-                      "predicted step %.4g s, within 1%% of the fastest (%.4g s) and first in the "
-                      "order of preference (the engine's own chunk size and activations, "
-                      "serial, overlapped, delayed, the margin, the host)%s",
-                      chosen.predicted_step_seconds, best, next)
-                : absl::StrFormat("the fastest predicted step, %.4g s%s",
-                                  chosen.predicted_step_seconds, next);
-  return out;
+  why = c0.predicted_step_seconds > best
+            ? absl::StrFormat(
+                  "predicted step %.4g s, within 1%% of the fastest (%.4g s) and first in the "
+                  "order of preference (the engine's own chunk size and activations, "
+                  "serial, overlapped, delayed, the margin, the host)%s",
+                  c0.predicted_step_seconds, best, next)
+            : absl::StrFormat("the fastest predicted step, %.4g s%s", c0.predicted_step_seconds,
+                              next);
+  return chosen;
 }
 
 const PlanLayout* layout_of(const PlanInputs& inputs, const PlanCandidateReport& candidate) {
@@ -438,6 +453,20 @@ const PlanCandidateReport* RunPlanner::plan(const PlanInputs& inputs, const Plan
                        : 0;
   samples_.clear();
   return eval.chosen >= 0 ? &report_.candidates[static_cast<size_t>(eval.chosen)] : nullptr;
+}
+
+const PlanCandidateReport* RunPlanner::restrict(
+    const std::function<bool(const PlanCandidateReport&)>& allowed, const std::string& why) {
+  std::string chose;
+  report_.chosen = choose_candidate(report_.candidates, allowed, chose);
+  report_.why = absl::StrCat(why, ": ", chose);
+  if (report_.chosen < 0) {
+    report_.predicted_step_seconds = 0;
+    return nullptr;
+  }
+  PlanCandidateReport& c = report_.candidates[static_cast<size_t>(report_.chosen)];
+  report_.predicted_step_seconds = c.predicted_step_seconds;
+  return &c;
 }
 
 void RunPlanner::stop_checking(const std::string& why) {

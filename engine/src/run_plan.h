@@ -31,9 +31,13 @@
 //   it chose, and plans at most twice (the plan and one re-plan).
 // - A candidate that does not fit (the scheduler refuses its trace) is never chosen; the engine's
 //   own placement under the serial step always fits (it is the trace the engine runs).
+// - Data parallel (EngineCore::agree_on_activations): every rank runs rank 0's chunk size and
+//   activations; a rank's own choice (restrict()) and its re-plan are among the candidates that run
+//   them.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -152,6 +156,16 @@ struct PlanEvaluation {
   std::string why;
 };
 PlanEvaluation evaluate_plan(const PlanInputs& inputs, const PlanProfile& profile);
+// What a candidate runs that every rank must run alike under data parallel: its chunk size and
+// activations.
+std::string activation_key(const PlanCandidateReport& candidate);
+
+// The plan's choice among `candidates` (those `allowed` admits; null: all): the fastest predicted
+// step that fits, or within 1% of it the first in the order of preference; -1 where none fits.
+// `why` says which and what came next.
+int choose_candidate(const std::vector<PlanCandidateReport>& candidates,
+                     const std::function<bool(const PlanCandidateReport&)>& allowed,
+                     std::string& why);
 
 // A named profile ("h100", "h200": memtracer's GPU cost models' copy and Adam rates); throws
 // c10::Error for another name.
@@ -194,6 +208,10 @@ class RunPlanner {
   // Plans (the first time) or re-plans: keeps the evaluation; returns the chosen candidate, or
   // null when none fits (the report says so; the engine keeps the config's settings).
   const PlanCandidateReport* plan(const PlanInputs& inputs, const PlanProfile& profile);
+  // Chooses again among the candidates `allowed` admits (data parallel: those that run rank 0's
+  // activations), `why` leading the reason; null when none of them fits.
+  const PlanCandidateReport* restrict(
+      const std::function<bool(const PlanCandidateReport&)>& allowed, const std::string& why);
   // The plan could not be made (`why`): the report says so, and nothing is planned again.
   void give_up(const std::string& why);
   bool planned() const { return report_.planned; }

@@ -1,0 +1,138 @@
+// "plan": "auto" under data parallel: every rank runs rank 0's chunk size and activations (a
+// recompute's doors gather comm groups, so the ranks must run their calls alike), each with the
+// step schedule and the Adam placement it chose for the indices it steps, and training computes
+// what it computes without a plan. Run as one process (ctest's discovered tests) and under mpirun
+// with 2 and 4 ranks (distributed.mpi_*_ranks).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "distributed/data_parallel_helpers.h"
+#include "distributed/ranks.h"
+#include "engine/gpt_training.h"
+#include "patrickstar/models/gpt.h"
+#include "patrickstar/patrickstar.h"
+
+namespace patrickstar {
+namespace plan_data_parallel_test {
+
+using namespace test;  // NOLINT: the shared helpers of the engine tests
+
+struct PlanRun {
+  std::vector<double> losses;
+  PlanReport plan;
+  ActivationPlanReport activations;
+};
+
+// The tiny GPT of six checkpointed blocks at a 6 MiB device, "auto" activations; `extra` merged
+// into the config.
+PlanRun train_with(const std::string& extra, int steps) {
+  models::GptSpec spec = tiny(/*checkpointed=*/true);
+  spec.layers = 6;
+  // Every rank builds from another seed: the engine starts all of them from rank 0's weights.
+  torch::manual_seed(1 + 17 * static_cast<uint64_t>(me()));
+  models::Gpt model(spec);
+  Config config = tight_config(R"({"client": {"device": {"capacity_bytes": 6291456}},
+                                   "activation_checkpointing": {"policy": "auto"}})");
+  nlohmann::json j = config.to_json();
+  j.merge_patch(nlohmann::json::parse(extra));
+  config = Config::from_json(j);
+  use_test_device(config);
+  Engine engine(model.ptr(), config, comm());
+  PlanRun run;
+  run.losses = train_steps(engine, model, 0, steps, /*sharded=*/true);
+  run.plan = engine.plan();
+  run.activations = engine.activation_plan();
+  return run;
+}
+
+std::string joined(const std::vector<std::string>& words) {
+  std::string out;
+  for (const std::string& w : words) out += (out.empty() ? "" : ",") + w;
+  return out;
+}
+
+// The same number on every rank.
+bool same_on_every_rank(double value) {
+  return max_over_ranks(value) == -max_over_ranks(-value);
+}
+
+// A number for a text (equal texts, equal numbers), exact in a double.
+double text_code(const std::string& text) {
+  return static_cast<double>(std::hash<std::string>{}(text) % (uint64_t{1} << 52));
+}
+
+TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan) {
+  constexpr int kSteps = 9;  // two warm-ups, the measured iteration, the plan's, its check
+  // Ranks other than 0 move chunks synchronously (their copies exposed): each rank weighs the
+  // schedules and placements on its own moves.
+  const std::string moves =
+      me() == 0 ? "{}" : R"({"client": {"scheduler": {"async_moves": false}}})";
+  nlohmann::json extra = nlohmann::json::parse(moves);
+  extra["plan"] = "auto";
+  const PlanRun planned = train_with(extra.dump(), kSteps);
+  extra["plan"] = "off";
+  const PlanRun reference = train_with(extra.dump(), kSteps);
+
+  ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
+  ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
+  const PlanCandidateReport& chosen =
+      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
+  // One chunk size and one way per call on every rank; the calls ran those ways.
+  EXPECT_TRUE(same_on_every_rank(static_cast<double>(chosen.chunk_elems)));
+  const std::string activations = chosen.activations + ": " + joined(chosen.activation_calls);
+  EXPECT_TRUE(same_on_every_rank(text_code(activations))) << "rank " << me() << ": " << activations;
+  ASSERT_EQ(planned.activations.calls.size(), 6u);
+  std::vector<std::string> ran;
+  for (const ActivationCallPlan& c : planned.activations.calls) ran.push_back(c.choice);
+  if (!chosen.activation_calls.empty()) {
+    EXPECT_EQ(ran, chosen.activation_calls);
+  }
+  EXPECT_TRUE(same_on_every_rank(text_code(joined(ran))));
+  if (ranks() > 1) {
+    // Each rank chose among the candidates that run rank 0's activations (and where its check
+    // planned again, among those that run the activations every rank runs); only rank 0 searched.
+    const std::string why = planned.plan.replanned ? " ranks, with the activations they run"
+                                                   : " ranks, with rank 0's activations";
+    EXPECT_NE(planned.plan.why.find("data parallel over " + std::to_string(ranks()) + why),
+              std::string::npos)
+        << planned.plan.why;
+    if (me() != 0) {
+      EXPECT_EQ(planned.plan.activation_search.find("the per-call search weighed"),
+                std::string::npos)
+          << planned.plan.activation_search;
+    }
+  }
+  // A kept call and a recomputed one compute the same thing (1e-5 relative, as the other
+  // checkpointing tests); the schedule and the placement change nothing.
+  ASSERT_EQ(planned.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < planned.losses.size(); ++i) {
+    EXPECT_NEAR(planned.losses[i], reference.losses[i], 1e-5 * std::abs(reference.losses[i]))
+        << "step " << i;
+  }
+  if (me() == 0) {
+    std::printf("%d rank(s), every rank running %s; rank 0's plan:\n%s", ranks(),
+                activations.c_str(), planned.plan.text().c_str());
+  }
+}
+
+TEST(PlanDataParallel, APlanOnSomeRanksOnlyIsRefusedOnEveryRank) {
+  if (ranks() == 1) GTEST_SKIP() << "one process: nothing to agree on";
+  // The ranks plan together (collectives after the measured iteration): "auto" on rank 0 alone
+  // would leave it waiting for the others.
+  try {
+    train_with(me() == 0 ? R"({"plan": "auto"})" : R"({"plan": "off"})", 1);
+    ADD_FAILURE() << "rank " << me() << ": the engine was built";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"plan\" is \"auto\" on some ranks"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace plan_data_parallel_test
+}  // namespace patrickstar
