@@ -354,6 +354,12 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
     plan_.note_moment(moment, mark);
   }
   void plan_after_step(IterationReport& report);
+  // Data parallel, before the plan: a step that threw on this rank before plan_after_step takes
+  // its turn in the plan's agreement (nothing measured), so that the ranks whose step went on do
+  // not wait for it.
+  void plan_missed_turn();
+  // step()'s work (step() adds the plan's turn when it throws).
+  IterationReport take_step();
   // Plans on the measured iteration's `compute` (per moment), then applies the choice.
   void plan_now(std::vector<double> compute, double adam_seconds, double bandwidth,
                 IterationReport& report);

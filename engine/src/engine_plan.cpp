@@ -22,7 +22,7 @@ using namespace engine_detail;  // NOLINT: this folder's private helpers
 void EngineCore::check_plan_config() const {
   if (dp_.distributed()) {
     // The ranks plan together (after the same iteration, on rank 0's activations): alike on every
-    // rank, or refused on every rank before anything else they do together.
+    // rank, or refused on every rank alike, before registration.
     const bool on = config_.plan.mode == PlanMode::kAuto;
     const bool everywhere = dp_.all_agree(on);
     const bool nowhere = dp_.all_agree(!on);
@@ -298,8 +298,9 @@ void EngineCore::plan_after_step(IterationReport& report) {
     } else if (plan_.measuring()) {
       plan_.end_measuring(-1, -1, now, 0, 0, false);  // measures nothing: the next one does
     }
-    // Data parallel: every rank plans after the same iteration, or none does (each rank calls this
-    // after every step until the plan: one small all-reduce).
+    // Data parallel: every rank plans after the same iteration, or none does (one small
+    // all-reduce per step() until the plan: here, or in plan_missed_turn where the step threw).
+    plan_.take_turn();
     if (dp_.all_agree(!compute.empty())) {
       plan_now(std::move(compute), adam_seconds, bandwidth, report);
       return;
@@ -321,6 +322,15 @@ void EngineCore::plan_after_step(IterationReport& report) {
   check_plan(report, now);
 }
 
+void EngineCore::plan_missed_turn() {
+  if (!dp_.distributed() || !plan_.enabled() || plan_.planned() || !plan_.take_turn()) return;
+  if (plan_.measuring()) plan_.end_measuring(-1, -1, plan_mark(), 0, 0, false);
+  try {
+    (void)dp_.all_agree(false);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the step's own error is the one thrown
+  }
+}
+
 void EngineCore::plan_now(std::vector<double> compute, double adam_seconds, double bandwidth,
                           IterationReport& report) {
   const PlanCandidateReport* chosen = nullptr;
@@ -332,22 +342,26 @@ void EngineCore::plan_now(std::vector<double> compute, double adam_seconds, doub
     PlanInputs in;
     PlanProfile profile;
     std::string mix;  // the per-call search's mix (rank 0's, with data parallel)
-    try {
+    auto guarded = [&error](const auto& work) {
+      if (!error.empty()) return;
+      try {
+        work();
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    };
+    guarded([&] {
       in = plan_inputs(std::move(compute));
       profile = plan_profile(in, adam_seconds, bandwidth);
       if (dp_.rank() == 0) mix = search_activation_calls(in, profile);
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
-    if (dp_.distributed()) {
-      mix = dp_.rank_zeros(mix);
-      if (dp_.rank() != 0 && error.empty()) add_activation_mix(in, mix);
-    }
-    try {
-      if (error.empty()) chosen = plan_.plan(in, profile);
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
+    });
+    if (dp_.distributed()) mix = dp_.rank_zeros(mix);
+    guarded([&] {
+      if (dp_.rank() != 0) add_activation_mix(in, mix);
+      chosen = plan_.plan(in, profile);
+    });
     if (!error.empty()) plan_.give_up(error);  // the step is done; training goes on
     chosen = agree_on_activations(chosen);
   }
@@ -364,19 +378,21 @@ void EngineCore::plan_now(std::vector<double> compute, double adam_seconds, doub
 const PlanCandidateReport* EngineCore::agree_on_activations(const PlanCandidateReport* chosen) {
   if (!dp_.distributed()) return chosen;
   // Every rank runs rank 0's activations (a recompute's doors gather on every rank); each chooses
-  // its own schedule and Adam placement with them, for the indices it steps.
+  // its own schedule and Adam placement with them, for the indices it steps (rank 0: its own).
   const std::string key = dp_.rank_zeros(chosen != nullptr ? activation_key(*chosen) : "");
   const PlanCandidateReport* mine = nullptr;
-  if (!key.empty() && plan_.report().planned && !plan_.report().candidates.empty()) {
-    mine = plan_.restrict(
-        [&](const PlanCandidateReport& c) { return activation_key(c) == key; },
-        absl::StrCat("data parallel over ", dp_.world(), " ranks, with rank 0's activations"));
+  std::string local;  // why this rank cannot follow ("": it can)
+  if (key.empty() || plan_.report().candidates.empty()) {
+    local = absl::StrCat("no plan (", plan_.report().why, ")");
+  } else {
+    mine = plan_.choose_within(
+        key, absl::StrCat("data parallel over ", dp_.world(), " ranks, with rank 0's activations"));
+    if (mine == nullptr) local = "no candidate with rank 0's chunk size and activations fits";
   }
-  if (dp_.all_agree(mine != nullptr)) return mine;
-  plan_.give_up(absl::StrCat(
-      "data parallel over ", dp_.world(), " ranks: ",
-      key.empty() ? "rank 0 made no plan" : "rank 0's activations fit no candidate of some rank",
-      "; every rank keeps the config's settings"));
+  const std::string failed = dp_.first_error(local);
+  if (failed.empty()) return mine;
+  plan_.give_up(
+      absl::StrCat("data parallel: ", failed, "; every rank keeps the config's settings"));
   return nullptr;
 }
 
@@ -402,15 +418,15 @@ void EngineCore::check_plan(IterationReport& report, const RunPlanner::Mark& now
     const ScopeTimer timer(planning);
     // (The inputs planned once already: the same candidates fit.)
     const std::string key =
-        activation_key(plan_.report().candidates[static_cast<size_t>(plan_.report().chosen)]);
+        dp_.distributed()
+            ? activation_key(plan_.report().candidates[static_cast<size_t>(plan_.report().chosen)])
+            : std::string();
     chosen = plan_.plan(plan_.inputs(), plan_.profile());
     if (dp_.distributed()) {
       // Each rank checks its own step and plans again alone: with the activations every rank runs
       // (the same candidate still fits).
-      chosen =
-          plan_.restrict([&](const PlanCandidateReport& c) { return activation_key(c) == key; },
-                         absl::StrCat("data parallel over ", dp_.world(),
-                                      " ranks, with the activations they run"));
+      chosen = plan_.choose_within(key, absl::StrCat("data parallel over ", dp_.world(),
+                                                     " ranks, with the activations they run"));
     }
   } catch (const c10::Error& e) {
     plan_.give_up(e.what_without_backtrace());

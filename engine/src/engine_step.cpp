@@ -214,6 +214,16 @@ void EngineCore::set_overlap_step(bool on) {
 }
 
 IterationReport EngineCore::step() {
+  plan_.begin_turn();
+  try {
+    return take_step();
+  } catch (...) {
+    plan_missed_turn();
+    throw;
+  }
+}
+
+IterationReport EngineCore::take_step() {
   check_step_allowed();
   // A forward in progress whose backward never came (a validation forward left in grad mode) is
   // not part of the step.

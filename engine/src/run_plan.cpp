@@ -455,10 +455,17 @@ const PlanCandidateReport* RunPlanner::plan(const PlanInputs& inputs, const Plan
   return eval.chosen >= 0 ? &report_.candidates[static_cast<size_t>(eval.chosen)] : nullptr;
 }
 
-const PlanCandidateReport* RunPlanner::restrict(
-    const std::function<bool(const PlanCandidateReport&)>& allowed, const std::string& why) {
+const PlanCandidateReport* RunPlanner::choose_within(const std::string& key,
+                                                     const std::string& why) {
+  if (report_.chosen >= 0 &&
+      activation_key(report_.candidates[static_cast<size_t>(report_.chosen)]) == key) {
+    report_.why = absl::StrCat(why, ": ", report_.why);
+    return &report_.candidates[static_cast<size_t>(report_.chosen)];
+  }
   std::string chose;
-  report_.chosen = choose_candidate(report_.candidates, allowed, chose);
+  report_.chosen = choose_candidate(
+      report_.candidates, [&](const PlanCandidateReport& c) { return activation_key(c) == key; },
+      chose);
   report_.why = absl::StrCat(why, ": ", chose);
   if (report_.chosen < 0) {
     report_.predicted_step_seconds = 0;
@@ -479,6 +486,7 @@ void RunPlanner::give_up(const std::string& why) {
   measuring_ = false;
   report_.planned = true;
   report_.chosen = -1;
+  report_.predicted_step_seconds = 0;
   report_.why = why;
 }
 

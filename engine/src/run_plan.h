@@ -32,14 +32,16 @@
 // - A candidate that does not fit (the scheduler refuses its trace) is never chosen; the engine's
 //   own placement under the serial step always fits (it is the trace the engine runs).
 // - Data parallel (EngineCore::agree_on_activations): every rank runs rank 0's chunk size and
-//   activations; a rank's own choice (restrict()) and its re-plan are among the candidates that run
-//   them.
+//   activations; a rank's own choice (choose_within()) and its re-plan are among the candidates
+//   that run them. Its candidates are the engine's own chunk size (the retry is one process's) and
+//   no streamed placement or delayed update (one process's too).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "patrickstar/engine/config.h"
@@ -181,6 +183,11 @@ class RunPlanner {
   // The iteration measured for the plan (the first scheduled one): each moment's start, with the
   // copy wait and the bytes moved so far.
   bool measuring() const { return measuring_; }
+  // Data parallel, before the plan: every rank takes one turn in the plan's agreement per step()
+  // (plan_after_step, or the step's failure path where the step threw before it).
+  void begin_turn() { turn_taken_ = false; }
+  // Marks this step's turn taken; false when it was already.
+  bool take_turn() { return !std::exchange(turn_taken_, true); }
   struct Mark {
     double time = 0;  // seconds on the steady clock
     double copy_wait = 0;
@@ -208,10 +215,10 @@ class RunPlanner {
   // Plans (the first time) or re-plans: keeps the evaluation; returns the chosen candidate, or
   // null when none fits (the report says so; the engine keeps the config's settings).
   const PlanCandidateReport* plan(const PlanInputs& inputs, const PlanProfile& profile);
-  // Chooses again among the candidates `allowed` admits (data parallel: those that run rank 0's
-  // activations), `why` leading the reason; null when none of them fits.
-  const PlanCandidateReport* restrict(
-      const std::function<bool(const PlanCandidateReport&)>& allowed, const std::string& why);
+  // Data parallel: the choice among the candidates whose activation_key() is `key` (the plan's
+  // own where it is one of them, else chosen again among them by the same rule), `why` leading
+  // the reason; null when none of them fits.
+  const PlanCandidateReport* choose_within(const std::string& key, const std::string& why);
   // The plan could not be made (`why`): the report says so, and nothing is planned again.
   void give_up(const std::string& why);
   bool planned() const { return report_.planned; }
@@ -247,6 +254,7 @@ class RunPlanner {
  private:
   PlanConfig config_;
   bool measuring_ = false;
+  bool turn_taken_ = false;
   Mark iteration_start_;
   std::vector<Mark> marks_;
   int checks_ = 0;

@@ -27,11 +27,13 @@ struct PlanRun {
   std::vector<double> losses;
   PlanReport plan;
   ActivationPlanReport activations;
+  std::string failed;  // the error of the step that failed
 };
 
 // The tiny GPT of six checkpointed blocks at a 6 MiB device, "auto" activations; `extra` merged
-// into the config.
-PlanRun train_with(const std::string& extra, int steps) {
+// into the config. At step `fail_at` the last rank's forward holds 16 MiB more than the device
+// has, so that every rank's step fails (the iteration is dropped and training goes on).
+PlanRun train_with(const std::string& extra, int steps, int fail_at = -1) {
   models::GptSpec spec = tiny(/*checkpointed=*/true);
   spec.layers = 6;
   // Every rank builds from another seed: the engine starts all of them from rank 0's weights.
@@ -45,7 +47,29 @@ PlanRun train_with(const std::string& extra, int steps) {
   use_test_device(config);
   Engine engine(model.ptr(), config, comm());
   PlanRun run;
-  run.losses = train_steps(engine, model, 0, steps, /*sharded=*/true);
+  for (int step = 0; step < steps; ++step) {
+    auto batch = on_test_device(batch_of_step(step));
+    const bool fail = step == fail_at;
+    engine.zero_grad();
+    at::Tensor loss;
+    {
+      auto active = engine.activate();
+      loss = model->loss(my_rows(batch.tokens), my_rows(batch.targets));
+      if (fail && me() == ranks() - 1) loss = loss + torch::ones({int64_t{1} << 22}).sum() * 0;
+    }
+    engine.backward(loss);
+    if (!fail) {
+      engine.step();
+      run.losses.push_back(mean_over_ranks(loss.item<double>()));
+      continue;
+    }
+    try {
+      engine.step();
+      ADD_FAILURE() << "rank " << me() << ": step " << step << " was taken";
+    } catch (const c10::Error& e) {
+      run.failed = e.what_without_backtrace();
+    }
+  }
   run.plan = engine.plan();
   run.activations = engine.activation_plan();
   return run;
@@ -118,6 +142,26 @@ TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan)
   if (me() == 0) {
     std::printf("%d rank(s), every rank running %s; rank 0's plan:\n%s", ranks(),
                 activations.c_str(), planned.plan.text().c_str());
+  }
+}
+
+TEST(PlanDataParallel, AStepThatFailsOnEveryRankBeforeThePlanDelaysItOnEveryRank) {
+  // Step 2 would record the trace the plan measures after; it fails on every rank (the last rank's
+  // memory), and the ranks plan after a later one together.
+  constexpr int kSteps = 10;
+  const PlanRun planned = train_with(R"({"plan": "auto"})", kSteps, /*fail_at=*/1);
+  const PlanRun reference = train_with(R"({"plan": "off"})", kSteps, /*fail_at=*/1);
+  EXPECT_NE(planned.failed.find("the step was not taken"), std::string::npos) << planned.failed;
+  ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
+  ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
+  const PlanCandidateReport& chosen =
+      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
+  EXPECT_TRUE(
+      same_on_every_rank(text_code(chosen.activations + ": " + joined(chosen.activation_calls))));
+  ASSERT_EQ(planned.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < planned.losses.size(); ++i) {
+    EXPECT_NEAR(planned.losses[i], reference.losses[i], 1e-5 * std::abs(reference.losses[i]))
+        << "step " << i;
   }
 }
 

@@ -80,8 +80,8 @@ struct OptimizerConfig {
   // param, gradient and states fit what the device has free at the step (the activations gone):
   // their states come to the device for the update and go back when the next forward needs the
   // room. Faster where the host Adam is slower than the copies (a GPU with fast copies); the same
-  // bits as on the host. Needs use_hybrid_adam, the opt or lru policy and no disk tier; "plan":
-  // "auto" considers it whatever this says.
+  // bits as on the host. Needs use_hybrid_adam, the opt or lru policy, no disk tier and one
+  // process; "plan": "auto" considers it whatever this says (in one process).
   bool stream_states = false;
   // "state_dtype": "fp32" | "bf16". bf16 stores momentum and variance in 2 bytes each (mixed
   // precision: 10 bytes of model data per parameter instead of 14; fp32: 12 instead of 16); the
@@ -219,8 +219,10 @@ struct DelayedUpdateConfig {
 // prediction: past "plan_tolerance" (a relative difference) it corrects the profile with the
 // measurement and plans once more (docs/design.md, "The plan"). "plan_profile": "measured" (copy
 // bandwidth and Adam rates measured here) or a GPU model's rates ("h100", "h200"). Exact only
-// unless the config allows the delayed update (then a candidate, not the setting). One process;
-// not with the static policy. "off" (the default): the config's own settings.
+// unless the config allows the delayed update (then a candidate, not the setting). Data parallel:
+// every rank runs rank 0's chunk size (the engine's own) and activations, each choosing its own
+// schedule and Adam placement with them; set alike on every rank. Not with the static policy.
+// "off" (the default): the config's own settings.
 enum class PlanMode : uint8_t { kOff, kAuto };
 struct PlanConfig {
   PlanMode mode = PlanMode::kOff;
