@@ -365,7 +365,8 @@ class EngineCore : public ModuleHookHandler, public engine_detail::ParameterGath
                 IterationReport& report);
   // Data parallel: every rank runs rank 0's chunk size and activations, with the schedule and the
   // Adam placement it chooses among them; none plans where some rank has no such candidate that
-  // fits (a collective every rank calls). One process: `chosen`.
+  // fits or could not plan (the lowest such rank is named; collectives every rank calls). One
+  // process: `chosen`.
   const PlanCandidateReport* agree_on_activations(const PlanCandidateReport* chosen);
   // An iteration on the plan: its check, and the one re-plan when the check says so.
   void check_plan(IterationReport& report, const engine_detail::RunPlanner::Mark& now);

@@ -324,7 +324,12 @@ void EngineCore::plan_after_step(IterationReport& report) {
 
 void EngineCore::plan_missed_turn() {
   if (!dp_.distributed() || !plan_.enabled() || plan_.planned() || !plan_.take_turn()) return;
-  if (plan_.measuring()) plan_.end_measuring(-1, -1, plan_mark(), 0, 0, false);
+  if (plan_.measuring()) plan_.end_measuring(-1, -1, RunPlanner::Mark{}, 0, 0, false);
+  // (Where another rank waits in some other collective instead, this one may never return: the
+  // step's failure is said first. A rank fails alone before its turn only where the trainer's
+  // calls differ by rank before the step's own agreement: step()'s preconditions.)
+  TORCH_WARN("patrickstar: the step failed on rank ", dp_.rank(),
+             "; it takes its part in the plan's agreement before the error reaches the trainer");
   try {
     (void)dp_.all_agree(false);
   } catch (...) {  // NOLINT(bugprone-empty-catch): the step's own error is the one thrown
@@ -350,6 +355,8 @@ void EngineCore::plan_now(std::vector<double> compute, double adam_seconds, doub
         error = e.what_without_backtrace();
       } catch (const std::exception& e) {
         error = e.what();
+      } catch (...) {
+        error = "an exception that is not a std::exception";
       }
     };
     guarded([&] {
@@ -391,8 +398,7 @@ const PlanCandidateReport* EngineCore::agree_on_activations(const PlanCandidateR
   }
   const std::string failed = dp_.first_error(local);
   if (failed.empty()) return mine;
-  plan_.give_up(
-      absl::StrCat("data parallel: ", failed, "; every rank keeps the config's settings"));
+  plan_.give_up(absl::StrCat("data parallel: ", failed, "; on every rank"));
   return nullptr;
 }
 

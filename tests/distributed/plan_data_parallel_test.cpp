@@ -28,11 +28,13 @@ struct PlanRun {
   PlanReport plan;
   ActivationPlanReport activations;
   std::string failed;  // the error of the step that failed
+  int planned_at = -1;  // the step whose report holds the plan
 };
 
 // The tiny GPT of six checkpointed blocks at a 6 MiB device, "auto" activations; `extra` merged
-// into the config. At step `fail_at` the last rank's forward holds 16 MiB more than the device
-// has, so that every rank's step fails (the iteration is dropped and training goes on).
+// into the config. At step `fail_at` (0-based) the last rank's forward holds 16 MiB more than the
+// device has (a CPU tensor: the emulated device's counting allocator sees it), so that every rank's
+// step fails (the iteration is dropped and training goes on).
 PlanRun train_with(const std::string& extra, int steps, int fail_at = -1) {
   models::GptSpec spec = tiny(/*checkpointed=*/true);
   spec.layers = 6;
@@ -59,7 +61,10 @@ PlanRun train_with(const std::string& extra, int steps, int fail_at = -1) {
     }
     engine.backward(loss);
     if (!fail) {
-      engine.step();
+      const IterationReport report = engine.step();
+      if (run.planned_at < 0 && report.plan_decision.find("chosen: ") != std::string::npos) {
+        run.planned_at = step;
+      }
       run.losses.push_back(mean_over_ranks(loss.item<double>()));
       continue;
     }
@@ -104,6 +109,9 @@ TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan)
   const PlanRun reference = train_with(extra.dump(), kSteps);
 
   ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
+  EXPECT_GE(planned.planned_at, 0);
+  EXPECT_TRUE(same_on_every_rank(planned.planned_at))
+      << "rank " << me() << ": " << planned.planned_at;
   ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
   const PlanCandidateReport& chosen =
       planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
@@ -146,13 +154,17 @@ TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan)
 }
 
 TEST(PlanDataParallel, AStepThatFailsOnEveryRankBeforeThePlanDelaysItOnEveryRank) {
-  // Step 2 would record the trace the plan measures after; it fails on every rank (the last rank's
-  // memory), and the ranks plan after a later one together.
+  // Step 1 (the second, 0-based) would record the trace the plan measures after; it fails on every
+  // rank (the last rank's memory), and the ranks plan after a later one, together.
   constexpr int kSteps = 10;
   const PlanRun planned = train_with(R"({"plan": "auto"})", kSteps, /*fail_at=*/1);
   const PlanRun reference = train_with(R"({"plan": "off"})", kSteps, /*fail_at=*/1);
   EXPECT_NE(planned.failed.find("the step was not taken"), std::string::npos) << planned.failed;
   ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
+  // After the same step on every rank, past the one that failed.
+  EXPECT_GT(planned.planned_at, 1);
+  EXPECT_TRUE(same_on_every_rank(planned.planned_at))
+      << "rank " << me() << ": " << planned.planned_at;
   ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
   const PlanCandidateReport& chosen =
       planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
