@@ -96,6 +96,34 @@ double text_code(const std::string& text) {
   return static_cast<double>(std::hash<std::string>{}(text) % (uint64_t{1} << 52));
 }
 
+// The plan every rank made: after the same step, with one chunk size and one way per call on every
+// rank (null, with the failures added, where there is none).
+const PlanCandidateReport* one_plan(const PlanRun& planned) {
+  EXPECT_TRUE(planned.plan.planned) << planned.plan.why;
+  EXPECT_TRUE(same_on_every_rank(planned.planned_at))
+      << "rank " << me() << ": " << planned.planned_at;
+  if (!planned.plan.planned || planned.plan.chosen < 0) {
+    ADD_FAILURE() << "rank " << me() << ": no plan: " << planned.plan.why;
+    return nullptr;
+  }
+  const PlanCandidateReport& chosen =
+      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
+  EXPECT_TRUE(same_on_every_rank(static_cast<double>(chosen.chunk_elems)));
+  const std::string activations = chosen.activations + ": " + joined(chosen.activation_calls);
+  EXPECT_TRUE(same_on_every_rank(text_code(activations))) << "rank " << me() << ": " << activations;
+  return &chosen;
+}
+
+// A kept call and a recomputed one compute the same thing (1e-5 relative, as the other
+// checkpointing tests); the schedule and the placement change nothing.
+void expect_losses_as(const PlanRun& planned, const PlanRun& reference) {
+  ASSERT_EQ(planned.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < planned.losses.size(); ++i) {
+    EXPECT_NEAR(planned.losses[i], reference.losses[i], 1e-5 * std::abs(reference.losses[i]))
+        << "step " << i;
+  }
+}
+
 TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan) {
   constexpr int kSteps = 9;  // two warm-ups, the measured iteration, the plan's, its check
   // Ranks other than 0 move chunks synchronously (their copies exposed): each rank weighs the
@@ -108,17 +136,12 @@ TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan)
   extra["plan"] = "off";
   const PlanRun reference = train_with(extra.dump(), kSteps);
 
-  ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
+  const PlanCandidateReport* one = one_plan(planned);
+  ASSERT_NE(one, nullptr);
+  const PlanCandidateReport& chosen = *one;
   EXPECT_GE(planned.planned_at, 0);
-  EXPECT_TRUE(same_on_every_rank(planned.planned_at))
-      << "rank " << me() << ": " << planned.planned_at;
-  ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
-  const PlanCandidateReport& chosen =
-      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
-  // One chunk size and one way per call on every rank; the calls ran those ways.
-  EXPECT_TRUE(same_on_every_rank(static_cast<double>(chosen.chunk_elems)));
+  // The calls ran the ways every rank chose.
   const std::string activations = chosen.activations + ": " + joined(chosen.activation_calls);
-  EXPECT_TRUE(same_on_every_rank(text_code(activations))) << "rank " << me() << ": " << activations;
   ASSERT_EQ(planned.activations.calls.size(), 6u);
   std::vector<std::string> ran;
   for (const ActivationCallPlan& c : planned.activations.calls) ran.push_back(c.choice);
@@ -140,13 +163,7 @@ TEST(PlanDataParallel, EveryRankRunsRankZerosActivationsAndTrainsAsWithoutAPlan)
           << planned.plan.activation_search;
     }
   }
-  // A kept call and a recomputed one compute the same thing (1e-5 relative, as the other
-  // checkpointing tests); the schedule and the placement change nothing.
-  ASSERT_EQ(planned.losses.size(), reference.losses.size());
-  for (size_t i = 0; i < planned.losses.size(); ++i) {
-    EXPECT_NEAR(planned.losses[i], reference.losses[i], 1e-5 * std::abs(reference.losses[i]))
-        << "step " << i;
-  }
+  expect_losses_as(planned, reference);
   if (me() == 0) {
     std::printf("%d rank(s), every rank running %s; rank 0's plan:\n%s", ranks(),
                 activations.c_str(), planned.plan.text().c_str());
@@ -160,21 +177,9 @@ TEST(PlanDataParallel, AStepThatFailsOnEveryRankBeforeThePlanDelaysItOnEveryRank
   const PlanRun planned = train_with(R"({"plan": "auto"})", kSteps, /*fail_at=*/1);
   const PlanRun reference = train_with(R"({"plan": "off"})", kSteps, /*fail_at=*/1);
   EXPECT_NE(planned.failed.find("the step was not taken"), std::string::npos) << planned.failed;
-  ASSERT_TRUE(planned.plan.planned) << planned.plan.why;
-  // After the same step on every rank, past the one that failed.
-  EXPECT_GT(planned.planned_at, 1);
-  EXPECT_TRUE(same_on_every_rank(planned.planned_at))
-      << "rank " << me() << ": " << planned.planned_at;
-  ASSERT_GE(planned.plan.chosen, 0) << planned.plan.why;
-  const PlanCandidateReport& chosen =
-      planned.plan.candidates[static_cast<size_t>(planned.plan.chosen)];
-  EXPECT_TRUE(
-      same_on_every_rank(text_code(chosen.activations + ": " + joined(chosen.activation_calls))));
-  ASSERT_EQ(planned.losses.size(), reference.losses.size());
-  for (size_t i = 0; i < planned.losses.size(); ++i) {
-    EXPECT_NEAR(planned.losses[i], reference.losses[i], 1e-5 * std::abs(reference.losses[i]))
-        << "step " << i;
-  }
+  ASSERT_NE(one_plan(planned), nullptr);
+  EXPECT_GT(planned.planned_at, 1);  // past the step that failed
+  expect_losses_as(planned, reference);
 }
 
 TEST(PlanDataParallel, APlanOnSomeRanksOnlyIsRefusedOnEveryRank) {
