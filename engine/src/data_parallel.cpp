@@ -415,12 +415,7 @@ std::string DataParallel::first_error(const std::string& local) const {
   comm_->all_reduce(at::from_blob(&who, {1}, at::kLong), ReduceOp::kMax);
   if (who == 0) return {};
   const int root = world_ - static_cast<int>(who);
-  std::string text = rank_ == root ? local.substr(0, 8192) : std::string();
-  int64_t length = static_cast<int64_t>(text.size());
-  comm_->broadcast(at::from_blob(&length, {1}, at::kLong), root);
-  text.resize(static_cast<size_t>(length) + 1);  // + 1: a tensor of one byte when it is empty
-  comm_->broadcast(at::from_blob(text.data(), {length + 1}, at::kByte), root);
-  text.resize(static_cast<size_t>(length));
+  std::string text = broadcast_text(rank_ == root ? local.substr(0, 8192) : std::string(), root);
   const std::string prefix = "patrickstar: ";
   if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
   return "rank " + std::to_string(root) + " of " + std::to_string(world_) + ": " + text;
@@ -429,11 +424,14 @@ std::string DataParallel::first_error(const std::string& local) const {
 std::string DataParallel::rank_zeros(const std::string& local) const {
   if (!distributed()) return local;
   const ScopeTimer timer(seconds_);
-  std::string text = rank_ == 0 ? local : std::string();
+  return broadcast_text(rank_ == 0 ? local : std::string(), 0);
+}
+
+std::string DataParallel::broadcast_text(std::string text, int root) const {
   int64_t length = static_cast<int64_t>(text.size());
-  comm_->broadcast(at::from_blob(&length, {1}, at::kLong), 0);
+  comm_->broadcast(at::from_blob(&length, {1}, at::kLong), root);
   text.resize(static_cast<size_t>(length) + 1);  // + 1: a tensor of one byte when it is empty
-  comm_->broadcast(at::from_blob(text.data(), {length + 1}, at::kByte), 0);
+  comm_->broadcast(at::from_blob(text.data(), {length + 1}, at::kByte), root);
   text.resize(static_cast<size_t>(length));
   return text;
 }

@@ -189,6 +189,8 @@ class DataParallel {
   double seconds() const { return seconds_; }
 
  private:
+  // `text` (rank `root`'s; the others pass "") on every rank: its length, then its bytes.
+  std::string broadcast_text(std::string text, int root) const;
   ChunkStore& store() const;
   bool owns_index(int64_t index) const;
   bool lean(int64_t index) const;

@@ -56,6 +56,13 @@ double best_step(PlanInputs& all, std::vector<PlanLayout> layouts, const PlanPro
   return best;
 }
 
+// Whether a layout of `in` runs the calls `choices`' ways.
+bool has_activation_mix(const PlanInputs& in, const std::vector<ActivationChoice>& choices) {
+  return std::any_of(in.layouts.begin(), in.layouts.end(), [&](const PlanLayout& l) {
+    return !l.activation_calls.empty() && activation_choices_named(l.activation_calls) == choices;
+  });
+}
+
 }  // namespace
 
 std::vector<PlanLayout> EngineCore::plan_activation_layouts_of(
@@ -141,12 +148,9 @@ void EngineCore::add_activation_mix(PlanInputs& in, const std::string& text) con
   if (text.empty() || !searches_activation_calls(in)) return;
   const std::vector<std::string> names = absl::StrSplit(text, ',');
   const std::vector<ActivationChoice> choices = activation_choices_named(names);
-  const bool there = std::any_of(in.layouts.begin(), in.layouts.end(), [&](const PlanLayout& l) {
-    return !l.activation_calls.empty() && activation_choices_named(l.activation_calls) == choices;
-  });
   in.activation_search = absl::StrCat("the per-call search ran on rank 0: per call (",
                                       absl::StrJoin(way_names(choices), ", "), ")");
-  if (there) return;
+  if (has_activation_mix(in, choices)) return;
   std::vector<PlanLayout> layouts = activation_mix_layouts(in, choices, plan_chunk_sizes());
   if (layouts.empty()) {
     absl::StrAppend(&in.activation_search, ", which this rank's running trace cannot run");
@@ -181,9 +185,7 @@ std::string EngineCore::search_activation_calls(PlanInputs& in, const PlanProfil
   }
   const std::vector<ActivationChoice> best_start = best;
   auto there = [&](const std::vector<ActivationChoice>& choices) {
-    return std::any_of(in.layouts.begin(), in.layouts.end(), [&](const PlanLayout& l) {
-      return !l.activation_calls.empty() && activation_choices_named(l.activation_calls) == choices;
-    });
+    return has_activation_mix(in, choices);
   };
   const std::vector<int64_t> sizes = plan_chunk_sizes();
   auto layouts_of = [&](const std::vector<ActivationChoice>& choices) {
